@@ -1,0 +1,200 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/retrytopics"
+)
+
+// Querier runs queries; *pgxpool.Pool and *pgx.Conn satisfy it.
+type Querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Report sums up a verification.
+type Report struct {
+	Applied  int // rows in ledger_entries
+	Expected int // events expected to be applied
+	Accounts int
+}
+
+// Verify checks the ledger tables against items, given how many delivery attempts records got
+// (1 without retry tiers): every event that should be applied is applied exactly once and no
+// other; each account's balance is the sum of its applied entries and of the expected amounts,
+// and its last_seq is its highest applied seq; and each account's entries were applied in seq
+// order. It returns every violation it finds (at most 20 listed), joined.
+func Verify(ctx context.Context, db Querier, items []Item, maxAttempt int) (Report, error) {
+	var rep Report
+	want := map[string]Event{}
+	for _, it := range items {
+		if it.Kind != KindMalformed && !it.Dead(maxAttempt) {
+			want[it.Event.EventID] = it.Event
+		}
+	}
+	rep.Expected = len(want)
+
+	var problems []string
+	add := func(format string, args ...any) {
+		if len(problems) < 20 {
+			problems = append(problems, fmt.Sprintf(format, args...))
+		}
+	}
+
+	rows, err := db.Query(ctx, `SELECT event_id, account, amount, seq FROM ledger_entries ORDER BY applied_order`)
+	if err != nil {
+		return rep, fmt.Errorf("read ledger_entries: %w", err)
+	}
+	type acct struct {
+		sum     int64
+		lastSeq int64
+		n       int
+	}
+	got := map[string]*acct{}
+	seen := map[string]bool{}
+	for rows.Next() {
+		var id, account string
+		var amount, seq int64
+		if err := rows.Scan(&id, &account, &amount, &seq); err != nil {
+			rows.Close()
+			return rep, err
+		}
+		rep.Applied++
+		if seen[id] {
+			add("event %s applied twice", id) // impossible with the primary key; kept as a guard
+		}
+		seen[id] = true
+		ev, ok := want[id]
+		if !ok {
+			add("event %s was applied but should have been dead-lettered", id)
+		} else if ev.Account != account || ev.Amount != amount || ev.Seq != seq {
+			add("event %s applied as (%s, %d, seq %d), produced as (%s, %d, seq %d)", id, account, amount, seq, ev.Account, ev.Amount, ev.Seq)
+		}
+		a := got[account]
+		if a == nil {
+			a = &acct{}
+			got[account] = a
+		}
+		if seq <= a.lastSeq {
+			add("account %s: seq %d applied after seq %d (order broken)", account, seq, a.lastSeq)
+		}
+		a.sum += amount
+		a.lastSeq = max(a.lastSeq, seq)
+		a.n++
+	}
+	if err := rows.Err(); err != nil {
+		return rep, err
+	}
+	var missing []string
+	for id := range want {
+		if !seen[id] {
+			missing = append(missing, id)
+		}
+	}
+	sort.Strings(missing)
+	if len(missing) > 0 {
+		add("%d events never applied, e.g. %s", len(missing), strings.Join(missing[:min(5, len(missing))], ", "))
+	}
+
+	wantSum := map[string]int64{}
+	for _, ev := range want {
+		wantSum[ev.Account] += ev.Amount
+	}
+	rows, err = db.Query(ctx, `SELECT account, balance, last_seq FROM ledger_balances`)
+	if err != nil {
+		return rep, fmt.Errorf("read ledger_balances: %w", err)
+	}
+	for rows.Next() {
+		var account string
+		var balance, lastSeq int64
+		if err := rows.Scan(&account, &balance, &lastSeq); err != nil {
+			rows.Close()
+			return rep, err
+		}
+		rep.Accounts++
+		a := got[account]
+		switch {
+		case a == nil:
+			add("account %s has a balance row but no entries", account)
+		case balance != a.sum:
+			add("account %s: balance %d, but its entries sum to %d", account, balance, a.sum)
+		case balance != wantSum[account]:
+			add("account %s: balance %d, expected %d from the produced events", account, balance, wantSum[account])
+		case lastSeq != a.lastSeq:
+			add("account %s: last_seq %d, but the last applied entry has seq %d", account, lastSeq, a.lastSeq)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return rep, err
+	}
+	if rep.Accounts != len(got) {
+		add("%d accounts have entries but %d have balance rows", len(got), rep.Accounts)
+	}
+	if len(problems) > 0 {
+		return rep, errors.New(strings.Join(problems, "\n"))
+	}
+	return rep, nil
+}
+
+// CheckDeadLetters checks the records read from the dead-letter topic against items: every item
+// that must be dead-lettered is there with its original key and value and parseable kafkapg
+// headers, and nothing else is. Publication is at least once, so a record may appear more than
+// once only if allowDuplicates (tests that kill processes); it returns how many duplicates it saw.
+func CheckDeadLetters(items []Item, dlq []*kgo.Record, maxAttempt int, allowDuplicates bool) (dups int, err error) {
+	byValue := map[string]Item{}
+	for _, it := range items {
+		byValue[string(it.Value)] = it
+	}
+	var problems []string
+	add := func(format string, args ...any) {
+		if len(problems) < 20 {
+			problems = append(problems, fmt.Sprintf(format, args...))
+		}
+	}
+	seen := map[string]int{}
+	for _, r := range dlq {
+		it, ok := byValue[string(r.Value)]
+		switch {
+		case !ok:
+			add("dead letter at %s[%d]@%d matches no produced record: %q", r.Topic, r.Partition, r.Offset, r.Value)
+			continue
+		case !it.Dead(maxAttempt):
+			add("%s record (key %s, event %q) was dead-lettered but should have been applied", it.Kind, it.Key, it.Event.EventID)
+		case string(r.Key) != string(it.Key):
+			add("dead letter of %q has key %q, want %q", r.Value, r.Key, it.Key)
+		}
+		if _, err := retrytopics.ParseFailure(r.Headers); err != nil {
+			add("dead letter of %q: headers: %v", r.Value, err)
+		}
+		seen[string(r.Value)]++
+		if seen[string(r.Value)] == 2 {
+			dups++
+			if !allowDuplicates {
+				add("record %q dead-lettered more than once", r.Value)
+			}
+		}
+	}
+	missing := 0
+	for _, it := range items {
+		if it.Dead(maxAttempt) && seen[string(it.Value)] == 0 {
+			missing++
+			if missing <= 5 {
+				add("%s record %q was not dead-lettered", it.Kind, it.Value)
+			}
+		}
+	}
+	if missing > 5 {
+		add("... %d records missing from the dead-letter topic in all", missing)
+	}
+	if len(problems) > 0 {
+		return dups, errors.New(strings.Join(problems, "\n"))
+	}
+	return dups, nil
+}

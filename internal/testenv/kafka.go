@@ -1,0 +1,168 @@
+package testenv
+
+import (
+	"context"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// Kafka is a broker (or cluster) a test runs against.
+type Kafka struct {
+	// Name is "kfake" or "kafka" (the real broker at KAFKA_BROKERS).
+	Name    string
+	Brokers []string
+	// Cluster is the in-process kfake cluster, nil for real Kafka.
+	Cluster *kfake.Cluster
+}
+
+// Real reports whether this is a real Apache Kafka broker.
+func (k *Kafka) Real() bool { return k.Cluster == nil }
+
+// EachBroker runs fn as a subtest against a fresh kfake cluster and, when KAFKA_BROKERS is set,
+// against that broker too.
+func EachBroker(t *testing.T, fn func(t *testing.T, k *Kafka)) {
+	t.Run("kfake", func(t *testing.T) {
+		fn(t, NewKfake(t))
+	})
+	if env := os.Getenv("KAFKA_BROKERS"); env != "" {
+		t.Run("kafka", func(t *testing.T) {
+			fn(t, &Kafka{Name: "kafka", Brokers: strings.Split(env, ",")})
+		})
+	}
+}
+
+// NewKfake starts an in-process kfake cluster for the test, closed when the test ends.
+func NewKfake(t testing.TB, opts ...kfake.Opt) *Kafka {
+	t.Helper()
+	base := []kfake.Opt{
+		kfake.NumBrokers(1),
+		kfake.GroupMinSessionTimeout(100 * time.Millisecond),
+	}
+	c, err := kfake.NewCluster(append(base, opts...)...)
+	if err != nil {
+		t.Fatalf("start kfake: %v", err)
+	}
+	t.Cleanup(c.Close)
+	return &Kafka{Name: "kfake", Brokers: c.ListenAddrs(), Cluster: c}
+}
+
+// Client returns a plain client (producer, admin) closed when the test ends.
+func (k *Kafka) Client(t testing.TB, opts ...kgo.Opt) *kgo.Client {
+	t.Helper()
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(cl.Close)
+	return cl
+}
+
+// CreateTopic creates a topic with a name unique to this test and returns the name.
+func (k *Kafka) CreateTopic(t testing.TB, partitions int32) string {
+	t.Helper()
+	name := "t_" + Name(t, 40)
+	adm := kadm.NewClient(k.Client(t))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	resp, err := adm.CreateTopic(ctx, partitions, 1, nil, name)
+	if err == nil {
+		err = resp.Err
+	}
+	if err != nil {
+		t.Fatalf("create topic %s: %v", name, err)
+	}
+	return name
+}
+
+// Group returns a consumer group id unique to this test.
+func (k *Kafka) Group(t testing.TB) string { return "g_" + Name(t, 40) }
+
+// Produce produces recs synchronously and fails the test on error.
+func (k *Kafka) Produce(t testing.TB, recs ...*kgo.Record) {
+	t.Helper()
+	cl := k.Client(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+		t.Fatalf("produce: %v", err)
+	}
+}
+
+// ReadAll returns every record of topic, reading until the end offsets as of the call.
+func (k *Kafka) ReadAll(t testing.TB, topic string) []*kgo.Record {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	recs, err := ReadTopic(ctx, k.Brokers, topic)
+	if err != nil {
+		t.Fatalf("read %s: %v", topic, err)
+	}
+	return recs
+}
+
+// ReadTopic returns every record of topic from the start up to the end offsets as of the call.
+func ReadTopic(ctx context.Context, brokers []string, topic string) ([]*kgo.Record, error) {
+	adm, err := kgo.NewClient(kgo.SeedBrokers(brokers...))
+	if err != nil {
+		return nil, err
+	}
+	defer adm.Close()
+	ends, err := kadm.NewClient(adm).ListEndOffsets(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	if err := ends.Error(); err != nil {
+		return nil, err
+	}
+	want := map[int32]int64{}
+	ends.Each(func(o kadm.ListedOffset) {
+		if o.Offset > 0 {
+			want[o.Partition] = o.Offset
+		}
+	})
+	if len(want) == 0 {
+		return nil, nil
+	}
+	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...),
+		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: startOffsets(want)}),
+		kgo.FetchMaxWait(200*time.Millisecond))
+	if err != nil {
+		return nil, err
+	}
+	defer cl.Close()
+	var out []*kgo.Record
+	for len(want) > 0 {
+		fs := cl.PollFetches(ctx)
+		if err := ctx.Err(); err != nil {
+			return out, err
+		}
+		for _, e := range fs.Errors() {
+			return out, e.Err
+		}
+		fs.EachRecord(func(r *kgo.Record) {
+			end, ok := want[r.Partition]
+			if !ok || r.Offset >= end {
+				return
+			}
+			out = append(out, r)
+			if r.Offset == end-1 {
+				delete(want, r.Partition)
+			}
+		})
+	}
+	return out, nil
+}
+
+func startOffsets(parts map[int32]int64) map[int32]kgo.Offset {
+	m := map[int32]kgo.Offset{}
+	for p := range parts {
+		m[p] = kgo.NewOffset().AtStart()
+	}
+	return m
+}

@@ -1,0 +1,50 @@
+// Package offsets keeps each partition's position in Postgres and fences stale owners.
+//
+// # What it guarantees
+//
+// The row (consumer_group, topic, partition) in the offsets table holds next_offset, the first
+// offset not yet processed. The processor advances it inside the same transaction as the
+// handler's effects (see package sink), so after any crash the stored offset and the effects agree:
+// a batch is either applied and skipped past, or neither. Kafka's own committed offset is only
+// advisory (lag tools read it); on assignment a worker resumes from next_offset.
+//
+// # Fencing: why a stale owner cannot apply twice
+//
+// A consumer can keep running after it has lost a partition: a long GC pause, a network partition
+// from the group coordinator, or a handler that stalls past the session timeout. Kafka then gives
+// the partition to another member, and both may try to apply the same records. The protocol:
+//
+//  1. Claim. When a member is assigned a partition, before it fetches anything, it runs Claim:
+//     INSERT ... ON CONFLICT DO UPDATE SET owner_token = owner_token + 1 RETURNING next_offset,
+//     owner_token. The member remembers the token and starts fetching at next_offset.
+//  2. Advance. Every batch transaction begins with
+//     UPDATE offsets SET next_offset = <new> WHERE <row> AND owner_token = <token> AND
+//     next_offset IS NOT DISTINCT FROM <expected>.
+//     If it updates one row, the transaction goes on to apply the batch and commits. If it updates
+//     none, the transaction is rolled back without applying anything.
+//
+// Walk through the race. Old owner A holds token 4; new owner B claims and gets token 5.
+//
+//   - If B's claim commits before A's Advance runs, A's UPDATE sees owner_token = 5 ≠ 4, updates
+//     zero rows, and A rolls back: ErrFenced. A applies nothing from then on.
+//   - If A's Advance runs first, A's transaction holds the row lock. B's claim (an UPDATE of the
+//     same row) waits for it. If A commits, B's claim then reads A's committed next_offset and B
+//     starts after A's batch; if A rolls back, B starts where A started. Either way the batch is
+//     applied at most once, and because A committed offset and effects together, at least once.
+//   - Taking the row lock at the start of the transaction (Advance is its first statement) makes
+//     the two owners serialize there, before any handler work is wasted.
+//
+// The expected-offset condition adds a second check that does not depend on tokens: a transaction
+// can only move the offset forward from the position its worker believes is stored. It also
+// resolves a commit whose outcome is unknown (the connection dropped during COMMIT): the retry's
+// Advance finds next_offset already equal to its target and reports ErrAlreadyAdvanced instead of
+// applying the batch a second time.
+//
+// # What it does not guarantee
+//
+// Fencing protects the effects written through the transaction the processor opens. A handler
+// that calls an external service (an HTTP request, an e-mail) from inside the transaction may do
+// so more than once: the transaction can be rolled back (fenced, crashed, failed) after the call.
+// Kafka's committed offset may lag Postgres or, after a restore of the database, lead it; it is
+// never used when Postgres has a position.
+package offsets

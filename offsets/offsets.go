@@ -1,0 +1,219 @@
+package offsets
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// ErrFenced means another owner has claimed the partition since this worker did: the worker must
+// stop processing it. The transaction that observed it has applied nothing.
+var ErrFenced = errors.New("partition was claimed by another owner (fenced)")
+
+// ErrAlreadyAdvanced means the stored offset already equals the target of an Advance made with the
+// same token: an earlier commit whose outcome was unknown did succeed. Nothing must be re-applied.
+var ErrAlreadyAdvanced = errors.New("offset already advanced by an earlier commit of this owner")
+
+// Partition names one topic partition.
+type Partition struct {
+	Topic     string
+	Partition int32
+}
+
+func (p Partition) String() string { return fmt.Sprintf("%s[%d]", p.Topic, p.Partition) }
+
+// Position is what an owner knows about its partition: its token and the stored next offset.
+// Next is meaningful only when Known is true; an unknown position means nothing has been committed
+// for this partition yet.
+type Position struct {
+	Topic     string
+	Partition int32
+	Token     int64
+	Next      int64
+	Known     bool
+}
+
+// TP returns the position's partition.
+func (p Position) TP() Partition { return Partition{p.Topic, p.Partition} }
+
+// Advanced returns the position after a successful Advance to next.
+func (p Position) Advanced(next int64) Position {
+	p.Next, p.Known = next, true
+	return p
+}
+
+// Store reads and writes the offsets table of one consumer group.
+type Store struct {
+	group      string
+	claimSQL   string
+	advanceSQL string
+	readSQL    string
+}
+
+// Querier runs queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
+type Querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// NewStore returns a Store for group whose table lives in schema.
+func NewStore(schema, group string) *Store {
+	t := pgx.Identifier{schema, "offsets"}.Sanitize()
+	return &Store{
+		group: group,
+		claimSQL: `INSERT INTO ` + t + ` AS o (consumer_group, topic, partition, owner)
+			SELECT $1, topic, partition, $4
+			FROM unnest($2::text[], $3::int[]) AS c(topic, partition)
+			ORDER BY topic, partition
+			ON CONFLICT (consumer_group, topic, partition) DO UPDATE
+			SET owner_token = o.owner_token + 1, owner = EXCLUDED.owner, claimed_at = now()
+			RETURNING topic, partition, owner_token, next_offset`,
+		advanceSQL: `UPDATE ` + t + ` SET next_offset = $5, updated_at = now()
+			WHERE consumer_group = $1 AND topic = $2 AND partition = $3
+			AND owner_token = $4 AND next_offset IS NOT DISTINCT FROM $6`,
+		readSQL: `SELECT owner_token, next_offset FROM ` + t + `
+			WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
+	}
+}
+
+// Group returns the consumer group the store is for.
+func (s *Store) Group() string { return s.group }
+
+// Claim takes ownership of parts for owner (a free-form label for humans, e.g. the member id):
+// it bumps each partition's token, fencing any previous owner, and returns the new positions in
+// the order of parts. Rows are locked in (topic, partition) order, so concurrent claims of
+// overlapping sets cannot deadlock.
+func (s *Store) Claim(ctx context.Context, q Querier, owner string, parts []Partition) ([]Position, error) {
+	if len(parts) == 0 {
+		return nil, nil
+	}
+	topics := make([]string, len(parts))
+	nums := make([]int32, len(parts))
+	for i, p := range parts {
+		topics[i], nums[i] = p.Topic, p.Partition
+	}
+	rows, err := q.Query(ctx, s.claimSQL, s.group, topics, nums, owner)
+	if err != nil {
+		return nil, fmt.Errorf("claim %d partitions: %w", len(parts), err)
+	}
+	got := make(map[Partition]Position, len(parts))
+	for rows.Next() {
+		var pos Position
+		var next *int64
+		if err := rows.Scan(&pos.Topic, &pos.Partition, &pos.Token, &next); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("claim: %w", err)
+		}
+		if next != nil {
+			pos.Next, pos.Known = *next, true
+		}
+		got[pos.TP()] = pos
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("claim %d partitions: %w", len(parts), err)
+	}
+	out := make([]Position, len(parts))
+	for i, p := range parts {
+		pos, ok := got[p]
+		if !ok {
+			return nil, fmt.Errorf("claim: no row returned for %s", p)
+		}
+		out[i] = pos
+	}
+	return out, nil
+}
+
+// QueueAdvance queues the fenced offset update from pos to next on b. The caller checks the
+// result with CheckAdvance. It is meant to be the first statement of the batch transaction, so the
+// row lock is taken before any handler work (see the package doc).
+func (s *Store) QueueAdvance(b *pgx.Batch, pos Position, next int64) *pgx.QueuedQuery {
+	var expected *int64
+	if pos.Known {
+		expected = &pos.Next
+	}
+	return b.Queue(s.advanceSQL, s.group, pos.Topic, pos.Partition, pos.Token, next, expected)
+}
+
+// Advance runs the fenced offset update from pos to next in tx and checks it.
+func (s *Store) Advance(ctx context.Context, tx pgx.Tx, pos Position, next int64) error {
+	var expected *int64
+	if pos.Known {
+		expected = &pos.Next
+	}
+	tag, err := tx.Exec(ctx, s.advanceSQL, s.group, pos.Topic, pos.Partition, pos.Token, next, expected)
+	if err != nil {
+		return fmt.Errorf("advance %s to %d: %w", pos.TP(), next, err)
+	}
+	return s.CheckAdvance(ctx, tx, pos, next, tag.RowsAffected())
+}
+
+// CheckAdvance interprets the row count of an Advance. One row: nil. Zero rows: it reads the row
+// in tx and returns ErrFenced (another token), ErrAlreadyAdvanced (same token, offset already at
+// next) or an error describing the unexpected offset.
+func (s *Store) CheckAdvance(ctx context.Context, tx pgx.Tx, pos Position, next int64, rowsAffected int64) error {
+	if rowsAffected == 1 {
+		return nil
+	}
+	var token int64
+	var stored *int64
+	err := tx.QueryRow(ctx, s.readSQL, s.group, pos.Topic, pos.Partition).Scan(&token, &stored)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return fmt.Errorf("advance %s: offsets row is missing (deleted while owned?): %w", pos.TP(), ErrFenced)
+	case err != nil:
+		return fmt.Errorf("advance %s: read offsets row: %w", pos.TP(), err)
+	case token != pos.Token:
+		return fmt.Errorf("advance %s: token %d, now %d: %w", pos.TP(), pos.Token, token, ErrFenced)
+	case stored != nil && *stored == next:
+		return ErrAlreadyAdvanced
+	default:
+		// Same owner, different offset: the row was edited underneath us (an operator rewinding the
+		// offset, say). Treat it like losing the partition; a re-assignment re-reads the row.
+		return fmt.Errorf("advance %s: stored offset is %s, this owner expected %s (edited while owned?): %w",
+			pos.TP(), fmtOffset(stored), fmtPos(pos), ErrFenced)
+	}
+}
+
+// Load returns the stored position of one partition, without claiming it (for tools and tests).
+func (s *Store) Load(ctx context.Context, q Querier, p Partition) (Position, error) {
+	pos := Position{Topic: p.Topic, Partition: p.Partition}
+	var next *int64
+	err := q.QueryRow(ctx, s.readSQL, s.group, p.Topic, p.Partition).Scan(&pos.Token, &next)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return pos, nil
+	}
+	if err != nil {
+		return pos, fmt.Errorf("load %s: %w", p, err)
+	}
+	if next != nil {
+		pos.Next, pos.Known = *next, true
+	}
+	return pos, nil
+}
+
+// SortPartitions sorts ps by topic, then partition.
+func SortPartitions(ps []Partition) {
+	sort.Slice(ps, func(i, j int) bool {
+		if ps[i].Topic != ps[j].Topic {
+			return ps[i].Topic < ps[j].Topic
+		}
+		return ps[i].Partition < ps[j].Partition
+	})
+}
+
+func fmtOffset(p *int64) string {
+	if p == nil {
+		return "unset"
+	}
+	return fmt.Sprint(*p)
+}
+
+func fmtPos(p Position) string {
+	if !p.Known {
+		return "unset"
+	}
+	return fmt.Sprint(p.Next)
+}

@@ -1,0 +1,99 @@
+package processor
+
+import (
+	"errors"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/kafkapg/kafkapg/sink"
+)
+
+// ErrorClass says whose fault a failure is, which decides what happens to the record.
+type ErrorClass int
+
+const (
+	// ClassRetryable: the record may succeed later. It is retried with backoff
+	// (Config.LocalAttempts tries), then dead-lettered.
+	ClassRetryable ErrorClass = iota
+	// ClassPermanent: the record can never succeed (Permanent was used). It is dead-lettered at
+	// once.
+	ClassPermanent
+	// ClassInfrastructure: a dependency failed, not the record: Postgres unreachable or
+	// restarting, a serialization failure or deadlock, a broker error. The transaction is retried
+	// in place with backoff, as long as it takes; the partition keeps its position and nothing is
+	// dead-lettered or counted as an attempt.
+	ClassInfrastructure
+)
+
+func (c ErrorClass) String() string {
+	switch c {
+	case ClassRetryable:
+		return "retryable"
+	case ClassPermanent:
+		return "permanent"
+	case ClassInfrastructure:
+		return "infrastructure"
+	}
+	return "unknown"
+}
+
+// Classify is the one place that decides the class of a handler or transaction error:
+//
+//   - the connection to Postgres was lost during the transaction, or the COMMIT's outcome is
+//     unknown: infrastructure;
+//   - Infrastructure(err): infrastructure; Permanent(err): permanent;
+//   - a Postgres error in class 08 (connection exception), 40 (transaction rollback:
+//     serialization failure, deadlock), 53 (insufficient resources), 57P01-57P05 (server
+//     shutting down, unavailable), 58 (system error), or 25006 (read-only transaction, as during
+//     a failover): infrastructure;
+//   - a failure to connect to Postgres: infrastructure;
+//   - anything else: retryable. That includes other Postgres errors (constraint violations, bad
+//     SQL), handler panics, timeouts the handler set itself, and errors from the handler's own
+//     dependencies (an HTTP API, say): wrap those with Infrastructure if an outage of that
+//     dependency should hold the partition instead of failing its records.
+//
+// Errors outside the handler (BEGIN, the offset update, COMMIT without a server answer) are
+// always treated as infrastructure and never reach Classify.
+func Classify(err error) ErrorClass {
+	if errors.Is(err, sink.ErrConnLost) || errors.Is(err, sink.ErrCommitUnknown) {
+		return ClassInfrastructure
+	}
+	var infra *infrastructureError
+	if errors.As(err, &infra) {
+		return ClassInfrastructure
+	}
+	if IsPermanent(err) {
+		return ClassPermanent
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		code := pgErr.Code
+		switch {
+		case len(code) == 5 && (code[:2] == "08" || code[:2] == "40" || code[:2] == "53" || code[:2] == "58"):
+			return ClassInfrastructure
+		case code == "57P01", code == "57P02", code == "57P03", code == "57P04", code == "57P05", code == "25006":
+			return ClassInfrastructure
+		}
+		return ClassRetryable
+	}
+	var connectErr *pgconn.ConnectError
+	if errors.As(err, &connectErr) || pgconn.SafeToRetry(err) {
+		return ClassInfrastructure
+	}
+	return ClassRetryable
+}
+
+// Infrastructure marks err as a failure of a dependency rather than of the record: the
+// transaction is retried in place, without counting an attempt, until it succeeds or the
+// partition is revoked. Infrastructure(nil) returns nil.
+func Infrastructure(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &infrastructureError{err: err}
+}
+
+type infrastructureError struct{ err error }
+
+func (e *infrastructureError) Error() string { return "infrastructure: " + e.err.Error() }
+func (e *infrastructureError) Unwrap() error { return e.err }

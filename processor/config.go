@@ -1,0 +1,205 @@
+package processor
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// Start offsets for partitions with no stored position.
+const (
+	StartEarliest = "earliest"
+	StartLatest   = "latest"
+)
+
+// Config configures a Processor. The environment variable that sets each field in cmd/processor
+// is named in brackets.
+type Config struct {
+	// Brokers are the Kafka seed brokers, host:port. Required. [KAFKA_BROKERS]
+	Brokers []string
+	// Group is the Kafka consumer group id. It also scopes the offsets stored in Postgres.
+	// Required. [KAFKA_GROUP_ID]
+	Group string
+	// Topics to consume. Required. [KAFKA_TOPICS]
+	Topics []string
+	// Handler applies records. If it also implements BatchHandler, HandleBatch is used. Required.
+	Handler Handler
+
+	// Schema is the Postgres schema of kafkapg's tables. Defaults to "kafkapg". [DB_SCHEMA]
+	Schema string
+	// StartOffset is where a partition starts when neither Postgres nor Kafka has a position for
+	// it: StartEarliest or StartLatest. Defaults to StartEarliest. [KAFKA_START_OFFSET]
+	StartOffset string
+
+	// BatchMaxRecords is the most records applied in one transaction. Defaults to 500.
+	// [BATCH_MAX_RECORDS]
+	BatchMaxRecords int
+	// BatchMaxWait is how long a partition waits for a batch to fill before applying what it
+	// has; 0 applies whatever has arrived at once. Under load batches fill while the previous one
+	// is being applied, so this only matters for trickles. Defaults to 20ms. [BATCH_MAX_WAIT]
+	BatchMaxWait time.Duration
+	// MaxBufferedRecords is how many fetched records a partition may hold before fetching from
+	// it pauses. Defaults to 4 × BatchMaxRecords.
+	MaxBufferedRecords int
+
+	// LocalAttempts is how many times a failing record is tried within one delivery, counting
+	// the first try, before it is dead-lettered. 1 disables local retries. Defaults to 3.
+	// [RETRY_LOCAL_ATTEMPTS]
+	LocalAttempts int
+	// BackoffBase is the delay before the first retry; it doubles per retry up to BackoffMax,
+	// with jitter. It applies to local retries of a record and to retries in place after an
+	// infrastructure failure. Defaults to 200ms. [RETRY_BACKOFF_BASE]
+	BackoffBase time.Duration
+	// BackoffMax caps the retry delay. Defaults to 5s. [RETRY_BACKOFF_MAX]
+	BackoffMax time.Duration
+
+	// SessionTimeout is the Kafka group session timeout: how long a silent member keeps its
+	// partitions. Defaults to 45s. [KAFKA_SESSION_TIMEOUT]
+	SessionTimeout time.Duration
+	// DrainTimeout is how long a partition that is revoked, or a processor that stops, waits for
+	// the transaction in flight to finish before abandoning it (it is rolled back and the
+	// partition's next owner applies the batch). Defaults to 5s.
+	DrainTimeout time.Duration
+	// TxIdleTimeout ends (in Postgres) a batch transaction whose client has been silent that
+	// long, releasing its locks: a stalled owner (paused process, stuck handler) then delays the
+	// partition's next owner by at most this much. A handler that spends longer than this
+	// between two statements of its transaction has the transaction ended and retried. Defaults
+	// to 30s. [DB_TX_IDLE_TIMEOUT]
+	TxIdleTimeout time.Duration
+	// ShutdownTimeout bounds Run's shutdown after ctx is done: drain, final commits, leaving the
+	// group. Defaults to 10s. [SHUTDOWN_TIMEOUT]
+	ShutdownTimeout time.Duration
+
+	// InstanceName labels this process in the offsets table's owner column and in logs. Defaults
+	// to hostname:pid.
+	InstanceName string
+	// Logger receives structured logs. Defaults to slog.Default().
+	Logger *slog.Logger
+	// Registerer receives the processor's Prometheus metrics, including franz-go's client
+	// metrics. Defaults to a private registry (metrics are then not exported).
+	Registerer prometheus.Registerer
+	// KafkaOptions are extra franz-go options (TLS, SASL, ...), applied after kafkapg's own.
+	// Options that change group callbacks, offsets or commits break the guarantees.
+	KafkaOptions []kgo.Opt
+}
+
+func (c *Config) withDefaults() *Config {
+	out := *c
+	if out.Schema == "" {
+		out.Schema = "kafkapg"
+	}
+	if out.StartOffset == "" {
+		out.StartOffset = StartEarliest
+	}
+	if out.BatchMaxRecords == 0 {
+		out.BatchMaxRecords = 500
+	}
+	if out.BatchMaxWait == 0 {
+		out.BatchMaxWait = 20 * time.Millisecond
+	} else if out.BatchMaxWait < 0 {
+		out.BatchMaxWait = 0
+	}
+	if out.MaxBufferedRecords == 0 {
+		out.MaxBufferedRecords = 4 * out.BatchMaxRecords
+	}
+	if out.LocalAttempts == 0 {
+		out.LocalAttempts = 3
+	}
+	if out.BackoffBase == 0 {
+		out.BackoffBase = 200 * time.Millisecond
+	}
+	if out.BackoffMax == 0 {
+		out.BackoffMax = 5 * time.Second
+	}
+	if out.SessionTimeout == 0 {
+		out.SessionTimeout = 45 * time.Second
+	}
+	if out.DrainTimeout == 0 {
+		out.DrainTimeout = 5 * time.Second
+	}
+	if out.TxIdleTimeout == 0 {
+		out.TxIdleTimeout = 30 * time.Second
+	}
+	if out.ShutdownTimeout == 0 {
+		out.ShutdownTimeout = 10 * time.Second
+	}
+	if out.InstanceName == "" {
+		host, _ := os.Hostname()
+		out.InstanceName = fmt.Sprintf("%s:%d", host, os.Getpid())
+	}
+	if out.Logger == nil {
+		out.Logger = slog.Default()
+	}
+	if out.Registerer == nil {
+		out.Registerer = prometheus.NewRegistry()
+	}
+	return &out
+}
+
+func (c *Config) validate() error {
+	var errs []error
+	if len(c.Brokers) == 0 {
+		errs = append(errs, errors.New("Brokers (KAFKA_BROKERS) is required"))
+	}
+	for _, b := range c.Brokers {
+		if b == "" {
+			errs = append(errs, errors.New("Brokers (KAFKA_BROKERS) contains an empty address"))
+			break
+		}
+	}
+	if c.Group == "" {
+		errs = append(errs, errors.New("Group (KAFKA_GROUP_ID) is required"))
+	}
+	if len(c.Topics) == 0 {
+		errs = append(errs, errors.New("Topics (KAFKA_TOPICS) is required"))
+	}
+	seen := map[string]bool{}
+	for _, t := range c.Topics {
+		if t == "" {
+			errs = append(errs, errors.New("Topics (KAFKA_TOPICS) contains an empty topic name"))
+		} else if seen[t] {
+			errs = append(errs, fmt.Errorf("Topics (KAFKA_TOPICS) lists %q twice", t))
+		}
+		seen[t] = true
+	}
+	if c.Handler == nil {
+		errs = append(errs, errors.New("Handler is required"))
+	}
+	if c.StartOffset != StartEarliest && c.StartOffset != StartLatest {
+		errs = append(errs, fmt.Errorf("StartOffset (KAFKA_START_OFFSET) must be %q or %q, got %q", StartEarliest, StartLatest, c.StartOffset))
+	}
+	if c.BatchMaxRecords < 1 {
+		errs = append(errs, fmt.Errorf("BatchMaxRecords (BATCH_MAX_RECORDS) must be at least 1, got %d", c.BatchMaxRecords))
+	}
+	if c.MaxBufferedRecords < c.BatchMaxRecords {
+		errs = append(errs, fmt.Errorf("MaxBufferedRecords must be at least BatchMaxRecords (%d), got %d", c.BatchMaxRecords, c.MaxBufferedRecords))
+	}
+	if c.LocalAttempts < 1 {
+		errs = append(errs, fmt.Errorf("LocalAttempts (RETRY_LOCAL_ATTEMPTS) must be at least 1, got %d", c.LocalAttempts))
+	}
+	if c.BackoffBase < 0 {
+		errs = append(errs, fmt.Errorf("BackoffBase (RETRY_BACKOFF_BASE) must not be negative, got %v", c.BackoffBase))
+	}
+	if c.BackoffMax < c.BackoffBase {
+		errs = append(errs, fmt.Errorf("BackoffMax (RETRY_BACKOFF_MAX) %v is less than BackoffBase (RETRY_BACKOFF_BASE) %v", c.BackoffMax, c.BackoffBase))
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"SessionTimeout (KAFKA_SESSION_TIMEOUT)", c.SessionTimeout},
+		{"DrainTimeout", c.DrainTimeout},
+		{"TxIdleTimeout (DB_TX_IDLE_TIMEOUT)", c.TxIdleTimeout},
+		{"ShutdownTimeout (SHUTDOWN_TIMEOUT)", c.ShutdownTimeout},
+	} {
+		if d.v < 0 {
+			errs = append(errs, fmt.Errorf("%s must not be negative, got %v", d.name, d.v))
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,222 @@
+package processor_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/retrytopics"
+)
+
+// harness is one scenario: a fresh database with the ledger tables, a topic and a group.
+type harness struct {
+	t     *testing.T
+	k     *testenv.Kafka
+	pool  *pgxpool.Pool
+	dbURL string
+	topic string
+	group string
+}
+
+func newHarness(t *testing.T, k *testenv.Kafka, partitions int32) *harness {
+	t.Helper()
+	pool, url := testenv.Postgres(t)
+	ctx := context.Background()
+	if err := processor.Migrate(ctx, pool, "kafkapg"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, ledger.Schema); err != nil {
+		t.Fatal(err)
+	}
+	return &harness{t: t, k: k, pool: pool, dbURL: url, topic: k.CreateTopic(t, partitions), group: k.Group(t)}
+}
+
+// config returns a processor config tuned for fast tests.
+func (h *harness) config(handler processor.Handler) *processor.Config {
+	return &processor.Config{
+		Brokers:         h.k.Brokers,
+		Group:           h.group,
+		Topics:          []string{h.topic},
+		Handler:         handler,
+		LocalAttempts:   3,
+		BackoffBase:     5 * time.Millisecond,
+		BackoffMax:      50 * time.Millisecond,
+		SessionTimeout:  3 * time.Second,
+		DrainTimeout:    2 * time.Second,
+		ShutdownTimeout: 10 * time.Second,
+		BatchMaxWait:    5 * time.Millisecond,
+		Logger:          testLogger(h.t),
+		Registerer:      prometheus.NewRegistry(),
+		KafkaOptions:    []kgo.Opt{kgo.FetchMaxWait(200 * time.Millisecond)},
+	}
+}
+
+// running is a processor started by start.
+type running struct {
+	cancel context.CancelFunc
+	done   chan struct{}
+	err    error
+	reg    *prometheus.Registry
+}
+
+// start runs a processor in the background until stop (or the end of the test).
+func (h *harness) start(cfg *processor.Config) *running {
+	h.t.Helper()
+	reg, ok := cfg.Registerer.(*prometheus.Registry)
+	if !ok {
+		reg = prometheus.NewRegistry()
+		cfg.Registerer = reg
+	}
+	p, err := processor.New(h.pool, cfg)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &running{cancel: cancel, done: make(chan struct{}), reg: reg}
+	go func() {
+		defer close(r.done)
+		r.err = p.Run(ctx)
+	}()
+	h.t.Cleanup(func() { r.stop(h.t) })
+	return r
+}
+
+// stop cancels the processor and waits for Run to return; Run must return nil.
+func (r *running) stop(t *testing.T) {
+	t.Helper()
+	r.cancel()
+	select {
+	case <-r.done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("processor did not stop within 30s")
+	}
+	if r.err != nil {
+		t.Errorf("Run returned %v", r.err)
+	}
+}
+
+// counter returns the sum of a counter metric's series.
+func (r *running) counter(name string) float64 {
+	mfs, err := r.reg.Gather()
+	if err != nil {
+		panic(err)
+	}
+	total := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if c := m.GetCounter(); c != nil {
+				total += c.GetValue()
+			}
+		}
+	}
+	return total
+}
+
+func (h *harness) produce(items []ledger.Item) {
+	h.t.Helper()
+	recs := make([]*kgo.Record, len(items))
+	for i, it := range items {
+		recs[i] = it.Record(h.topic)
+	}
+	h.k.Produce(h.t, recs...)
+}
+
+// applied returns the number of rows in ledger_entries.
+func (h *harness) applied() int {
+	var n int
+	if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM ledger_entries`).Scan(&n); err != nil {
+		h.t.Fatal(err)
+	}
+	return n
+}
+
+// waitApplied waits until at least n events are applied.
+func (h *harness) waitApplied(n int, timeout time.Duration) {
+	h.t.Helper()
+	testenv.Eventually(h.t, timeout, func() error {
+		if got := h.applied(); got < n {
+			return fmt.Errorf("%d of %d events applied", got, n)
+		}
+		return nil
+	})
+}
+
+// waitSettled waits until every item is accounted for: the expected events applied, the outbox
+// empty and the dead-letter topic holding at least the expected dead letters.
+func (h *harness) waitSettled(items []ledger.Item, maxAttempt int, timeout time.Duration) {
+	h.t.Helper()
+	wantApplied, wantDead := 0, 0
+	for _, it := range items {
+		if it.Dead(maxAttempt) {
+			wantDead++
+		} else {
+			wantApplied++
+		}
+	}
+	testenv.Eventually(h.t, timeout, func() error {
+		if got := h.applied(); got < wantApplied {
+			return fmt.Errorf("%d of %d events applied", got, wantApplied)
+		}
+		var outbox int
+		if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.outbox`).Scan(&outbox); err != nil {
+			return err
+		}
+		if outbox > 0 {
+			return fmt.Errorf("%d outbox rows not yet published", outbox)
+		}
+		if got := len(h.k.ReadAll(h.t, h.dlq())); got < wantDead {
+			return fmt.Errorf("%d of %d dead letters published", got, wantDead)
+		}
+		return nil
+	})
+}
+
+func (h *harness) dlq() string { return retrytopics.DLQTopic(h.topic, h.group) }
+
+// verify checks the ledger tables and the dead-letter topic against items.
+func (h *harness) verify(items []ledger.Item, maxAttempt int, allowDupDeadLetters bool) {
+	h.t.Helper()
+	rep, err := ledger.Verify(context.Background(), h.pool, items, maxAttempt)
+	if err != nil {
+		h.t.Fatalf("ledger verification failed:\n%v", err)
+	}
+	dups, err := ledger.CheckDeadLetters(items, h.k.ReadAll(h.t, h.dlq()), maxAttempt, allowDupDeadLetters)
+	if err != nil {
+		h.t.Fatalf("dead-letter verification failed:\n%v", err)
+	}
+	h.t.Logf("verified: %d events applied exactly once in per-account order across %d accounts; %d expected dead letters present (%d published twice)",
+		rep.Applied, rep.Accounts, len(items)-rep.Expected, dups)
+}
+
+// testLogger logs to the test at warn level (debug with KAFKAPG_TEST_DEBUG=1).
+func testLogger(t testing.TB) *slog.Logger {
+	level := slog.LevelWarn
+	if os.Getenv("KAFKAPG_TEST_DEBUG") != "" {
+		level = slog.LevelDebug
+	}
+	return slog.New(slog.NewTextHandler(testWriter{t: t}, &slog.HandlerOptions{Level: level}))
+}
+
+type testWriter struct {
+	t testing.TB
+}
+
+func (w testWriter) Write(p []byte) (int, error) {
+	defer func() { recover() }() // a log line after the test ended
+	w.t.Log(strings.TrimSuffix(string(p), "\n"))
+	return len(p), nil
+}

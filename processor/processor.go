@@ -1,0 +1,431 @@
+package processor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/plugin/kprom"
+	"github.com/twmb/franz-go/plugin/kslog"
+
+	"github.com/kafkapg/kafkapg/internal/backoff"
+	"github.com/kafkapg/kafkapg/internal/schema"
+	"github.com/kafkapg/kafkapg/offsets"
+	"github.com/kafkapg/kafkapg/retrytopics"
+	"github.com/kafkapg/kafkapg/sink"
+)
+
+// Processor consumes topics in a consumer group and applies each record through a Handler,
+// exactly once in effect. See the package documentation.
+type Processor struct {
+	cfg     *Config
+	pool    *pgxpool.Pool
+	log     *slog.Logger
+	metrics *metrics
+	kprom   *kprom.Metrics
+	store   *offsets.Store
+	sink    *sink.Sink
+	batch   BatchHandler // cfg.Handler as a BatchHandler, if it is one
+	backoff backoff.Policy
+
+	client  atomic.Pointer[kgo.Client]
+	relay   atomic.Pointer[sink.Relay]
+	joined  atomic.Bool
+	running atomic.Bool
+
+	mu      sync.Mutex
+	workers map[offsets.Partition]*worker
+}
+
+// New returns a Processor that applies records to pool. Call Migrate (or run `processor migrate`)
+// before Run.
+func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
+	if pool == nil {
+		return nil, errors.New("processor: pool is required")
+	}
+	if cfg == nil {
+		return nil, errors.New("processor: config is required")
+	}
+	c := cfg.withDefaults()
+	if err := c.validate(); err != nil {
+		return nil, fmt.Errorf("processor: invalid config: %w", err)
+	}
+	m, err := newMetrics(c.Registerer)
+	if err != nil {
+		return nil, fmt.Errorf("processor: register metrics: %w", err)
+	}
+	p := &Processor{
+		cfg:     c,
+		pool:    pool,
+		log:     c.Logger.With("group", c.Group),
+		metrics: m,
+		kprom:   kprom.NewMetrics("kafkapg_kafka", kprom.Registerer(c.Registerer)),
+		store:   offsets.NewStore(c.Schema, c.Group),
+		backoff: backoff.Policy{Base: c.BackoffBase, Max: c.BackoffMax},
+		workers: map[offsets.Partition]*worker{},
+	}
+	p.batch, _ = c.Handler.(BatchHandler)
+	p.sink = sink.New(pool, p.store, sink.Config{
+		Schema:        c.Schema,
+		TxIdleTimeout: c.TxIdleTimeout,
+		Written: func() {
+			if r := p.relay.Load(); r != nil {
+				r.Notify()
+			}
+		},
+	})
+	return p, nil
+}
+
+// Migrate creates or upgrades kafkapg's tables in schema (see Config.Schema). It is safe to call
+// from many processes at once.
+func Migrate(ctx context.Context, pool *pgxpool.Pool, schemaName string) error {
+	if schemaName == "" {
+		schemaName = "kafkapg"
+	}
+	_, err := schema.Migrate(ctx, pool, schemaName)
+	return err
+}
+
+// Run consumes and applies records until ctx is done, then shuts down: it stops fetching,
+// finishes (or, after Config.DrainTimeout, abandons) the transactions in flight, publishes what
+// is left in the outbox, commits offsets to Kafka and leaves the group, within
+// Config.ShutdownTimeout. It returns nil after a clean shutdown. Run may be called once.
+func (p *Processor) Run(ctx context.Context) error {
+	if !p.running.CompareAndSwap(false, true) {
+		return errors.New("processor: Run called twice")
+	}
+	cl, err := p.newClient()
+	if err != nil {
+		return err
+	}
+	p.client.Store(cl)
+	defer cl.CloseAllowingRebalance()
+
+	if err := p.ensureTopics(ctx, kadm.NewClient(cl)); err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
+
+	relay := sink.NewRelay(p.pool, cl, sink.RelayConfig{
+		Schema:    p.cfg.Schema,
+		Group:     p.cfg.Group,
+		Logger:    p.log.With("component", "outbox"),
+		Backoff:   p.backoff,
+		Published: func(topic string) { p.metrics.published.WithLabelValues(topic).Inc() },
+	})
+	p.relay.Store(relay)
+	relayCtx, stopRelay := context.WithCancel(context.WithoutCancel(ctx))
+	relayDone := make(chan struct{})
+	go func() {
+		defer close(relayDone)
+		relay.Run(relayCtx)
+	}()
+	defer func() { stopRelay(); <-relayDone }()
+
+	// Joining starts only now, so the rebalance callbacks always find p.client set.
+	cl.AddConsumeTopics(p.cfg.Topics...)
+	p.log.Info("processor started", "topics", p.cfg.Topics, "instance", p.cfg.InstanceName)
+	p.poll(ctx, cl)
+	return p.shutdown(ctx, cl, relay, stopRelay, relayDone)
+}
+
+func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Relay, stopRelay func(), relayDone <-chan struct{}) error {
+	begun := time.Now()
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.ShutdownTimeout)
+	defer cancel()
+	p.log.Info("shutting down", "timeout", p.cfg.ShutdownTimeout)
+
+	// Stop the workers first: nothing new is applied from here on.
+	drain := min(p.cfg.DrainTimeout, p.cfg.ShutdownTimeout/2)
+	p.stopWorkers(p.removeWorkers(nil), drain)
+
+	if err := cl.CommitMarkedOffsets(sctx); err != nil {
+		p.log.Warn("final kafka offset commit failed (advisory only; postgres holds the positions)", "err", err)
+	}
+
+	// Publish what the last transactions put in the outbox, if time allows; anything left is
+	// published by the next processor to run.
+	stopRelay()
+	<-relayDone
+	fctx, fcancel := context.WithTimeout(sctx, max(time.Until(deadlineOf(sctx))/2, 0))
+	if n, err := relay.Drain(fctx); err != nil {
+		p.log.Warn("outbox not fully published at shutdown; the next processor will publish the rest", "published", n, "err", err)
+	}
+	fcancel()
+
+	if err := cl.LeaveGroupContext(sctx); err != nil {
+		p.log.Warn("leave group", "err", err)
+	}
+	p.log.Info("processor stopped", "took", time.Since(begun).Round(time.Millisecond))
+	return nil
+}
+
+func deadlineOf(ctx context.Context) time.Time {
+	d, ok := ctx.Deadline()
+	if !ok {
+		return time.Now()
+	}
+	return d
+}
+
+func (p *Processor) newClient() (*kgo.Client, error) {
+	start := kgo.NewOffset().AtStart()
+	if p.cfg.StartOffset == StartLatest {
+		start = kgo.NewOffset().AtEnd()
+	}
+	opts := []kgo.Opt{
+		kgo.SeedBrokers(p.cfg.Brokers...),
+		kgo.ClientID("kafkapg"),
+		kgo.ConsumerGroup(p.cfg.Group),
+		kgo.Balancers(kgo.CooperativeStickyBalancer()),
+		kgo.ConsumeResetOffset(start),
+		kgo.SessionTimeout(p.cfg.SessionTimeout),
+		kgo.HeartbeatInterval(min(3*time.Second, p.cfg.SessionTimeout/3)),
+		kgo.BlockRebalanceOnPoll(),
+		kgo.AutoCommitMarks(),
+		kgo.AdjustFetchOffsetsFn(p.claimAssigned),
+		kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, m map[string][]int32) {
+			// Called after every join, also with nothing new assigned.
+			p.joined.Store(true)
+			if len(m) > 0 {
+				p.metrics.rebalances.WithLabelValues("assigned").Inc()
+			}
+		}),
+		kgo.OnPartitionsRevoked(p.onRevoked),
+		kgo.OnPartitionsLost(p.onLost),
+		kgo.WithLogger(kslog.New(p.cfg.Logger.With("component", "kafka"))),
+		kgo.WithHooks(p.kprom),
+	}
+	opts = append(opts, p.cfg.KafkaOptions...)
+	cl, err := kgo.NewClient(opts...)
+	if err != nil {
+		return nil, fmt.Errorf("processor: kafka client: %w", err)
+	}
+	return cl, nil
+}
+
+// ensureTopics creates missing dead-letter topics, waiting (with backoff) for the source topics
+// to exist and for the broker to answer.
+func (p *Processor) ensureTopics(ctx context.Context, adm *kadm.Client) error {
+	for failures := 1; ; failures++ {
+		created, missing, err := retrytopics.EnsureDLQTopics(ctx, adm, p.cfg.Group, p.cfg.Topics)
+		for _, t := range created {
+			p.log.Info("created dead-letter topic", "topic", t)
+		}
+		if err == nil && len(missing) == 0 {
+			return nil
+		}
+		d := p.backoff.Delay(failures)
+		if err != nil {
+			p.log.Warn("cannot prepare dead-letter topics yet; retrying", "err", err, "retry_in", d)
+		} else {
+			p.log.Warn("waiting for source topics to exist", "missing", missing, "retry_in", d)
+		}
+		if !backoff.Sleep(ctx, nil, d) {
+			return ctx.Err()
+		}
+	}
+}
+
+// poll fetches records and hands them to the partition workers until ctx is done.
+func (p *Processor) poll(ctx context.Context, cl *kgo.Client) {
+	maxPoll := 4 * p.cfg.BatchMaxRecords
+	for {
+		fetches := cl.PollRecords(ctx, maxPoll)
+		if ctx.Err() != nil || fetches.IsClientClosed() {
+			cl.AllowRebalance()
+			return
+		}
+		fetches.EachError(func(topic string, partition int32, err error) {
+			p.log.Warn("fetch error", "topic", topic, "partition", partition, "err", err)
+		})
+		fetches.EachPartition(func(ftp kgo.FetchTopicPartition) {
+			if len(ftp.Records) == 0 {
+				return
+			}
+			if w := p.worker(offsets.Partition{Topic: ftp.Topic, Partition: ftp.Partition}); w != nil {
+				w.push(ftp.Records)
+			}
+		})
+		// Rebalance callbacks wait for this: a revoke never races with handing out records.
+		cl.AllowRebalance()
+	}
+}
+
+// claimAssigned runs when partitions are assigned, before fetching starts (AdjustFetchOffsetsFn).
+// It claims them in Postgres, fencing any previous owner, starts a worker per partition, and
+// makes fetching start at the stored positions. While Postgres is unreachable it retries; the
+// partitions wait, nothing is fetched.
+func (p *Processor) claimAssigned(ctx context.Context, assigned map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
+	cl := p.client.Load()
+	var parts []offsets.Partition
+	for t, ps := range assigned {
+		for part := range ps {
+			parts = append(parts, offsets.Partition{Topic: t, Partition: part})
+		}
+	}
+	offsets.SortPartitions(parts)
+	member, gen := cl.GroupMetadata()
+	owner := fmt.Sprintf("%s member=%s generation=%d", p.cfg.InstanceName, member, gen)
+
+	var claims []offsets.Position
+	for failures := 1; ; failures++ {
+		var err error
+		claims, err = p.store.Claim(ctx, p.pool, owner, parts)
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("claim assigned partitions: %w", ctx.Err())
+		}
+		p.metrics.infraRetries.Inc()
+		d := p.backoff.Delay(failures)
+		p.log.Warn("cannot claim assigned partitions in postgres; retrying", "err", err, "retry_in", d, "partitions", len(parts))
+		if !backoff.Sleep(ctx, nil, d) {
+			return nil, fmt.Errorf("claim assigned partitions: %w", ctx.Err())
+		}
+	}
+
+	p.mu.Lock()
+	for _, pos := range claims {
+		if old := p.workers[pos.TP()]; old != nil {
+			// Not expected: revoke stops workers. Stop it now; its next transaction is fenced.
+			old.stop()
+		}
+		w := newWorker(p, cl, pos)
+		p.workers[pos.TP()] = w
+		go w.run()
+		if pos.Known {
+			assigned[pos.Topic][pos.Partition] = kgo.NewOffset().At(pos.Next).WithEpoch(-1)
+		}
+		from := "kafka position"
+		if pos.Known {
+			from = fmt.Sprint(pos.Next)
+		}
+		p.log.Info("partition claimed", "topic", pos.Topic, "partition", pos.Partition, "token", pos.Token, "from_offset", from)
+	}
+	p.metrics.assigned.Set(float64(len(p.workers)))
+	p.mu.Unlock()
+	return assigned, nil
+}
+
+func (p *Processor) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
+	ws := p.removeWorkers(revoked)
+	if len(ws) == 0 {
+		return
+	}
+	p.metrics.rebalances.WithLabelValues("revoked").Inc()
+	p.stopWorkers(ws, p.cfg.DrainTimeout)
+	if err := cl.CommitMarkedOffsets(ctx); err != nil {
+		p.log.Warn("kafka offset commit on revoke failed (advisory only)", "err", err)
+	}
+	cl.ResumeFetchPartitions(revoked)
+	p.log.Info("partitions revoked", "partitions", revoked)
+}
+
+func (p *Processor) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int32) {
+	ws := p.removeWorkers(lost)
+	p.metrics.rebalances.WithLabelValues("lost").Inc()
+	p.joined.Store(false)
+	// Whatever the workers commit from now on would be fenced anyway once the partitions are
+	// claimed elsewhere; do not wait for them.
+	p.stopWorkers(ws, 0)
+	cl.ResumeFetchPartitions(lost)
+	p.log.Warn("partitions lost (session expired or fatal group error)", "partitions", lost)
+}
+
+// worker returns the worker of tp, or nil.
+func (p *Processor) worker(tp offsets.Partition) *worker {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.workers[tp]
+}
+
+// removeWorkers removes and returns the workers of the given partitions (all if nil).
+func (p *Processor) removeWorkers(which map[string][]int32) []*worker {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []*worker
+	if which == nil {
+		for tp, w := range p.workers {
+			out = append(out, w)
+			delete(p.workers, tp)
+		}
+	} else {
+		for t, ps := range which {
+			for _, part := range ps {
+				tp := offsets.Partition{Topic: t, Partition: part}
+				if w := p.workers[tp]; w != nil {
+					out = append(out, w)
+					delete(p.workers, tp)
+				}
+			}
+		}
+	}
+	p.metrics.assigned.Set(float64(len(p.workers)))
+	sort.Slice(out, func(i, j int) bool { return out[i].tp.String() < out[j].tp.String() })
+	return out
+}
+
+// stopWorkers stops ws, lets their transactions in flight finish for up to grace, then abandons
+// them (rolls them back) and waits briefly for them to exit. A worker stuck in a handler that
+// ignores its context is left behind: it cannot commit anything anymore once the partition's next
+// owner has claimed it (see package offsets).
+func (p *Processor) stopWorkers(ws []*worker, grace time.Duration) {
+	if len(ws) == 0 {
+		return
+	}
+	for _, w := range ws {
+		w.stop()
+	}
+	allDone := make(chan struct{})
+	go func() {
+		for _, w := range ws {
+			<-w.done
+		}
+		close(allDone)
+	}()
+	select {
+	case <-allDone:
+		return
+	case <-time.After(grace):
+	}
+	for _, w := range ws {
+		w.abandon()
+	}
+	select {
+	case <-allDone:
+		return
+	case <-time.After(time.Second):
+	}
+	for _, w := range ws {
+		select {
+		case <-w.done:
+		default:
+			p.log.Warn("worker did not stop (handler ignoring its context?); leaving it behind, its transaction will be fenced",
+				"topic", w.tp.Topic, "partition", w.tp.Partition)
+		}
+	}
+}
+
+// Ready reports whether the processor has joined its group and Postgres answers.
+func (p *Processor) Ready(ctx context.Context) error {
+	if !p.joined.Load() {
+		return errors.New("not a member of the consumer group yet")
+	}
+	if err := p.pool.Ping(ctx); err != nil {
+		return fmt.Errorf("postgres: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,405 @@
+package processor_test
+
+import (
+	"context"
+	"errors"
+	"net/url"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/offsets"
+	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/retrytopics"
+)
+
+// mixed is a ledger workload with every kind of record.
+func mixed(events int, seed uint64, prefix string) []ledger.Item {
+	return ledger.Generate(ledger.GenConfig{
+		Events: events, Accounts: 40, Seed: seed, Prefix: prefix,
+		PoisonPerMille: 10, MalformedPerMille: 10, FlakyPerMille: 20,
+	})
+}
+
+func TestLedgerEndToEnd(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 4)
+		items := mixed(3000, 1, "e2e")
+		h.produce(items)
+		r := h.start(h.config(ledger.Handler{}))
+		h.waitSettled(items, 1, 60*time.Second)
+		h.verify(items, 1, false)
+
+		// Kafka's committed offsets (advisory) catch up with Postgres.
+		adm := kadm.NewClient(k.Client(t))
+		store := offsets.NewStore("kafkapg", h.group)
+		testenv.Eventually(t, 20*time.Second, func() error {
+			committed, err := adm.FetchOffsets(context.Background(), h.group)
+			if err != nil {
+				return err
+			}
+			for p := range int32(4) {
+				pos, err := store.Load(context.Background(), h.pool, offsets.Partition{Topic: h.topic, Partition: p})
+				if err != nil {
+					return err
+				}
+				c, ok := committed.Lookup(h.topic, p)
+				if !ok || c.At != pos.Next {
+					return testenv.Errorf("partition %d: kafka committed %v, postgres %d", p, c.At, pos.Next)
+				}
+			}
+			return nil
+		})
+		if got := r.counter("kafkapg_records_dead_lettered_total"); got == 0 {
+			t.Error("dead-lettered metric stayed at zero")
+		}
+	})
+}
+
+func TestDeadLetterHeaders(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 1)
+		origHeaders := []kgo.RecordHeader{{Key: "trace-id", Value: []byte("abc")}}
+		k.Produce(t,
+			&kgo.Record{Topic: h.topic, Key: []byte("acct-1"), Value: []byte(`{"event_id":"p1","account":"acct-1","amount":1,"seq":1,"poison":true}`), Headers: origHeaders},
+			&kgo.Record{Topic: h.topic, Key: []byte("acct-1"), Value: []byte(`{"event_id":"f1","account":"acct-1","amount":1,"seq":2,"fail_attempts":1}`)},
+			&kgo.Record{Topic: h.topic, Key: []byte("acct-1"), Value: []byte(`{"event_id":"ok1","account":"acct-1","amount":5,"seq":3}`)},
+		)
+		h.start(h.config(ledger.Handler{}))
+		h.waitApplied(1, 30*time.Second)
+		var dlq []*kgo.Record
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if dlq = k.ReadAll(t, h.dlq()); len(dlq) < 2 {
+				return testenv.Errorf("%d dead letters", len(dlq))
+			}
+			return nil
+		})
+		if len(dlq) != 2 {
+			t.Fatalf("%d dead letters, want 2", len(dlq))
+		}
+		tests := []struct {
+			name      string
+			rec       *kgo.Record
+			offset    int64
+			class     string
+			tries     int
+			errSubstr string
+		}{
+			{name: "poison", rec: dlq[0], offset: 0, class: "permanent", tries: 1, errSubstr: "poison event"},
+			{name: "flaky", rec: dlq[1], offset: 1, class: "retryable", tries: 3, errSubstr: "simulated transient failure"},
+		}
+		for _, tt := range tests {
+			f, err := retrytopics.ParseFailure(tt.rec.Headers)
+			if err != nil {
+				t.Fatalf("%s: %v", tt.name, err)
+			}
+			if f.Topic != h.topic || f.Partition != 0 || f.Offset != tt.offset || f.Group != h.group ||
+				f.Class != tt.class || f.Tries != tt.tries || f.Attempt != 1 || f.FailedAt.IsZero() || f.Timestamp.IsZero() {
+				t.Errorf("%s: failure headers = %+v", tt.name, f)
+			}
+			if !contains(f.Message, tt.errSubstr) {
+				t.Errorf("%s: error message %q does not mention %q", tt.name, f.Message, tt.errSubstr)
+			}
+			if string(tt.rec.Key) != "acct-1" {
+				t.Errorf("%s: key %q, want the original", tt.name, tt.rec.Key)
+			}
+		}
+		if h := dlq[0].Headers[0]; h.Key != "trace-id" || string(h.Value) != "abc" {
+			t.Errorf("original header not kept first: %+v", dlq[0].Headers)
+		}
+	})
+}
+
+func contains(s, sub string) bool {
+	return len(sub) == 0 || len(s) >= len(sub) && (s[:len(sub)] == sub || contains(s[1:], sub))
+}
+
+func TestRestartResumesFromPostgres(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 3)
+		first := mixed(2000, 2, "r1")
+		h.produce(first)
+		cfg := h.config(ledger.Handler{})
+		cfg.BatchMaxRecords = 50
+		r := h.start(cfg)
+		h.waitApplied(300, 30*time.Second)
+		r.stop(t)
+
+		second := mixed(1000, 3, "r2")
+		h.produce(second)
+		cfg = h.config(ledger.Handler{})
+		h.start(cfg)
+		all := append(first, second...)
+		h.waitSettled(all, 1, 60*time.Second)
+		h.verify(all, 1, false)
+	})
+}
+
+// TestRebalancesExactlyOnce runs three processors in one group, starting and stopping them while
+// records keep arriving, so partitions move between members mid-stream.
+func TestRebalancesExactlyOnce(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 6)
+		items := mixed(6000, 4, "rb")
+		produced := make(chan struct{})
+		go func() {
+			defer close(produced)
+			for i := 0; i < len(items); i += 500 {
+				h.produce(items[i:min(i+500, len(items))])
+				time.Sleep(150 * time.Millisecond)
+			}
+		}()
+		cfg := func() *processor.Config {
+			c := h.config(ledger.Handler{})
+			c.BatchMaxRecords = 100
+			return c
+		}
+		a := h.start(cfg())
+		h.waitApplied(200, 30*time.Second)
+		b := h.start(cfg())
+		c := h.start(cfg())
+		time.Sleep(time.Second)
+		a.stop(t)
+		time.Sleep(time.Second)
+		a = h.start(cfg())
+		b.stop(t)
+		<-produced
+		time.Sleep(500 * time.Millisecond)
+		c.stop(t)
+		h.waitSettled(items, 1, 90*time.Second)
+		h.verify(items, 1, false)
+		_ = a
+	})
+}
+
+// gate blocks the handler, ignoring its context (like a stuck call or a long GC pause), while
+// closed.
+type gate struct {
+	inner   processor.Handler
+	closed  atomic.Bool
+	stalled chan struct{}
+	release chan struct{}
+}
+
+func (g *gate) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+	if g.closed.Load() {
+		select {
+		case g.stalled <- struct{}{}:
+		default:
+		}
+		<-g.release
+	}
+	return g.inner.Handle(ctx, tx, rec)
+}
+
+// TestStaleOwnerIsFenced stalls the owner of a partition inside its transaction past a rebalance.
+// The new owner must take the partition over and apply the records; when the stale owner wakes
+// up, its transaction must fail (fenced), and nothing may be applied twice.
+func TestStaleOwnerIsFenced(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 1)
+		items := ledger.Generate(ledger.GenConfig{Events: 20, Accounts: 3, Seed: 5, Prefix: "st"})
+
+		g := &gate{inner: ledger.Handler{}, stalled: make(chan struct{}, 1), release: make(chan struct{})}
+		g.closed.Store(true)
+		cfgA := h.config(g)
+		cfgA.DrainTimeout = time.Minute // A does not give up on its transaction: a true zombie
+		cfgA.TxIdleTimeout = 2 * time.Second
+		cfgA.SessionTimeout = 2 * time.Second
+		cfgA.KafkaOptions = append(cfgA.KafkaOptions, kgo.RebalanceTimeout(2*time.Second))
+		a := h.start(cfgA)
+		h.produce(items)
+		select {
+		case <-g.stalled:
+		case <-time.After(30 * time.Second):
+			t.Fatal("handler of A never ran")
+		}
+
+		// B joins. A cannot finish its revoke (stalled worker), is expelled from the group, and
+		// Postgres ends A's idle transaction, releasing the offsets row for B's claim.
+		b := h.start(h.config(ledger.Handler{}))
+		h.waitSettled(items, 1, 60*time.Second)
+
+		close(g.release) // A wakes up and tries to commit with its old token
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if a.counter("kafkapg_fenced_transactions_total") < 1 {
+				return testenv.Errorf("stale owner A was not fenced")
+			}
+			return nil
+		})
+		if got := a.counter("kafkapg_records_applied_total"); got != 0 {
+			t.Errorf("stale owner A applied %v records", got)
+		}
+		if got := b.counter("kafkapg_records_applied_total"); got != float64(len(items)) {
+			t.Errorf("new owner B applied %v records, want %d", got, len(items))
+		}
+		a.stop(t)
+		b.stop(t)
+		h.verify(items, 1, false)
+	})
+}
+
+// TestPostgresOutage cuts the processor's Postgres connections mid-stream. Nothing may be
+// dead-lettered for it, and processing must resume once Postgres is back.
+func TestPostgresOutage(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 3)
+		u, err := url.Parse(h.dbURL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		proxy := testenv.NewProxy(t, u.Host)
+		u.Host = proxy.Addr()
+		poolCfg, err := pgxpool.ParseConfig(u.String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		poolCfg.MaxConns = 4
+		proxied, err := pgxpool.NewWithConfig(context.Background(), poolCfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(proxied.Close)
+
+		items := ledger.Generate(ledger.GenConfig{Events: 4000, Accounts: 30, Seed: 6, Prefix: "po"})
+		cfg := h.config(ledger.Handler{})
+		cfg.BatchMaxRecords = 50
+		p, err := processor.New(proxied, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- p.Run(ctx) }()
+		go h.produce(items)
+
+		h.waitApplied(500, 30*time.Second)
+		proxy.Cut()
+		before := h.applied()
+		time.Sleep(3 * time.Second)
+		if got := h.applied(); got != before {
+			t.Fatalf("%d events applied while postgres was unreachable", got-before)
+		}
+		proxy.Restore()
+		restored := time.Now()
+		h.waitApplied(before+1, 30*time.Second)
+		t.Logf("processing resumed %v after postgres came back", time.Since(restored).Round(time.Millisecond))
+
+		h.waitSettled(items, 1, 60*time.Second)
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		h.verify(items, 1, false)
+		if dl := k.ReadAll(t, h.dlq()); len(dl) != 0 {
+			t.Fatalf("%d records dead-lettered during a postgres outage", len(dl))
+		}
+	})
+}
+
+// panicOnce panics the first time it sees a given event, then behaves.
+type panicOnce struct {
+	ledger.Handler
+	seen atomic.Bool
+}
+
+func (p *panicOnce) HandleBatch(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
+	for _, r := range recs {
+		if string(r.Key) == "boom" && p.seen.CompareAndSwap(false, true) {
+			panic("handler bug")
+		}
+	}
+	return p.Handler.HandleBatch(ctx, tx, recs)
+}
+
+func TestHandlerPanicIsRetried(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 1)
+		k.Produce(t,
+			&kgo.Record{Topic: h.topic, Key: []byte("a"), Value: []byte(`{"event_id":"1","account":"a","amount":1,"seq":1}`)},
+			&kgo.Record{Topic: h.topic, Key: []byte("boom"), Value: []byte(`{"event_id":"2","account":"boom","amount":1,"seq":1}`)},
+			&kgo.Record{Topic: h.topic, Key: []byte("a"), Value: []byte(`{"event_id":"3","account":"a","amount":1,"seq":2}`)},
+		)
+		r := h.start(h.config(&panicOnce{}))
+		h.waitApplied(3, 30*time.Second)
+		if got := r.counter("kafkapg_handler_panics_total"); got != 1 {
+			t.Fatalf("panics counted: %v, want 1", got)
+		}
+	})
+}
+
+// failsWith fails any batch containing a bad record without saying which record failed.
+type failsWith struct{ ledger.Handler }
+
+func (f failsWith) HandleBatch(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
+	for _, r := range recs {
+		if string(r.Key) == "bad" {
+			return errors.New("something in this batch is wrong")
+		}
+	}
+	return f.Handler.HandleBatch(ctx, tx, recs)
+}
+
+func TestUnattributedBatchErrorIsIsolated(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 1)
+		var recs []*kgo.Record
+		for i := range 200 {
+			key := "good"
+			if i == 37 || i == 150 {
+				key = "bad"
+			}
+			recs = append(recs, &kgo.Record{Topic: h.topic, Key: []byte(key),
+				Value: []byte(`{"event_id":"` + string(rune('a'+i%26)) + "-" + itoa(i) + `","account":"x","amount":1,"seq":` + itoa(i+1) + `}`)})
+		}
+		k.Produce(t, recs...)
+		cfg := h.config(failsWith{})
+		cfg.BatchMaxRecords = 200
+		cfg.BatchMaxWait = time.Second // one batch of 200
+		h.start(cfg)
+		h.waitApplied(198, 30*time.Second)
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if n := len(k.ReadAll(t, h.dlq())); n != 2 {
+				return testenv.Errorf("%d dead letters, want 2", n)
+			}
+			return nil
+		})
+		var order []int64
+		rows, _ := h.pool.Query(context.Background(), `SELECT seq FROM ledger_entries ORDER BY applied_order`)
+		order, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 1; i < len(order); i++ {
+			if order[i] <= order[i-1] {
+				t.Fatalf("applied out of order: seq %d after %d", order[i], order[i-1])
+			}
+		}
+	})
+}
+
+func itoa(i int) string {
+	return string(appendInt(nil, i))
+}
+
+func appendInt(b []byte, i int) []byte {
+	if i >= 10 {
+		b = appendInt(b, i/10)
+	}
+	return append(b, byte('0'+i%10))
+}

@@ -1,0 +1,183 @@
+package retrytopics
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// Header names added to dead-lettered records.
+const (
+	HeaderPrefix            = "kafkapg-"
+	HeaderOriginalTopic     = "kafkapg-original-topic"
+	HeaderOriginalPartition = "kafkapg-original-partition"
+	HeaderOriginalOffset    = "kafkapg-original-offset"
+	HeaderOriginalTimestamp = "kafkapg-original-timestamp" // RFC 3339 with nanoseconds, UTC
+	HeaderGroup             = "kafkapg-group"
+	HeaderAttempt           = "kafkapg-attempt" // delivery attempt that failed last (1 = first delivery)
+	HeaderTries             = "kafkapg-tries"   // handler invocations during that delivery
+	HeaderErrorClass        = "kafkapg-error-class"
+	HeaderErrorMessage      = "kafkapg-error-message" // at most MaxErrorMessage bytes
+	HeaderFailedAt          = "kafkapg-failed-at"     // RFC 3339 with nanoseconds, UTC
+)
+
+// MaxErrorMessage bounds the error message carried in a header, in bytes.
+const MaxErrorMessage = 1024
+
+// DLQTopic returns the dead-letter topic for records of topic consumed by group.
+func DLQTopic(topic, group string) string { return topic + "." + group + ".dlq" }
+
+// Failure describes why and where a record failed.
+type Failure struct {
+	Topic     string
+	Partition int32
+	Offset    int64
+	Timestamp time.Time
+	Group     string
+	Attempt   int
+	Tries     int
+	Class     string
+	Message   string
+	FailedAt  time.Time
+}
+
+// Headers returns orig (minus any kafkapg- headers) followed by headers describing f.
+func Headers(orig []kgo.RecordHeader, f Failure) []kgo.RecordHeader {
+	out := make([]kgo.RecordHeader, 0, len(orig)+11)
+	for _, h := range orig {
+		if !strings.HasPrefix(h.Key, HeaderPrefix) {
+			out = append(out, h)
+		}
+	}
+	add := func(k, v string) { out = append(out, kgo.RecordHeader{Key: k, Value: []byte(v)}) }
+	add(HeaderOriginalTopic, f.Topic)
+	add(HeaderOriginalPartition, strconv.FormatInt(int64(f.Partition), 10))
+	add(HeaderOriginalOffset, strconv.FormatInt(f.Offset, 10))
+	add(HeaderOriginalTimestamp, f.Timestamp.UTC().Format(time.RFC3339Nano))
+	add(HeaderGroup, f.Group)
+	add(HeaderAttempt, strconv.Itoa(f.Attempt))
+	add(HeaderTries, strconv.Itoa(f.Tries))
+	add(HeaderErrorClass, f.Class)
+	add(HeaderErrorMessage, Truncate(f.Message, MaxErrorMessage))
+	add(HeaderFailedAt, f.FailedAt.UTC().Format(time.RFC3339Nano))
+	return out
+}
+
+// ParseFailure reads the kafkapg- headers back. It reports an error naming the first header that
+// is missing or malformed.
+func ParseFailure(headers []kgo.RecordHeader) (Failure, error) {
+	get := map[string]string{}
+	for _, h := range headers {
+		if strings.HasPrefix(h.Key, HeaderPrefix) {
+			get[h.Key] = string(h.Value)
+		}
+	}
+	var f Failure
+	var errs []error
+	str := func(k string) string {
+		v, ok := get[k]
+		if !ok {
+			errs = append(errs, fmt.Errorf("header %s is missing", k))
+		}
+		return v
+	}
+	num := func(k string, bits int) int64 {
+		s := str(k)
+		n, err := strconv.ParseInt(s, 10, bits)
+		if err != nil && s != "" {
+			errs = append(errs, fmt.Errorf("header %s: %q is not an integer", k, s))
+		}
+		return n
+	}
+	when := func(k string) time.Time {
+		s := str(k)
+		t, err := time.Parse(time.RFC3339Nano, s)
+		if err != nil && s != "" {
+			errs = append(errs, fmt.Errorf("header %s: %q is not an RFC 3339 time", k, s))
+		}
+		return t
+	}
+	f.Topic = str(HeaderOriginalTopic)
+	f.Partition = int32(num(HeaderOriginalPartition, 32))
+	f.Offset = num(HeaderOriginalOffset, 64)
+	f.Timestamp = when(HeaderOriginalTimestamp)
+	f.Group = str(HeaderGroup)
+	f.Attempt = int(num(HeaderAttempt, 32))
+	f.Tries = int(num(HeaderTries, 32))
+	f.Class = str(HeaderErrorClass)
+	f.Message = str(HeaderErrorMessage)
+	f.FailedAt = when(HeaderFailedAt)
+	if len(errs) > 0 {
+		return f, errors.Join(errs...)
+	}
+	return f, nil
+}
+
+// Truncate shortens s to at most n bytes without splitting a UTF-8 sequence, marking the cut with
+// "…" (which counts towards n).
+func Truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	const mark = "…"
+	cut := n - len(mark)
+	if cut < 0 {
+		cut = 0
+	}
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark
+}
+
+// EnsureDLQTopics creates the dead-letter topic of every source topic that lacks one, with the
+// source topic's partition count and the broker's default replication factor. A source topic
+// that does not exist yet is reported in missing and skipped; retry later.
+func EnsureDLQTopics(ctx context.Context, adm *kadm.Client, group string, sources []string) (created, missing []string, err error) {
+	want := map[string]string{} // dlq -> source
+	for _, s := range sources {
+		want[DLQTopic(s, group)] = s
+	}
+	all := append(append([]string{}, sources...), keys(want)...)
+	details, err := adm.ListTopics(ctx, all...)
+	if err != nil {
+		return nil, nil, fmt.Errorf("list topics: %w", err)
+	}
+	for dlq, src := range want {
+		if d, ok := details[dlq]; ok && d.Err == nil {
+			continue
+		}
+		sd, ok := details[src]
+		if !ok || sd.Err != nil || len(sd.Partitions) == 0 {
+			missing = append(missing, src)
+			continue
+		}
+		resp, err := adm.CreateTopic(ctx, int32(len(sd.Partitions)), -1, nil, dlq)
+		if err == nil {
+			err = resp.Err
+		}
+		if err != nil && !errors.Is(err, kerr.TopicAlreadyExists) {
+			return created, missing, fmt.Errorf("create dead-letter topic %s: %w", dlq, err)
+		}
+		if err == nil {
+			created = append(created, dlq)
+		}
+	}
+	return created, missing, nil
+}
+
+func keys(m map[string]string) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
+}

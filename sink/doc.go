@@ -1,0 +1,22 @@
+// Package sink is the transactional write at the heart of kafkapg: one Postgres transaction that
+// advances a partition's stored offset (fenced, see package offsets), applies a handler's effects
+// and queues outgoing Kafka records (dead letters, retries) in an outbox table, all or nothing.
+//
+// # What it guarantees
+//
+//   - If Apply returns nil, the effects, the offset advance and the outbox rows are committed
+//     together. If it returns an error, none of them are, except when the error reports that the
+//     commit's outcome is unknown (the connection dropped during COMMIT): calling Apply again with
+//     the same arguments then either applies the batch or finds it already committed
+//     (offsets.ErrAlreadyAdvanced) without running the handler again.
+//   - Every outbox row is published to Kafka at least once by a Relay and deleted only after the
+//     broker acknowledged it. A process that dies between the acknowledgement and the delete leaves
+//     the row, which is published again: a dead letter may appear twice in the DLQ topic, never
+//     zero times.
+//
+// # What it does not guarantee
+//
+// Order of publication across partitions or across Relays of different processes. Records from
+// the outbox of one partition are published in the order they were written when a single Relay
+// drains them, which is the normal case.
+package sink

@@ -1,0 +1,144 @@
+package sink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/offsets"
+)
+
+// Message is a record to publish to Kafka once the transaction that stored it commits.
+type Message struct {
+	Topic   string
+	Key     []byte
+	Value   []byte
+	Headers []kgo.RecordHeader
+}
+
+// HandlerError is returned by Apply when the function applying the effects failed (or Postgres
+// rejected those effects at COMMIT). The transaction was rolled back; nothing was applied.
+type HandlerError struct {
+	Err error
+}
+
+func (e *HandlerError) Error() string { return e.Err.Error() }
+func (e *HandlerError) Unwrap() error { return e.Err }
+
+// ErrConnLost wraps a handler error that happened while the connection to Postgres was lost:
+// the failure was Postgres's, not the record's.
+var ErrConnLost = errors.New("connection to postgres lost during the transaction")
+
+// ErrCommitUnknown wraps a failed COMMIT whose outcome is unknown. Retry the same Apply: it
+// resolves to nil or offsets.ErrAlreadyAdvanced.
+var ErrCommitUnknown = errors.New("commit outcome unknown")
+
+// Sink applies batches transactionally for one consumer group.
+type Sink struct {
+	pool      *pgxpool.Pool
+	offsets   *offsets.Store
+	outboxSQL string
+	idleSQL   string
+	written   func()
+}
+
+// Config configures a Sink.
+type Config struct {
+	// Schema holds kafkapg's tables. Required.
+	Schema string
+	// TxIdleTimeout is set as the transactions' idle_in_transaction_session_timeout: Postgres
+	// ends a transaction whose client has sent nothing for that long, releasing its locks. It
+	// bounds how long a stalled owner (a paused process, a stuck handler) can make the
+	// partition's next owner wait for the offsets row. Zero leaves the server's setting.
+	TxIdleTimeout time.Duration
+	// Written, if not nil, is called after every commit that stored outbox messages (to wake a
+	// Relay).
+	Written func()
+}
+
+// New returns a Sink that advances offsets in store.
+func New(pool *pgxpool.Pool, store *offsets.Store, cfg Config) *Sink {
+	s := &Sink{
+		pool:    pool,
+		offsets: store,
+		outboxSQL: `INSERT INTO ` + pgx.Identifier{cfg.Schema, "outbox"}.Sanitize() +
+			` (consumer_group, topic, key, value, header_keys, header_values) VALUES ($1, $2, $3, $4, $5, $6)`,
+		written: cfg.Written,
+	}
+	if ms := cfg.TxIdleTimeout.Milliseconds(); ms > 0 {
+		s.idleSQL = fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", ms)
+	}
+	return s
+}
+
+// Offsets returns the offset store the sink advances.
+func (s *Sink) Offsets() *offsets.Store { return s.offsets }
+
+// Apply runs one transaction that advances pos to next, runs apply (if not nil) and stores msgs in
+// the outbox, then commits. BEGIN, the offset advance and the outbox inserts travel in one round
+// trip; apply's own statements follow, then COMMIT.
+func (s *Sink) Apply(ctx context.Context, pos offsets.Position, next int64, apply func(context.Context, pgx.Tx) error, msgs []Message) (err error) {
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	if s.idleSQL != "" {
+		b.Queue(s.idleSQL)
+	}
+	adv := s.offsets.QueueAdvance(b, pos, next)
+	for _, m := range msgs {
+		keys := make([]string, len(m.Headers))
+		vals := make([][]byte, len(m.Headers))
+		for i, h := range m.Headers {
+			keys[i], vals[i] = h.Key, h.Value
+		}
+		b.Queue(s.outboxSQL, s.offsets.Group(), m.Topic, m.Key, m.Value, keys, vals)
+	}
+
+	br := s.pool.SendBatch(ctx, b)
+	tx := br.Tx()
+	defer func() {
+		if err != nil {
+			// The rollback must run even when ctx is what failed the transaction.
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+		}
+	}()
+	var advanced int64
+	adv.Exec(func(tag pgconn.CommandTag) error {
+		advanced = tag.RowsAffected()
+		return nil
+	})
+	if err := br.Close(); err != nil {
+		return fmt.Errorf("begin, advance %s to %d, store %d outbox messages: %w", pos.TP(), next, len(msgs), err)
+	}
+	if err := s.offsets.CheckAdvance(ctx, tx, pos, next, advanced); err != nil {
+		return err
+	}
+
+	if apply != nil {
+		if err := apply(ctx, tx); err != nil {
+			if tx.Conn().IsClosed() {
+				return fmt.Errorf("%w: %w", ErrConnLost, err)
+			}
+			return &HandlerError{Err: err}
+		}
+	}
+
+	if err := tx.Commit(ctx); err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) {
+			// The server answered: the transaction did not commit. A deferred constraint or a
+			// serialization failure; classification decides whose fault it is.
+			return &HandlerError{Err: fmt.Errorf("commit: %w", err)}
+		}
+		return fmt.Errorf("%w: %w", ErrCommitUnknown, err)
+	}
+	if len(msgs) > 0 && s.written != nil {
+		s.written()
+	}
+	return nil
+}
