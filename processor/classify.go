@@ -45,7 +45,9 @@ func (c ErrorClass) String() string {
 //   - a Postgres error in class 08 (connection exception), 40 (transaction rollback:
 //     serialization failure, deadlock), 53 (insufficient resources), 57P01-57P05 (server
 //     shutting down, unavailable), 58 (system error), or 25006 (read-only transaction, as during
-//     a failover): infrastructure;
+//     a failover), or any FATAL error (the server ended the session): infrastructure — except
+//     25P03, the transaction idled longer than Config.TxIdleTimeout, which is retryable: a
+//     handler that is that slow inside its transaction would otherwise be retried forever;
 //   - a failure to connect to Postgres: infrastructure;
 //   - anything else: retryable. That includes other Postgres errors (constraint violations, bad
 //     SQL), handler panics, timeouts the handler set itself, and errors from the handler's own
@@ -69,6 +71,10 @@ func Classify(err error) ErrorClass {
 	if errors.As(err, &pgErr) {
 		code := pgErr.Code
 		switch {
+		case code == "25P03": // idle_in_transaction_session_timeout
+			return ClassRetryable
+		case pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC":
+			return ClassInfrastructure
 		case len(code) == 5 && (code[:2] == "08" || code[:2] == "40" || code[:2] == "53" || code[:2] == "58"):
 			return ClassInfrastructure
 		case code == "57P01", code == "57P02", code == "57P03", code == "57P04", code == "57P05", code == "25006":

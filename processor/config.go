@@ -43,9 +43,10 @@ type Config struct {
 	// has; 0 applies whatever has arrived at once. Under load batches fill while the previous one
 	// is being applied, so this only matters for trickles. Defaults to 20ms. [BATCH_MAX_WAIT]
 	BatchMaxWait time.Duration
-	// MaxBufferedRecords is how many fetched records a partition may hold before fetching from
-	// it pauses. Defaults to 4 × BatchMaxRecords.
-	MaxBufferedRecords int
+	// MaxBufferedBytes is how many bytes of fetched records (keys and values) a partition may
+	// hold, waiting to be applied, before fetching from it pauses; it resumes at half. Defaults
+	// to 4 MiB.
+	MaxBufferedBytes int
 
 	// LocalAttempts is how many times a failing record is tried within one delivery, counting
 	// the first try, before it is dead-lettered. 1 disables local retries. Defaults to 3.
@@ -104,8 +105,8 @@ func (c *Config) withDefaults() *Config {
 	} else if out.BatchMaxWait < 0 {
 		out.BatchMaxWait = 0
 	}
-	if out.MaxBufferedRecords == 0 {
-		out.MaxBufferedRecords = 4 * out.BatchMaxRecords
+	if out.MaxBufferedBytes == 0 {
+		out.MaxBufferedBytes = 4 << 20
 	}
 	if out.LocalAttempts == 0 {
 		out.LocalAttempts = 3
@@ -176,8 +177,8 @@ func (c *Config) validate() error {
 	if c.BatchMaxRecords < 1 {
 		errs = append(errs, fmt.Errorf("BatchMaxRecords (BATCH_MAX_RECORDS) must be at least 1, got %d", c.BatchMaxRecords))
 	}
-	if c.MaxBufferedRecords < c.BatchMaxRecords {
-		errs = append(errs, fmt.Errorf("MaxBufferedRecords must be at least BatchMaxRecords (%d), got %d", c.BatchMaxRecords, c.MaxBufferedRecords))
+	if c.MaxBufferedBytes < 1 {
+		errs = append(errs, fmt.Errorf("MaxBufferedBytes must be positive, got %d", c.MaxBufferedBytes))
 	}
 	if c.LocalAttempts < 1 {
 		errs = append(errs, fmt.Errorf("LocalAttempts (RETRY_LOCAL_ATTEMPTS) must be at least 1, got %d", c.LocalAttempts))

@@ -131,7 +131,7 @@ func (p *Processor) Run(ctx context.Context) error {
 		defer close(relayDone)
 		relay.Run(relayCtx)
 	}()
-	defer func() { stopRelay(); <-relayDone }()
+	defer stopRelay()
 
 	// Joining starts only now, so the rebalance callbacks always find p.client set.
 	cl.AddConsumeTopics(p.cfg.Topics...)
@@ -157,7 +157,10 @@ func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Re
 	// Publish what the last transactions put in the outbox, if time allows; anything left is
 	// published by the next processor to run.
 	stopRelay()
-	<-relayDone
+	select {
+	case <-relayDone:
+	case <-sctx.Done():
+	}
 	fctx, fcancel := context.WithTimeout(sctx, max(time.Until(deadlineOf(sctx))/2, 0))
 	if n, err := relay.Drain(fctx); err != nil {
 		p.log.Warn("outbox not fully published at shutdown; the next processor will publish the rest", "published", n, "err", err)
@@ -193,6 +196,9 @@ func (p *Processor) newClient() (*kgo.Client, error) {
 		kgo.SessionTimeout(p.cfg.SessionTimeout),
 		kgo.HeartbeatInterval(min(3*time.Second, p.cfg.SessionTimeout/3)),
 		kgo.BlockRebalanceOnPoll(),
+		// A partition resumed after a pause joins the next fetch to its broker, which starts
+		// when the one in flight returns; with nothing else to fetch that takes FetchMaxWait.
+		kgo.FetchMaxWait(500 * time.Millisecond),
 		kgo.AutoCommitMarks(),
 		kgo.AdjustFetchOffsetsFn(p.claimAssigned),
 		kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, m map[string][]int32) {
@@ -335,6 +341,9 @@ func (p *Processor) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[s
 }
 
 func (p *Processor) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int32) {
+	if len(lost) == 0 {
+		return // called on every failed join attempt while the broker is unreachable
+	}
 	ws := p.removeWorkers(lost)
 	p.metrics.rebalances.WithLabelValues("lost").Inc()
 	p.joined.Store(false)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/url"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -127,7 +128,8 @@ func TestRestartResumesFromPostgres(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 3)
-		first := mixed(2000, 2, "r1")
+		all := mixed(3000, 2, "r")
+		first, second := all[:2000], all[2000:]
 		h.produce(first)
 		cfg := h.config(ledger.Handler{})
 		cfg.BatchMaxRecords = 50
@@ -135,11 +137,8 @@ func TestRestartResumesFromPostgres(t *testing.T) {
 		h.waitApplied(300, 30*time.Second)
 		r.stop(t)
 
-		second := mixed(1000, 3, "r2")
 		h.produce(second)
-		cfg = h.config(ledger.Handler{})
-		h.start(cfg)
-		all := append(first, second...)
+		h.start(h.config(ledger.Handler{}))
 		h.waitSettled(all, 1, 60*time.Second)
 		h.verify(all, 1, false)
 	})
@@ -188,63 +187,124 @@ func TestRebalancesExactlyOnce(t *testing.T) {
 type gate struct {
 	inner   processor.Handler
 	closed  atomic.Bool
-	stalled chan struct{}
+	stalled chan offsets.Partition
 	release chan struct{}
 }
 
 func (g *gate) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
 	if g.closed.Load() {
-		select {
-		case g.stalled <- struct{}{}:
-		default:
-		}
+		g.stalled <- offsets.Partition{Topic: rec.Topic, Partition: rec.Partition}
 		<-g.release
 	}
 	return g.inner.Handle(ctx, tx, rec)
 }
 
-// TestStaleOwnerIsFenced stalls the owner of a partition inside its transaction past a rebalance.
-// The new owner must take the partition over and apply the records; when the stale owner wakes
-// up, its transaction must fail (fenced), and nothing may be applied twice.
+// TestStaleOwnerIsFenced stalls a partition's owner inside its transaction (a handler stuck on
+// a call, a long GC pause) while a new owner claims the partition, as the next owner does on
+// assignment after a rebalance the stalled one has not noticed. Postgres ends the stalled,
+// idle transaction, which lets the claim through. When the old owner wakes up it retries its
+// batch with its old token: that transaction must be fenced, and nothing applied.
 func TestStaleOwnerIsFenced(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 1)
-		items := ledger.Generate(ledger.GenConfig{Events: 20, Accounts: 3, Seed: 5, Prefix: "st"})
+		items := ledger.Generate(ledger.GenConfig{Events: 50, Accounts: 5, Seed: 7, Prefix: "sp"})
 
-		g := &gate{inner: ledger.Handler{}, stalled: make(chan struct{}, 1), release: make(chan struct{})}
+		g := &gate{inner: ledger.Handler{}, stalled: make(chan offsets.Partition, 1), release: make(chan struct{})}
 		g.closed.Store(true)
-		cfgA := h.config(g)
-		cfgA.DrainTimeout = time.Minute // A does not give up on its transaction: a true zombie
-		cfgA.TxIdleTimeout = 2 * time.Second
-		cfgA.SessionTimeout = 2 * time.Second
-		cfgA.KafkaOptions = append(cfgA.KafkaOptions, kgo.RebalanceTimeout(2*time.Second))
-		a := h.start(cfgA)
+		var once sync.Once
+		release := func() { once.Do(func() { g.closed.Store(false); close(g.release) }) }
+		t.Cleanup(release) // runs before the processor's cleanup: unsticks it on failure
+
+		cfg := h.config(g)
+		cfg.TxIdleTimeout = 2 * time.Second
+		a := h.start(cfg)
 		h.produce(items)
 		select {
 		case <-g.stalled:
 		case <-time.After(30 * time.Second):
-			t.Fatal("handler of A never ran")
+			t.Fatal("handler never ran")
 		}
 
-		// B joins. A cannot finish its revoke (stalled worker), is expelled from the group, and
-		// Postgres ends A's idle transaction, releasing the offsets row for B's claim.
-		b := h.start(h.config(ledger.Handler{}))
-		h.waitSettled(items, 1, 60*time.Second)
+		// The new owner's claim waits for the stalled transaction's row lock until Postgres ends
+		// that transaction (TxIdleTimeout).
+		store := offsets.NewStore("kafkapg", h.group)
+		tp := offsets.Partition{Topic: h.topic, Partition: 0}
+		start := time.Now()
+		claimed, err := store.Claim(context.Background(), h.pool, "new owner", []offsets.Partition{tp})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("claim went through after %v", time.Since(start).Round(time.Millisecond))
 
-		close(g.release) // A wakes up and tries to commit with its old token
+		release()
 		testenv.Eventually(t, 30*time.Second, func() error {
 			if a.counter("kafkapg_fenced_transactions_total") < 1 {
-				return testenv.Errorf("stale owner A was not fenced")
+				return testenv.Errorf("stale owner was not fenced")
 			}
 			return nil
 		})
+		if got := h.applied(); got != 0 {
+			t.Fatalf("%d events applied by the stale owner", got)
+		}
+		pos, err := store.Load(context.Background(), h.pool, tp)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if pos != claimed[0] {
+			t.Fatalf("offsets row is %+v, want it as the new owner claimed it: %+v", pos, claimed[0])
+		}
+	})
+}
+
+// TestOwnerCutOffFromKafkaAppliesNothing makes A a zombie under a real rebalance: its handler
+// stalls inside the transactions of both its partitions, and A is cut off from Kafka (not from
+// Postgres), so the group expels it and gives its partitions to B. Postgres ends A's idle
+// transactions, releasing the offsets rows for B's claims. When A's handler wakes up, none of
+// its work may commit, and every record must be applied exactly once, by B.
+func TestOwnerCutOffFromKafkaAppliesNothing(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 2)
+		items := ledger.Generate(ledger.GenConfig{Events: 40, Accounts: 10, Seed: 5, Prefix: "st"})
+
+		g := &gate{inner: ledger.Handler{}, stalled: make(chan offsets.Partition, 2), release: make(chan struct{})}
+		g.closed.Store(true)
+		var once sync.Once
+		release := func() { once.Do(func() { g.closed.Store(false); close(g.release) }) }
+		t.Cleanup(release)
+
+		net := testenv.NewNetFault()
+		cfgA := h.config(g)
+		cfgA.TxIdleTimeout = 2 * time.Second
+		cfgA.SessionTimeout = 2 * time.Second
+		cfgA.ShutdownTimeout = 3 * time.Second
+		cfgA.KafkaOptions = append(cfgA.KafkaOptions, kgo.Dialer(net.Dial))
+		a := h.start(cfgA)
+		h.produce(items)
+		stalled := map[offsets.Partition]bool{}
+		for len(stalled) < 2 {
+			select {
+			case tp := <-g.stalled:
+				stalled[tp] = true
+			case <-time.After(30 * time.Second):
+				t.Fatalf("A's handler stalled on %d partitions, want 2", len(stalled))
+			}
+		}
+
+		net.Cut()
+		b := h.start(h.config(ledger.Handler{}))
+		h.waitSettled(items, 1, 60*time.Second)
+
+		release()
+		time.Sleep(time.Second) // let A's workers try to commit
 		if got := a.counter("kafkapg_records_applied_total"); got != 0 {
-			t.Errorf("stale owner A applied %v records", got)
+			t.Errorf("zombie A applied %v records", got)
 		}
 		if got := b.counter("kafkapg_records_applied_total"); got != float64(len(items)) {
 			t.Errorf("new owner B applied %v records, want %d", got, len(items))
 		}
+		net.Restore()
 		a.stop(t)
 		b.stop(t)
 		h.verify(items, 1, false)

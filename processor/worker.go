@@ -35,12 +35,13 @@ type worker struct {
 	pos offsets.Position
 	log *slog.Logger
 
-	mu      sync.Mutex
-	queue   []*kgo.Record
-	firstAt time.Time // when the oldest queued record arrived
-	paused  bool      // fetching from the partition is paused because the queue is full
-	closed  bool      // no more records are accepted
-	wake    chan struct{}
+	mu          sync.Mutex
+	queue       []*kgo.Record
+	queuedBytes int       // keys and values in queue
+	firstAt     time.Time // when the oldest queued record arrived
+	paused      bool      // fetching from the partition is paused because the queue is full
+	closed      bool      // no more records are accepted
+	wake        chan struct{}
 
 	stopping chan struct{} // closed by stop: finish the transaction in flight, start nothing new
 	stopOnce sync.Once
@@ -76,7 +77,10 @@ func (w *worker) push(recs []*kgo.Record) {
 		w.firstAt = time.Now()
 	}
 	w.queue = append(w.queue, recs...)
-	if !w.paused && len(w.queue) >= w.p.cfg.MaxBufferedRecords {
+	for _, r := range recs {
+		w.queuedBytes += len(r.Key) + len(r.Value)
+	}
+	if !w.paused && w.queuedBytes >= w.p.cfg.MaxBufferedBytes {
 		w.paused = true
 		w.cl.PauseFetchPartitions(map[string][]int32{w.tp.Topic: {w.tp.Partition}})
 	}
@@ -105,10 +109,13 @@ func (w *worker) take() []*kgo.Record {
 				k := min(n, max)
 				batch := w.queue[:k:k]
 				w.queue = w.queue[k:]
+				for _, r := range batch {
+					w.queuedBytes -= len(r.Key) + len(r.Value)
+				}
 				if len(w.queue) > 0 {
 					w.firstAt = time.Now()
 				}
-				if w.paused && len(w.queue) <= w.p.cfg.MaxBufferedRecords/2 {
+				if w.paused && w.queuedBytes <= w.p.cfg.MaxBufferedBytes/2 {
 					w.paused = false
 					w.cl.ResumeFetchPartitions(map[string][]int32{w.tp.Topic: {w.tp.Partition}})
 				}
@@ -340,8 +347,10 @@ func (w *worker) transact(recs []*Record, msgs []sink.Message, withHandler bool)
 		if errors.Is(err, offsets.ErrFenced) {
 			return err
 		}
+		// A failure is the record's only if its handler ran and failed for a reason that is not
+		// the infrastructure's (a transaction without a handler has nobody else to blame).
 		var herr *sink.HandlerError
-		if errors.As(err, &herr) && Classify(herr.Err) != ClassInfrastructure {
+		if withHandler && errors.As(err, &herr) && Classify(herr.Err) != ClassInfrastructure {
 			return herr
 		}
 		failures++

@@ -28,6 +28,11 @@ type RelayConfig struct {
 	Backoff backoff.Policy
 	// BatchSize is the most rows published per transaction. Defaults to 500.
 	BatchSize int
+	// PublishTimeout bounds one batch: produce, delete, commit. A batch is not interrupted when
+	// the Run or Drain context is cancelled (an interrupted produce may have reached the broker,
+	// and its rows would be published twice); only this timeout, or the context's deadline if
+	// sooner, ends it. Defaults to 30s.
+	PublishTimeout time.Duration
 	// Published, if not nil, is called with the topic of every record published and acknowledged.
 	Published func(topic string)
 }
@@ -58,6 +63,9 @@ func NewRelay(pool *pgxpool.Pool, client *kgo.Client, cfg RelayConfig) *Relay {
 	}
 	if cfg.BatchSize <= 0 {
 		cfg.BatchSize = 500
+	}
+	if cfg.PublishTimeout <= 0 {
+		cfg.PublishTimeout = 30 * time.Second
 	}
 	t := pgx.Identifier{cfg.Schema, "outbox"}.Sanitize()
 	return &Relay{
@@ -91,7 +99,9 @@ func (r *Relay) Run(ctx context.Context) error {
 			}
 			failures++
 			d := r.cfg.Backoff.Delay(failures)
-			r.cfg.Logger.Warn("outbox publish failed; will retry", "err", err, "retry_in", d, "failures", failures)
+			if failures == 1 || failures%10 == 0 {
+				r.cfg.Logger.Warn("outbox publish failed; will retry", "err", err, "retry_in", d, "failures", failures)
+			}
 			if !backoff.Sleep(ctx, nil, d) {
 				return nil
 			}
@@ -111,24 +121,32 @@ func (r *Relay) Run(ctx context.Context) error {
 }
 
 // Drain publishes every row of the group's outbox that no other relay holds, and returns how
-// many it published.
+// many it published. It stops between batches when ctx is done.
 func (r *Relay) Drain(ctx context.Context) (int, error) {
 	total := 0
-	for {
+	for ctx.Err() == nil {
 		n, err := r.publishBatch(ctx)
 		total += n
 		if err != nil || n < r.cfg.BatchSize {
 			return total, err
 		}
 	}
+	return total, ctx.Err()
 }
 
-func (r *Relay) publishBatch(ctx context.Context) (int, error) {
+func (r *Relay) publishBatch(parent context.Context) (int, error) {
+	deadline := time.Now().Add(r.cfg.PublishTimeout)
+	if d, ok := parent.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(parent), deadline)
+	defer cancel()
+
 	tx, err := r.pool.Begin(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("outbox: begin: %w", err)
 	}
-	defer tx.Rollback(context.WithoutCancel(ctx))
+	defer tx.Rollback(ctx)
 
 	rows, err := tx.Query(ctx, r.selectSQL, r.cfg.Group, r.cfg.BatchSize)
 	if err != nil {
