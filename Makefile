@@ -1,0 +1,56 @@
+# kafkapg — run `make help` for the targets.
+#
+# Postgres: `make demo`, `make test` and `make bench` start a throwaway PostgreSQL cluster
+# (scripts/with-postgres.sh) unless DATABASE_URL / TEST_DATABASE_URL is already set.
+# Kafka: tests always run against an in-process kfake broker, and also against the real broker
+# at KAFKA_BROKERS when that is set (`make kafka-start` starts one from Maven Central jars).
+
+GO       ?= go
+BIN      := bin
+PKGS     := ./...
+# -race needs cgo; the integration tests are long, so give them room.
+TESTFLAGS ?= -race -count=1 -timeout 30m
+
+.DEFAULT_GOAL := help
+
+.PHONY: help
+help: ## Show this help
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+.PHONY: build
+build: ## Build bin/processor, bin/devbroker and bin/demo
+	$(GO) build -o $(BIN)/ ./cmd/...
+
+.PHONY: demo
+demo: build ## Run the ledger demo: dev broker, throwaway Postgres, processor, report
+	scripts/with-postgres.sh DATABASE_URL $(BIN)/demo
+
+.PHONY: test
+test: ## Unit and integration tests (real Postgres; kfake, plus real Kafka if KAFKA_BROKERS is set)
+	scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test $(TESTFLAGS) $(PKGS)
+
+.PHONY: bench
+bench: ## End-to-end throughput: kafkapg vs hand-written loops on the same data (durable Postgres)
+	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test -run '^$$' -bench . -benchtime 1x -count 1 -timeout 30m ./internal/bench/
+
+.PHONY: lint
+lint: ## gofmt check and go vet (staticcheck too if installed)
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet $(PKGS)
+	@if command -v staticcheck >/dev/null; then staticcheck $(PKGS); else echo "staticcheck not installed; skipped"; fi
+
+.PHONY: fmt
+fmt: ## Format the code
+	gofmt -w $$(git ls-files '*.go')
+
+.PHONY: kafka-start
+kafka-start: ## Start a real single-node Apache Kafka (jars from Maven Central) on 127.0.0.1:9092
+	scripts/kafka.sh start
+
+.PHONY: kafka-stop
+kafka-stop: ## Stop the Kafka broker started by kafka-start
+	scripts/kafka.sh stop
+
+.PHONY: clean
+clean: ## Remove build output
+	rm -rf $(BIN)

@@ -1,0 +1,341 @@
+// Command demo shows kafkapg end to end on one machine: it starts the dev broker, produces a few
+// thousand ledger events (some poison, some malformed, some that keep failing), runs the real
+// processor binary against DATABASE_URL, waits until every event is applied or dead-lettered,
+// checks the ledger, stops the processor with SIGTERM and prints a report. `make demo` runs it
+// with a throwaway Postgres when DATABASE_URL is unset.
+//
+// The demo works in its own Postgres schema (kafkapg_demo) and drops it at the end unless -keep.
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/topicread"
+	"github.com/kafkapg/kafkapg/retrytopics"
+)
+
+const (
+	schema = "kafkapg_demo"
+	topic  = "ledger"
+	group  = "ledger-demo"
+)
+
+func main() {
+	events := flag.Int("events", 5000, "ledger events to produce")
+	partitions := flag.Int("partitions", 8, "partitions of the ledger topic")
+	keep := flag.Bool("keep", false, "keep the demo schema (kafkapg_demo) in the database afterwards")
+	flag.Parse()
+	if err := run(*events, int32(*partitions), *keep); err != nil {
+		fmt.Fprintf(os.Stderr, "\ndemo failed: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+func run(events int, partitions int32, keep bool) error {
+	dbURL := os.Getenv("DATABASE_URL")
+	if dbURL == "" {
+		return errors.New("DATABASE_URL is not set: run `make demo`, which starts a throwaway Postgres, or point DATABASE_URL at a database")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	bin, err := binDir()
+	if err != nil {
+		return err
+	}
+	work, err := os.MkdirTemp("", "kafkapg-demo-")
+	if err != nil {
+		return err
+	}
+
+	// Postgres: a clean schema of our own; the processor finds its tables and the ledger's there.
+	demoURL, err := withSearchPath(dbURL, schema)
+	if err != nil {
+		return err
+	}
+	pool, err := pgxpool.New(ctx, demoURL)
+	if err != nil {
+		return fmt.Errorf("DATABASE_URL: %w", err)
+	}
+	defer pool.Close()
+	if _, err := pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+schema+` CASCADE; CREATE SCHEMA `+schema); err != nil {
+		return fmt.Errorf("prepare schema %s: %w", schema, err)
+	}
+	if !keep {
+		defer pool.Exec(context.WithoutCancel(ctx), `DROP SCHEMA IF EXISTS `+schema+` CASCADE`)
+	}
+
+	// The dev broker, as a separate process like a real one.
+	brokerAddr := freeAddr()
+	broker := exec.Command(filepath.Join(bin, "devbroker"), "-listen", brokerAddr)
+	broker.Stdout, broker.Stderr = logFile(work, "devbroker.log")
+	if err := broker.Start(); err != nil {
+		return fmt.Errorf("start devbroker: %w", err)
+	}
+	defer stop(broker, 5*time.Second)
+	cl, err := kgo.NewClient(kgo.SeedBrokers(brokerAddr))
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+	adm := kadm.NewClient(cl)
+	if err := waitFor(ctx, 20*time.Second, func() error {
+		_, err := adm.ListBrokers(ctx)
+		return err
+	}); err != nil {
+		return fmt.Errorf("devbroker did not come up: %w", err)
+	}
+	if _, err := adm.CreateTopic(ctx, partitions, 1, nil, topic); err != nil {
+		return fmt.Errorf("create topic: %w", err)
+	}
+
+	items := ledger.Generate(ledger.GenConfig{
+		Events: events, Accounts: 50, Seed: uint64(time.Now().UnixNano()), Prefix: "demo",
+		PoisonPerMille: 10, MalformedPerMille: 10, FlakyPerMille: 10,
+	})
+	kinds := map[ledger.Kind]int{}
+	recs := make([]*kgo.Record, len(items))
+	for i, it := range items {
+		kinds[it.Kind]++
+		recs[i] = it.Record(topic)
+	}
+	if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+		return fmt.Errorf("produce: %w", err)
+	}
+	fmt.Printf("produced   %d ledger events to %q (%d partitions): %d valid, %d flaky (fail every try), %d poison, %d malformed\n",
+		len(items), topic, partitions, kinds[ledger.KindOK], kinds[ledger.KindFlaky], kinds[ledger.KindPoison], kinds[ledger.KindMalformed])
+
+	// The processor, configured only by environment variables, as in production.
+	httpAddr := "127.0.0.1:9090"
+	if l, err := net.Listen("tcp", httpAddr); err != nil {
+		httpAddr = freeAddr()
+	} else {
+		l.Close()
+	}
+	proc := exec.Command(filepath.Join(bin, "processor"))
+	proc.Env = append(os.Environ(),
+		"KAFKA_BROKERS="+brokerAddr,
+		"KAFKA_GROUP_ID="+group,
+		"KAFKA_TOPICS="+topic,
+		"DATABASE_URL="+demoURL,
+		"DB_SCHEMA="+schema,
+		"HANDLER=ledger",
+		"HTTP_ADDR="+httpAddr,
+		"LOG_FORMAT=text",
+		"RETRY_BACKOFF_BASE=20ms",
+		"RETRY_BACKOFF_MAX=200ms",
+	)
+	logOut, _ := logFile(work, "processor.log")
+	proc.Stdout, proc.Stderr = logOut, logOut
+	started := time.Now()
+	if err := proc.Start(); err != nil {
+		return fmt.Errorf("start processor: %w", err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- proc.Wait() }()
+	defer func() {
+		if proc.ProcessState == nil {
+			proc.Process.Kill()
+		}
+	}()
+
+	wantDead := 0
+	for _, it := range items {
+		if it.Dead(1) {
+			wantDead++
+		}
+	}
+	wantApplied := len(items) - wantDead
+	var applied, dead int
+	fi, _ := os.Stdout.Stat()
+	tty := fi != nil && fi.Mode()&os.ModeCharDevice != 0
+	err = waitFor(ctx, 2*time.Minute, func() error {
+		select {
+		case err := <-exited:
+			return fmt.Errorf("processor exited early (%v); see %s", err, filepath.Join(work, "processor.log"))
+		default:
+		}
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM ledger_entries`).Scan(&applied); err != nil {
+			return err
+		}
+		dl, err := topicread.All(ctx, []string{brokerAddr}, retrytopics.DLQTopic(topic, group))
+		if err != nil {
+			return err
+		}
+		dead = len(dl)
+		if tty {
+			fmt.Printf("\rprocessing %d applied, %d dead-lettered ...", applied, dead)
+		}
+		if applied < wantApplied || dead < wantDead {
+			return fmt.Errorf("%d of %d applied, %d of %d dead-lettered", applied, wantApplied, dead, wantDead)
+		}
+		return nil
+	})
+	if tty {
+		fmt.Println()
+	}
+	if err != nil {
+		return err
+	}
+	took := time.Since(started)
+	metrics := scrape(httpAddr, "kafkapg_records_applied_total", "kafkapg_records_dead_lettered_total")
+
+	rep, verr := ledger.Verify(ctx, pool, items, 1)
+	dlq, err := topicread.All(ctx, []string{brokerAddr}, retrytopics.DLQTopic(topic, group))
+	if err != nil {
+		return err
+	}
+	dups, derr := ledger.CheckDeadLetters(items, dlq, 1, false)
+
+	sigAt := time.Now()
+	proc.Process.Signal(syscall.SIGTERM)
+	var exitErr error
+	select {
+	case exitErr = <-exited:
+	case <-time.After(15 * time.Second):
+		return errors.New("processor did not exit within 15s of SIGTERM")
+	}
+	shutdown := time.Since(sigAt)
+
+	fmt.Printf("applied    %d events exactly once into ledger_entries (%v from processor start)\n", rep.Applied, took.Round(time.Millisecond))
+	fmt.Printf("dead       %d records in topic %s (%d flaky, %d poison, %d malformed), %d duplicates\n",
+		len(dlq), retrytopics.DLQTopic(topic, group), kinds[ledger.KindFlaky], kinds[ledger.KindPoison], kinds[ledger.KindMalformed], dups)
+	if verr == nil {
+		fmt.Printf("balances   consistent: %d accounts, each balance = sum of its entries = sum of its produced events; per-account order kept\n", rep.Accounts)
+	} else {
+		fmt.Printf("balances   INCONSISTENT:\n%v\n", verr)
+	}
+	if derr != nil {
+		fmt.Printf("dead letters WRONG:\n%v\n", derr)
+	}
+	fmt.Printf("metrics    were served at http://%s/metrics (also /healthz, /readyz): %s\n", httpAddr, metrics)
+	fmt.Printf("shutdown   SIGTERM -> exit %s in %v\n", exitStatus(exitErr), shutdown.Round(time.Millisecond))
+	fmt.Printf("logs       %s\n", work)
+	if verr != nil || derr != nil || exitErr != nil {
+		return errors.New("the demo found problems (above)")
+	}
+	fmt.Println("\nok: every event applied exactly once or dead-lettered; nothing lost.")
+	return nil
+}
+
+// binDir is where the demo's sibling binaries (devbroker, processor) are.
+func binDir() (string, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	dir := filepath.Dir(exe)
+	for _, b := range []string{"devbroker", "processor"} {
+		if _, err := os.Stat(filepath.Join(dir, b)); err != nil {
+			return "", fmt.Errorf("%s not found next to the demo binary (%s): build with `make build` or run `make demo`", b, dir)
+		}
+	}
+	return dir, nil
+}
+
+func withSearchPath(raw, schema string) (string, error) {
+	u, err := url.Parse(raw)
+	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
+		return "", errors.New("DATABASE_URL must be a postgres:// URL for the demo")
+	}
+	q := u.Query()
+	q.Set("search_path", schema)
+	u.RawQuery = q.Encode()
+	return u.String(), nil
+}
+
+func freeAddr() string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func logFile(dir, name string) (*os.File, *os.File) {
+	f, err := os.Create(filepath.Join(dir, name))
+	if err != nil {
+		panic(err)
+	}
+	return f, f
+}
+
+func stop(cmd *exec.Cmd, grace time.Duration) {
+	cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(grace):
+		cmd.Process.Kill()
+	}
+}
+
+func waitFor(ctx context.Context, timeout time.Duration, cond func() error) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		err := cond()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return err
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// scrape returns "name value" pairs (series summed) from the processor's /metrics.
+func scrape(addr string, names ...string) string {
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		return "(scrape failed: " + err.Error() + ")"
+	}
+	defer resp.Body.Close()
+	sums := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		for _, n := range names {
+			if strings.HasPrefix(line, n+" ") || strings.HasPrefix(line, n+"{") {
+				var v float64
+				fmt.Sscan(line[strings.LastIndexByte(line, ' ')+1:], &v)
+				sums[n] += v
+			}
+		}
+	}
+	var parts []string
+	for _, n := range names {
+		parts = append(parts, fmt.Sprintf("%s=%g", n, sums[n]))
+	}
+	return strings.Join(parts, " ")
+}
+
+func exitStatus(err error) string {
+	var ee *exec.ExitError
+	switch {
+	case err == nil:
+		return "0"
+	case errors.As(err, &ee):
+		return fmt.Sprint(ee.ExitCode())
+	}
+	return err.Error()
+}

@@ -1,0 +1,216 @@
+package retrytopics_test
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/retrytopics"
+)
+
+// newCluster starts an in-process single-broker cluster and returns its addresses.
+func newCluster(t *testing.T) []string {
+	t.Helper()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	return c.ListenAddrs()
+}
+
+// newAdmin returns an admin client of its own. kadm answers ListTopics from the kgo client's
+// metadata cache (for MetadataMinAge, 5s by default), so each step of a test that must see the
+// broker's current state uses a fresh client.
+func newAdmin(t *testing.T, addrs []string) *kadm.Client {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(cl.Close)
+	return kadm.NewClient(cl)
+}
+
+func createTopic(t *testing.T, addrs []string, topic string, partitions int32) {
+	t.Helper()
+	resp, err := newAdmin(t, addrs).CreateTopic(context.Background(), partitions, 1, nil, topic)
+	if err == nil {
+		err = resp.Err
+	}
+	if err != nil {
+		t.Fatalf("create topic %s: %v", topic, err)
+	}
+}
+
+// partitions returns the partition count of topic, or -1 if it does not exist.
+func partitions(t *testing.T, addrs []string, topic string) int {
+	t.Helper()
+	d, err := newAdmin(t, addrs).ListTopics(context.Background(), topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	td, ok := d[topic]
+	if !ok || td.Err != nil {
+		return -1
+	}
+	return len(td.Partitions)
+}
+
+func sorted(s []string) []string {
+	s = slices.Clone(s)
+	slices.Sort(s)
+	return s
+}
+
+func TestEnsureDLQTopics(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	addrs := newCluster(t)
+	createTopic(t, addrs, "orders", 3)
+	createTopic(t, addrs, "refunds", 1)
+	sources := []string{"orders", "ghost", "refunds"}
+
+	created, missing, err := retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "billing", sources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"orders.billing.dlq", "refunds.billing.dlq"}; !slices.Equal(sorted(created), want) {
+		t.Errorf("created = %q, want %q", created, want)
+	}
+	if want := []string{"ghost"}; !slices.Equal(missing, want) {
+		t.Errorf("missing = %q, want %q", missing, want)
+	}
+	for topic, want := range map[string]int{
+		"orders.billing.dlq":  3,
+		"refunds.billing.dlq": 1,
+		"ghost.billing.dlq":   -1, // a missing source gets no DLQ
+	} {
+		if got := partitions(t, addrs, topic); got != want {
+			t.Errorf("%s has %d partitions, want %d (-1: does not exist)", topic, got, want)
+		}
+	}
+
+	// Idempotent: the second call finds everything in place.
+	created, missing, err = retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "billing", sources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(created) != 0 {
+		t.Errorf("second call created %q, want nothing", created)
+	}
+	if want := []string{"ghost"}; !slices.Equal(missing, want) {
+		t.Errorf("second call: missing = %q, want %q", missing, want)
+	}
+
+	// Once the source appears, its DLQ is created.
+	createTopic(t, addrs, "ghost", 2)
+	created, missing, err = retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "billing", sources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"ghost.billing.dlq"}; !slices.Equal(created, want) || len(missing) != 0 {
+		t.Errorf("after creating ghost: created = %q, missing = %q; want %q, none missing", created, missing, want)
+	}
+	if got := partitions(t, addrs, "ghost.billing.dlq"); got != 2 {
+		t.Errorf("ghost.billing.dlq has %d partitions, want 2", got)
+	}
+
+	// Another group gets DLQs of its own.
+	created, _, err = retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "audit", []string{"orders"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"orders.audit.dlq"}; !slices.Equal(created, want) {
+		t.Errorf("group audit: created = %q, want %q", created, want)
+	}
+}
+
+// TestEnsureDLQTopicsLostRace: another instance creates the DLQ between this one's ListTopics and
+// CreateTopic. TopicAlreadyExists is success, but the topic is not reported as created by us.
+// A stale metadata cache produces exactly that sequence.
+func TestEnsureDLQTopicsLostRace(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	addrs := newCluster(t)
+	createTopic(t, addrs, "orders", 3)
+	stale := newAdmin(t, addrs)
+	if _, err := stale.ListTopics(ctx, "orders", "orders.billing.dlq"); err != nil {
+		t.Fatal(err)
+	}
+	createTopic(t, addrs, "orders.billing.dlq", 3) // the other instance
+	if d, err := stale.ListTopics(ctx, "orders.billing.dlq"); err != nil || d["orders.billing.dlq"].Err == nil {
+		t.Skipf("the admin client's metadata is not stale (err %v); cannot stage the race this way", err)
+	}
+
+	created, missing, err := retrytopics.EnsureDLQTopics(ctx, stale, "billing", []string{"orders"})
+	if err != nil {
+		t.Fatalf("err = %v, want TopicAlreadyExists treated as success", err)
+	}
+	if len(created) != 0 || len(missing) != 0 {
+		t.Errorf("created = %q, missing = %q; want neither", created, missing)
+	}
+}
+
+// TestEnsureDLQTopicsKeepsExisting checks that an existing DLQ is left alone, even if its
+// partition count differs from the source's or its source is gone.
+func TestEnsureDLQTopicsKeepsExisting(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	addrs := newCluster(t)
+	createTopic(t, addrs, "orders", 3)
+	createTopic(t, addrs, "orders.billing.dlq", 1)
+	createTopic(t, addrs, "gone.billing.dlq", 1)
+
+	created, missing, err := retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders", "gone"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(created) != 0 || len(missing) != 0 {
+		t.Errorf("created = %q, missing = %q; want neither", created, missing)
+	}
+	if got := partitions(t, addrs, "orders.billing.dlq"); got != 1 {
+		t.Errorf("existing DLQ now has %d partitions, want it untouched (1)", got)
+	}
+}
+
+func TestEnsureDLQTopicsNoSources(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	addrs := newCluster(t)
+	createTopic(t, addrs, "orders", 3)
+	created, missing, err := retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "billing", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(created) != 0 || len(missing) != 0 {
+		t.Errorf("created = %q, missing = %q; want neither for no sources", created, missing)
+	}
+	if got := partitions(t, addrs, "orders.billing.dlq"); got != -1 {
+		t.Errorf("orders.billing.dlq was created although orders was not asked for")
+	}
+}
+
+func TestEnsureDLQTopicsContextDone(t *testing.T) {
+	t.Parallel()
+	addrs := newCluster(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, _, err := retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders"})
+	if err == nil {
+		t.Fatal("EnsureDLQTopics with a cancelled context returned no error")
+	}
+	if !errors.Is(err, context.Canceled) {
+		t.Errorf("err = %v, want it to wrap context.Canceled", err)
+	}
+}
