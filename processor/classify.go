@@ -57,6 +57,10 @@ func (c ErrorClass) String() string {
 // Errors outside the handler (BEGIN, the offset update, COMMIT without a server answer) are
 // always treated as infrastructure and never reach Classify.
 func Classify(err error) ErrorClass {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "25P03" { // idle_in_transaction_session_timeout
+		return ClassRetryable
+	}
 	if errors.Is(err, sink.ErrConnLost) || errors.Is(err, sink.ErrCommitUnknown) {
 		return ClassInfrastructure
 	}
@@ -67,13 +71,14 @@ func Classify(err error) ErrorClass {
 	if IsPermanent(err) {
 		return ClassPermanent
 	}
-	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		code := pgErr.Code
+		severity := pgErr.SeverityUnlocalized // not translated; empty before Postgres 9.6
+		if severity == "" {
+			severity = pgErr.Severity
+		}
 		switch {
-		case code == "25P03": // idle_in_transaction_session_timeout
-			return ClassRetryable
-		case pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC":
+		case severity == "FATAL" || severity == "PANIC":
 			return ClassInfrastructure
 		case len(code) == 5 && (code[:2] == "08" || code[:2] == "40" || code[:2] == "53" || code[:2] == "58"):
 			return ClassInfrastructure

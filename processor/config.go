@@ -56,7 +56,8 @@ type Config struct {
 	// with jitter. It applies to local retries of a record and to retries in place after an
 	// infrastructure failure. Defaults to 200ms. [RETRY_BACKOFF_BASE]
 	BackoffBase time.Duration
-	// BackoffMax caps the retry delay. Defaults to 5s. [RETRY_BACKOFF_MAX]
+	// BackoffMax caps the retry delay. Defaults to 5s, or BackoffBase if that is larger.
+	// [RETRY_BACKOFF_MAX]
 	BackoffMax time.Duration
 
 	// SessionTimeout is the Kafka group session timeout: how long a silent member keeps its
@@ -115,7 +116,7 @@ func (c *Config) withDefaults() *Config {
 		out.BackoffBase = 200 * time.Millisecond
 	}
 	if out.BackoffMax == 0 {
-		out.BackoffMax = 5 * time.Second
+		out.BackoffMax = max(5*time.Second, out.BackoffBase)
 	}
 	if out.SessionTimeout == 0 {
 		out.SessionTimeout = 45 * time.Second

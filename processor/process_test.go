@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/goleak"
+
 	"github.com/kafkapg/kafkapg/internal/service"
 	"github.com/kafkapg/kafkapg/internal/testenv"
 )
@@ -26,7 +28,15 @@ func TestMain(m *testing.M) {
 	if os.Getenv("KAFKAPG_TEST_CHILD") == "processor" {
 		os.Exit(service.Main([]string{"run"}, os.Stderr))
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	if code == 0 {
+		// Workers, relays and clients must all be gone once every processor has stopped.
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintf(os.Stderr, "goroutine leak: %v\n", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
 }
 
 // child is a processor running as a separate process.

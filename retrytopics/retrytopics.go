@@ -20,7 +20,7 @@ const (
 	HeaderOriginalTopic     = "kafkapg-original-topic"
 	HeaderOriginalPartition = "kafkapg-original-partition"
 	HeaderOriginalOffset    = "kafkapg-original-offset"
-	HeaderOriginalTimestamp = "kafkapg-original-timestamp" // RFC 3339 with nanoseconds, UTC
+	HeaderOriginalTimestamp = "kafkapg-original-timestamp" // milliseconds since the Unix epoch, as Kafka keeps it
 	HeaderGroup             = "kafkapg-group"
 	HeaderAttempt           = "kafkapg-attempt" // delivery attempt that failed last (1 = first delivery)
 	HeaderTries             = "kafkapg-tries"   // handler invocations during that delivery
@@ -61,7 +61,7 @@ func Headers(orig []kgo.RecordHeader, f Failure) []kgo.RecordHeader {
 	add(HeaderOriginalTopic, f.Topic)
 	add(HeaderOriginalPartition, strconv.FormatInt(int64(f.Partition), 10))
 	add(HeaderOriginalOffset, strconv.FormatInt(f.Offset, 10))
-	add(HeaderOriginalTimestamp, f.Timestamp.UTC().Format(time.RFC3339Nano))
+	add(HeaderOriginalTimestamp, strconv.FormatInt(f.Timestamp.UnixMilli(), 10))
 	add(HeaderGroup, f.Group)
 	add(HeaderAttempt, strconv.Itoa(f.Attempt))
 	add(HeaderTries, strconv.Itoa(f.Tries))
@@ -90,17 +90,25 @@ func ParseFailure(headers []kgo.RecordHeader) (Failure, error) {
 		return v
 	}
 	num := func(k string, bits int) int64 {
-		s := str(k)
+		s, ok := get[k]
+		if !ok {
+			errs = append(errs, fmt.Errorf("header %s is missing", k))
+			return 0
+		}
 		n, err := strconv.ParseInt(s, 10, bits)
-		if err != nil && s != "" {
+		if err != nil {
 			errs = append(errs, fmt.Errorf("header %s: %q is not an integer", k, s))
 		}
 		return n
 	}
 	when := func(k string) time.Time {
-		s := str(k)
+		s, ok := get[k]
+		if !ok {
+			errs = append(errs, fmt.Errorf("header %s is missing", k))
+			return time.Time{}
+		}
 		t, err := time.Parse(time.RFC3339Nano, s)
-		if err != nil && s != "" {
+		if err != nil {
 			errs = append(errs, fmt.Errorf("header %s: %q is not an RFC 3339 time", k, s))
 		}
 		return t
@@ -108,7 +116,7 @@ func ParseFailure(headers []kgo.RecordHeader) (Failure, error) {
 	f.Topic = str(HeaderOriginalTopic)
 	f.Partition = int32(num(HeaderOriginalPartition, 32))
 	f.Offset = num(HeaderOriginalOffset, 64)
-	f.Timestamp = when(HeaderOriginalTimestamp)
+	f.Timestamp = time.UnixMilli(num(HeaderOriginalTimestamp, 64)).UTC()
 	f.Group = str(HeaderGroup)
 	f.Attempt = int(num(HeaderAttempt, 32))
 	f.Tries = int(num(HeaderTries, 32))
@@ -122,20 +130,24 @@ func ParseFailure(headers []kgo.RecordHeader) (Failure, error) {
 }
 
 // Truncate shortens s to at most n bytes without splitting a UTF-8 sequence, marking the cut with
-// "…" (which counts towards n).
+// "…" (which counts towards n) when there is room for it.
 func Truncate(s string, n int) string {
 	if len(s) <= n {
 		return s
 	}
 	const mark = "…"
-	cut := n - len(mark)
-	if cut < 0 {
-		cut = 0
+	if n < len(mark) {
+		return cutAt(s, max(n, 0))
 	}
-	for cut > 0 && !utf8.RuneStart(s[cut]) {
-		cut--
+	return cutAt(s, n-len(mark)) + mark
+}
+
+// cutAt returns the longest prefix of s of at most n bytes that ends on a rune boundary.
+func cutAt(s string, n int) string {
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
 	}
-	return s[:cut] + mark
+	return s[:n]
 }
 
 // EnsureDLQTopics creates the dead-letter topic of every source topic that lacks one, with the

@@ -42,9 +42,10 @@ func sampleFailure() retrytopics.Failure {
 	}
 }
 
-// normalized is what a Failure reads back as: times in UTC, the message bounded.
+// normalized is what a Failure reads back as: times in UTC, the record timestamp in Kafka's
+// millisecond precision, the message bounded.
 func normalized(f retrytopics.Failure) retrytopics.Failure {
-	f.Timestamp = f.Timestamp.UTC()
+	f.Timestamp = time.UnixMilli(f.Timestamp.UnixMilli()).UTC()
 	f.FailedAt = f.FailedAt.UTC()
 	f.Message = retrytopics.Truncate(f.Message, retrytopics.MaxErrorMessage)
 	return f
@@ -100,6 +101,16 @@ func TestHeadersRoundTrip(t *testing.T) {
 				f := sampleFailure()
 				f.Timestamp = time.Now()
 				f.FailedAt = time.Now().Add(time.Second)
+				return f
+			}(),
+		},
+		{
+			// Producers set record timestamps (int64 ms) freely; one past 9999-12-31 must still
+			// give headers that ParseFailure reads.
+			name: "record timestamp after year 9999",
+			failure: func() retrytopics.Failure {
+				f := sampleFailure()
+				f.Timestamp = time.UnixMilli(253402300800000) // 10000-01-01T00:00:00Z
 				return f
 			}(),
 		},
@@ -178,7 +189,7 @@ func TestHeadersRoundTrip(t *testing.T) {
 			if back.Timestamp.Location() != time.UTC || back.FailedAt.Location() != time.UTC {
 				t.Errorf("times read back in %v and %v, want UTC", back.Timestamp.Location(), back.FailedAt.Location())
 			}
-			if !back.Timestamp.Equal(tt.failure.Timestamp) || !back.FailedAt.Equal(tt.failure.FailedAt) {
+			if back.Timestamp.UnixMilli() != tt.failure.Timestamp.UnixMilli() || !back.FailedAt.Equal(tt.failure.FailedAt) {
 				t.Errorf("times lost precision: got %v, %v; want %v, %v",
 					back.Timestamp, back.FailedAt, tt.failure.Timestamp, tt.failure.FailedAt)
 			}
@@ -209,7 +220,7 @@ func TestHeadersValues(t *testing.T) {
 		retrytopics.HeaderOriginalTopic:     "orders",
 		retrytopics.HeaderOriginalPartition: "3",
 		retrytopics.HeaderOriginalOffset:    "1200",
-		retrytopics.HeaderOriginalTimestamp: "2025-03-04T05:06:07.123456789Z",
+		retrytopics.HeaderOriginalTimestamp: "1741064767123",
 		retrytopics.HeaderGroup:             "billing",
 		retrytopics.HeaderAttempt:           "2",
 		retrytopics.HeaderTries:             "3",
@@ -303,7 +314,7 @@ func TestParseFailureErrors(t *testing.T) {
 			wantFirst: []string{retrytopics.HeaderTries, "3x"},
 		},
 		{
-			name:      "timestamp not RFC 3339",
+			name:      "timestamp not an integer",
 			headers:   validHeaders(retrytopics.HeaderOriginalTimestamp, ptr("yesterday")),
 			wantFirst: []string{retrytopics.HeaderOriginalTimestamp, "yesterday"},
 		},
@@ -541,6 +552,8 @@ func FuzzParseFailure(f *testing.F) {
 	f.Add("")
 	f.Add("kafkapg-original-topic=t\n0=\n1=-0\n2=+7\n3=2025-01-01T00:00:00+14:00\n4=g\n5=0\n6=0\n7=\n8=\n9=2025-01-01T00:00:00,5Z")
 	f.Add("1=99999999999\n3=not a time\n=\nkafkapg-=x")
+	// Accepted, but in UTC it is year 10000, which Headers writes and ParseFailure rejects.
+	f.Add("0=t\n1=0\n2=0\n3=9999-12-31T23:59:59-23:59\n4=g\n5=1\n6=1\n7=c\n8=m\n9=2025-01-01T00:00:00Z")
 
 	f.Fuzz(func(t *testing.T, input string) {
 		var headers []kgo.RecordHeader

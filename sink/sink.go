@@ -121,7 +121,11 @@ func (s *Sink) Apply(ctx context.Context, pos offsets.Position, next int64, appl
 
 	if apply != nil {
 		if err := apply(ctx, tx); err != nil {
-			if tx.Conn().IsClosed() {
+			// The connection died under the handler: whatever the handler saw, the failure is
+			// Postgres's. An error the server sent (pgx closes the connection after a FATAL one,
+			// such as the idle-in-transaction timeout) is left for classification to judge.
+			var pgErr *pgconn.PgError
+			if tx.Conn().IsClosed() && !errors.As(err, &pgErr) {
 				return fmt.Errorf("%w: %w", ErrConnLost, err)
 			}
 			return &HandlerError{Err: err}

@@ -3,10 +3,12 @@ package sink_test
 import (
 	"context"
 	"errors"
+	"net/url"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -126,13 +128,24 @@ func TestApplyRetriedAfterUnknownCommitDoesNotReapply(t *testing.T) {
 
 func TestApplyReportsLostConnection(t *testing.T) {
 	t.Parallel()
-	pool, s, pos := setup(t)
+	pool, _, pos := setup(t)
 	ctx := context.Background()
-	err := s.Apply(ctx, pos, 10, func(ctx context.Context, tx pgx.Tx) error {
-		// Another session kills ours, as a failover or an operator would.
-		if _, err := pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, tx.Conn().PgConn().PID()); err != nil {
-			return err
-		}
+	// The sink's connections go through a proxy the test cuts while the handler runs: the
+	// handler's next statement fails with a network error, not with anything the server said.
+	u, err := url.Parse(pool.Config().ConnString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := testenv.NewProxy(t, u.Host)
+	u.Host = proxy.Addr()
+	cut, err := pgxpool.New(ctx, u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cut.Close()
+	s := sink.New(cut, offsets.NewStore("kafkapg", "g"), sink.Config{Schema: "kafkapg"})
+	err = s.Apply(ctx, pos, 10, func(ctx context.Context, tx pgx.Tx) error {
+		proxy.Cut()
 		return insert(1)(ctx, tx)
 	}, nil)
 	if !errors.Is(err, sink.ErrConnLost) {
@@ -140,6 +153,27 @@ func TestApplyReportsLostConnection(t *testing.T) {
 	}
 	if count(t, pool, "effects") != 0 {
 		t.Fatal("effects committed although the connection died")
+	}
+}
+
+func TestApplyReportsWhatTheServerSaid(t *testing.T) {
+	t.Parallel()
+	pool, s, pos := setup(t)
+	ctx := context.Background()
+	err := s.Apply(ctx, pos, 10, func(ctx context.Context, tx pgx.Tx) error {
+		// Another session ends ours, as an operator or a failover would; the server says so.
+		if _, err := pool.Exec(ctx, `SELECT pg_terminate_backend($1)`, tx.Conn().PgConn().PID()); err != nil {
+			return err
+		}
+		return insert(1)(ctx, tx)
+	}, nil)
+	var herr *sink.HandlerError
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &herr) || !errors.As(err, &pgErr) || pgErr.Code != "57P01" {
+		t.Fatalf("err = %v, want a HandlerError carrying the server's 57P01 (admin shutdown)", err)
+	}
+	if count(t, pool, "effects") != 0 {
+		t.Fatal("effects committed although the session was terminated")
 	}
 }
 
@@ -151,8 +185,9 @@ func TestApplyIdleTimeoutEndsStalledTransaction(t *testing.T) {
 		time.Sleep(1500 * time.Millisecond) // longer than TxIdleTimeout (1s)
 		return insert(1)(ctx, tx)
 	}, nil)
-	if err == nil {
-		t.Fatal("a transaction idle past TxIdleTimeout committed")
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "25P03" {
+		t.Fatalf("err = %v, want the server's 25P03 (idle in transaction timeout)", err)
 	}
 	if count(t, pool, "effects") != 0 {
 		t.Fatal("effects committed by a transaction Postgres had ended")

@@ -11,7 +11,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"log"
+	"io"
 	"net"
 	"os"
 	"os/signal"
@@ -23,27 +23,38 @@ import (
 )
 
 func main() {
-	listen := flag.String("listen", "127.0.0.1:9092", "address to listen on (host:port; port 0 picks a free one)")
-	partitions := flag.Int("partitions", 10, "partitions of topics created with the broker default (-1)")
-	autoCreate := flag.Bool("auto-create-topics", false, "create unknown topics on first use, as auto.create.topics.enable does")
-	flag.Parse()
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stderr, nil))
+}
 
+// run runs the broker until ctx is done and returns the exit status. ready, if not nil, receives
+// the listening address once the broker serves.
+func run(ctx context.Context, args []string, stderr io.Writer, ready chan<- string) int {
+	fs := flag.NewFlagSet("devbroker", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	listen := fs.String("listen", "127.0.0.1:9092", "address to listen on (host:port; port 0 picks a free one)")
+	partitions := fs.Int("partitions", 10, "partitions of topics created with the broker default (-1)")
+	autoCreate := fs.Bool("auto-create-topics", false, "create unknown topics on first use, as auto.create.topics.enable does")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
 	host, portStr, err := net.SplitHostPort(*listen)
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "devbroker: -listen %q: %v\n", *listen, err)
-		os.Exit(2)
+		fmt.Fprintf(stderr, "devbroker: -listen %q: %v\n", *listen, err)
+		return 2
 	}
 	port, err := strconv.Atoi(portStr)
 	if err != nil || port < 0 || port > 65535 {
-		fmt.Fprintf(os.Stderr, "devbroker: -listen %q: invalid port\n", *listen)
-		os.Exit(2)
+		fmt.Fprintf(stderr, "devbroker: -listen %q: invalid port\n", *listen)
+		return 2
 	}
 	if port == 0 {
-		// kfake picks free ports itself only per broker; reserve one here so we can print it.
+		// Reserve a free port here so that the address can be printed.
 		l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
 		if err != nil {
-			fmt.Fprintf(os.Stderr, "devbroker: %v\n", err)
-			os.Exit(1)
+			fmt.Fprintf(stderr, "devbroker: %v\n", err)
+			return 1
 		}
 		port = l.Addr().(*net.TCPAddr).Port
 		l.Close()
@@ -63,18 +74,18 @@ func main() {
 	}
 	c, err := kfake.NewCluster(opts...)
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "devbroker: start: %v\n", err)
-		os.Exit(1)
+		fmt.Fprintf(stderr, "devbroker: start: %v\n", err)
+		return 1
 	}
 	defer c.Close()
 
-	log.SetFlags(0)
-	log.Printf("devbroker: WARNING: in-memory Kafka-protocol broker (kfake) for development and tests only;")
-	log.Printf("devbroker: WARNING: all data is lost when it stops. Do not use it in production.")
-	log.Printf("devbroker: listening on %s", c.ListenAddrs()[0])
-
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
+	fmt.Fprintln(stderr, "devbroker: WARNING: in-memory Kafka-protocol broker (kfake) for development and tests only;")
+	fmt.Fprintln(stderr, "devbroker: WARNING: all data is lost when it stops. Do not use it in production.")
+	fmt.Fprintf(stderr, "devbroker: listening on %s\n", c.ListenAddrs()[0])
+	if ready != nil {
+		ready <- c.ListenAddrs()[0]
+	}
 	<-ctx.Done()
-	log.Printf("devbroker: stopping")
+	fmt.Fprintln(stderr, "devbroker: stopping")
+	return 0
 }

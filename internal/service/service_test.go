@@ -1,0 +1,213 @@
+package service
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+func TestMainExitCodes(t *testing.T) {
+	tests := []struct {
+		name string
+		args []string
+		vars map[string]string
+		want int
+		// wantOut must all appear in what Main writes.
+		wantOut []string
+	}{
+		{name: "unknown command", args: []string{"bogus"}, want: 2,
+			wantOut: []string{`unknown command "bogus"`, "usage: processor"}},
+		{name: "too many arguments", args: []string{"run", "now"}, want: 2,
+			wantOut: []string{"usage: processor"}},
+		{name: "help", args: []string{"help"}, want: 0, wantOut: []string{"usage: processor", "migrate"}},
+		{name: "-h", args: []string{"-h"}, want: 0, wantOut: []string{"usage: processor"}},
+		{name: "--help", args: []string{"--help"}, want: 0, wantOut: []string{"usage: processor"}},
+		{name: "run with nothing configured", args: []string{"run"}, want: 2,
+			wantOut: []string{"processor: configuration error: DATABASE_URL is required"}},
+		{name: "no arguments means run", args: nil, want: 2,
+			wantOut: []string{"processor: configuration error: DATABASE_URL is required"}},
+		{name: "run without brokers", args: []string{"run"}, vars: map[string]string{"DATABASE_URL": "postgres://a@b/c"}, want: 2,
+			wantOut: []string{"processor: configuration error: KAFKA_BROKERS is required"}},
+		{name: "run with an unknown handler", args: []string{"run"}, vars: with("HANDLER", "nope"), want: 2,
+			wantOut: []string{"configuration error", `HANDLER="nope"`}},
+		{name: "run with a bad duration", args: []string{"run"}, vars: with("BATCH_MAX_WAIT", "soon"), want: 2,
+			wantOut: []string{"configuration error", `BATCH_MAX_WAIT="soon"`}},
+		// Postgres is not contacted before the HTTP listener is opened (the pool connects lazily).
+		{name: "run with a bad HTTP address", args: []string{"run"}, vars: with("HTTP_ADDR", "not-an-address"), want: 2,
+			wantOut: []string{"configuration error", `HTTP_ADDR="not-an-address"`}},
+		{name: "run with a bad database URL", args: []string{"run"}, vars: with("DATABASE_URL", "postgres://%zz"), want: 2,
+			wantOut: []string{"configuration error", "DATABASE_URL is not a valid connection string"}},
+		{name: "migrate without a database", args: []string{"migrate"}, want: 2,
+			wantOut: []string{"processor: configuration error: DATABASE_URL is required"}},
+		{name: "migrate needs no Kafka settings, but a valid URL", args: []string{"migrate"},
+			vars: map[string]string{"DATABASE_URL": "postgres://%zz"}, want: 2,
+			wantOut: []string{"DATABASE_URL is not a valid connection string"}},
+		{name: "migrate with Postgres unreachable", args: []string{"migrate"},
+			vars: map[string]string{"DATABASE_URL": "postgres://kafkapg@127.0.0.1:1/kafkapg?sslmode=disable&connect_timeout=2"}, want: 1,
+			wantOut: []string{"processor: "}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			setEnv(t, tt.vars)
+			var out bytes.Buffer
+			got := Main(tt.args, &out)
+			if got != tt.want {
+				t.Errorf("Main(%q) = %d, want %d; output:\n%s", tt.args, got, tt.want, out.String())
+			}
+			for _, w := range tt.wantOut {
+				if !strings.Contains(out.String(), w) {
+					t.Errorf("output does not contain %q:\n%s", w, out.String())
+				}
+			}
+		})
+	}
+}
+
+// TestMainConfigErrorOnOneLine: several configuration errors are reported on one line, so that
+// log collectors keep them together.
+func TestMainConfigErrorOnOneLine(t *testing.T) {
+	setEnv(t, with("HANDLER", "nope", "LOG_FORMAT", "xml"))
+	var out bytes.Buffer
+	if code := Main([]string{"run"}, &out); code != 2 {
+		t.Fatalf("Main = %d, want 2", code)
+	}
+	s := out.String()
+	if strings.Count(s, "\n") != 1 || !strings.HasSuffix(s, "\n") {
+		t.Fatalf("output is not one line: %q", s)
+	}
+	if !strings.Contains(s, "HANDLER") || !strings.Contains(s, "; LOG_FORMAT") {
+		t.Fatalf("output does not list both errors separated by \"; \": %q", s)
+	}
+}
+
+func newTestRegistry(t *testing.T) *prometheus.Registry {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	c := prometheus.NewCounter(prometheus.CounterOpts{Name: "kafkapg_test_events_total", Help: "Events seen by the test."})
+	reg.MustRegister(c)
+	c.Add(3)
+	return reg
+}
+
+func TestHTTPHandler(t *testing.T) {
+	t.Parallel()
+	notReady := errors.New("starting: waiting for postgres")
+	tests := []struct {
+		name       string
+		method     string
+		path       string
+		ready      error
+		wantStatus int
+		wantBody   []string
+	}{
+		{name: "healthz", method: "GET", path: "/healthz", wantStatus: 200, wantBody: []string{"ok\n"}},
+		{name: "healthz while not ready", method: "GET", path: "/healthz", ready: notReady, wantStatus: 200, wantBody: []string{"ok\n"}},
+		{name: "readyz ready", method: "GET", path: "/readyz", wantStatus: 200, wantBody: []string{"ready\n"}},
+		{name: "readyz not ready", method: "GET", path: "/readyz", ready: notReady, wantStatus: 503,
+			wantBody: []string{"not ready: starting: waiting for postgres"}},
+		{name: "metrics", method: "GET", path: "/metrics", wantStatus: 200,
+			wantBody: []string{"# HELP kafkapg_test_events_total Events seen by the test.", "# TYPE kafkapg_test_events_total counter", "kafkapg_test_events_total 3\n"}},
+		{name: "metrics while not ready", method: "GET", path: "/metrics", ready: notReady, wantStatus: 200,
+			wantBody: []string{"kafkapg_test_events_total 3\n"}},
+		{name: "HEAD healthz", method: "HEAD", path: "/healthz", wantStatus: 200},
+		{name: "POST healthz", method: "POST", path: "/healthz", wantStatus: 405},
+		{name: "unknown path", method: "GET", path: "/", wantStatus: 404},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			h := httpHandler(newTestRegistry(t), func(context.Context) error { return tt.ready })
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, httptest.NewRequest(tt.method, tt.path, nil))
+			if rec.Code != tt.wantStatus {
+				t.Errorf("%s %s: status %d, want %d; body %q", tt.method, tt.path, rec.Code, tt.wantStatus, rec.Body)
+			}
+			for _, w := range tt.wantBody {
+				if !strings.Contains(rec.Body.String(), w) {
+					t.Errorf("%s %s: body does not contain %q:\n%s", tt.method, tt.path, w, rec.Body)
+				}
+			}
+		})
+	}
+}
+
+func TestHTTPHandlerMetricsTextFormat(t *testing.T) {
+	t.Parallel()
+	srv := httptest.NewServer(httpHandler(newTestRegistry(t), func(context.Context) error { return nil }))
+	defer srv.Close()
+	resp, err := http.Get(srv.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if ct := resp.Header.Get("Content-Type"); !strings.HasPrefix(ct, "text/plain") {
+		t.Errorf("Content-Type %q, want the Prometheus text format (text/plain)", ct)
+	}
+	if !strings.Contains(string(body), "kafkapg_test_events_total 3") {
+		t.Errorf("body lacks the counter:\n%s", body)
+	}
+}
+
+// TestHTTPHandlerReadyzDeadline: /readyz bounds the readiness check, so a hung check cannot hang
+// the probe.
+func TestHTTPHandlerReadyzDeadline(t *testing.T) {
+	t.Parallel()
+	var deadline time.Time
+	var ok bool
+	h := httpHandler(prometheus.NewRegistry(), func(ctx context.Context) error {
+		deadline, ok = ctx.Deadline()
+		<-ctx.Done()
+		return ctx.Err()
+	})
+	start := time.Now()
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, httptest.NewRequest("GET", "/readyz", nil))
+	if !ok || deadline.Sub(start) > 2*time.Second+100*time.Millisecond {
+		t.Errorf("readiness check ran with deadline %v (set: %v), want at most 2s from now", deadline.Sub(start), ok)
+	}
+	if rec.Code != http.StatusServiceUnavailable || !strings.Contains(rec.Body.String(), context.DeadlineExceeded.Error()) {
+		t.Errorf("hung check: status %d, body %q; want 503 naming the deadline", rec.Code, rec.Body)
+	}
+}
+
+func TestNewLogger(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name, format, level string
+		wantPrefix          string
+		wantInfo            bool
+	}{
+		{name: "json info", format: "json", level: "info", wantPrefix: "{", wantInfo: true},
+		{name: "text info", format: "text", level: "info", wantPrefix: "time=", wantInfo: true},
+		{name: "text warn hides info", format: "text", level: "warn", wantPrefix: "time=", wantInfo: false},
+		{name: "json error hides info", format: "json", level: "error", wantPrefix: "{", wantInfo: false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			var buf bytes.Buffer
+			log := NewLogger(&Env{LogFormat: tt.format, LogLevel: tt.level}, &buf)
+			log.Info("info-line")
+			log.Error("error-line")
+			out := buf.String()
+			if !strings.HasPrefix(out, tt.wantPrefix) {
+				t.Errorf("output %q does not start with %q", out, tt.wantPrefix)
+			}
+			if strings.Contains(out, "info-line") != tt.wantInfo {
+				t.Errorf("info logged = %v, want %v: %q", !tt.wantInfo, tt.wantInfo, out)
+			}
+			if !strings.Contains(out, "error-line") {
+				t.Errorf("error not logged: %q", out)
+			}
+		})
+	}
+}
