@@ -63,6 +63,11 @@ type Config struct {
 	// SessionTimeout is the Kafka group session timeout: how long a silent member keeps its
 	// partitions. Defaults to 45s. [KAFKA_SESSION_TIMEOUT]
 	SessionTimeout time.Duration
+	// RebalanceTimeout is how long the group waits for members to rejoin during a rebalance.
+	// A member that died mid-rebalance holds up the whole group until it passes, so it is kept
+	// short; it must exceed DrainTimeout, the longest a revoke takes. Defaults to 30s.
+	// [KAFKA_REBALANCE_TIMEOUT]
+	RebalanceTimeout time.Duration
 	// DrainTimeout is how long a partition that is revoked, or a processor that stops, waits for
 	// the transaction in flight to finish before abandoning it (it is rolled back and the
 	// partition's next owner applies the batch). Defaults to 5s.
@@ -123,6 +128,9 @@ func (c *Config) withDefaults() *Config {
 	}
 	if out.DrainTimeout == 0 {
 		out.DrainTimeout = 5 * time.Second
+	}
+	if out.RebalanceTimeout == 0 {
+		out.RebalanceTimeout = 30 * time.Second
 	}
 	if out.TxIdleTimeout == 0 {
 		out.TxIdleTimeout = 30 * time.Second
@@ -189,6 +197,9 @@ func (c *Config) validate() error {
 	}
 	if c.BackoffMax < c.BackoffBase {
 		errs = append(errs, fmt.Errorf("BackoffMax (RETRY_BACKOFF_MAX) %v is less than BackoffBase (RETRY_BACKOFF_BASE) %v", c.BackoffMax, c.BackoffBase))
+	}
+	if c.RebalanceTimeout <= c.DrainTimeout {
+		errs = append(errs, fmt.Errorf("RebalanceTimeout (KAFKA_REBALANCE_TIMEOUT) %v must be longer than DrainTimeout %v: revoking a partition may take that long", c.RebalanceTimeout, c.DrainTimeout))
 	}
 	for _, d := range []struct {
 		name string

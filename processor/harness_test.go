@@ -45,20 +45,21 @@ func newHarness(t *testing.T, k *testenv.Kafka, partitions int32) *harness {
 // config returns a processor config tuned for fast tests.
 func (h *harness) config(handler processor.Handler) *processor.Config {
 	return &processor.Config{
-		Brokers:         h.k.Brokers,
-		Group:           h.group,
-		Topics:          []string{h.topic},
-		Handler:         handler,
-		LocalAttempts:   3,
-		BackoffBase:     5 * time.Millisecond,
-		BackoffMax:      50 * time.Millisecond,
-		SessionTimeout:  3 * time.Second,
-		DrainTimeout:    2 * time.Second,
-		ShutdownTimeout: 10 * time.Second,
-		BatchMaxWait:    5 * time.Millisecond,
-		Logger:          testLogger(h.t),
-		Registerer:      prometheus.NewRegistry(),
-		KafkaOptions:    []kgo.Opt{kgo.FetchMaxWait(200 * time.Millisecond)},
+		Brokers:          h.k.Brokers,
+		Group:            h.group,
+		Topics:           []string{h.topic},
+		Handler:          handler,
+		LocalAttempts:    3,
+		BackoffBase:      5 * time.Millisecond,
+		BackoffMax:       50 * time.Millisecond,
+		SessionTimeout:   3 * time.Second,
+		RebalanceTimeout: 8 * time.Second,
+		DrainTimeout:     2 * time.Second,
+		ShutdownTimeout:  10 * time.Second,
+		BatchMaxWait:     5 * time.Millisecond,
+		Logger:           testLogger(h.t),
+		Registerer:       prometheus.NewRegistry(),
+		KafkaOptions:     []kgo.Opt{kgo.FetchMaxWait(200 * time.Millisecond)},
 	}
 }
 

@@ -62,6 +62,7 @@ func (h *harness) startChild(extra ...string) *child {
 		"HANDLER=ledger",
 		"HTTP_ADDR=127.0.0.1:0",
 		"KAFKA_SESSION_TIMEOUT=3s",
+		"KAFKA_REBALANCE_TIMEOUT=8s",
 		"RETRY_BACKOFF_BASE=5ms",
 		"RETRY_BACKOFF_MAX=50ms",
 		"BATCH_MAX_RECORDS=100",
@@ -122,8 +123,8 @@ func (c *child) wait(t *testing.T, timeout time.Duration) int {
 	return c.cmd.ProcessState.ExitCode()
 }
 
-// metric scrapes the child's /metrics and returns the sum of a counter's series.
-func (c *child) metric(t *testing.T, name string) float64 {
+// httpAddr returns the address the child serves HTTP on, from its log.
+func (c *child) httpAddr(t *testing.T) string {
 	t.Helper()
 	var addr string
 	testenv.Eventually(t, 30*time.Second, func() error {
@@ -139,7 +140,30 @@ func (c *child) metric(t *testing.T, name string) float64 {
 		}
 		return fmt.Errorf("child has not logged its HTTP address")
 	})
-	resp, err := http.Get("http://" + addr + "/metrics")
+	return addr
+}
+
+// waitReady waits until the child's /readyz answers 200: it is in the group and reaches Postgres.
+func (c *child) waitReady(t *testing.T) {
+	t.Helper()
+	url := "http://" + c.httpAddr(t) + "/readyz"
+	testenv.Eventually(t, 60*time.Second, func() error {
+		resp, err := http.Get(url)
+		if err != nil {
+			return err
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("/readyz: %s", resp.Status)
+		}
+		return nil
+	})
+}
+
+// metric scrapes the child's /metrics and returns the sum of a counter's series.
+func (c *child) metric(t *testing.T, name string) float64 {
+	t.Helper()
+	resp, err := http.Get("http://" + c.httpAddr(t) + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -157,45 +181,54 @@ func (c *child) metric(t *testing.T, name string) float64 {
 	return total
 }
 
-// TestKilledProcessesApplyExactlyOnce SIGKILLs the processor process again and again while it
-// applies a backlog (so kills land mid-batch, mid-commit, mid-publish), restarting it each time,
-// then lets a last one finish and stops it with SIGTERM. Every event must be applied exactly
-// once and every dead letter published.
+// TestKilledProcessesApplyExactlyOnce runs two processor processes in one group while ledger
+// events keep arriving, and SIGKILLs one of them at random moments (mid-batch, mid-commit,
+// mid-publish, mid-rebalance), restarting it each time. Then it stops both with SIGTERM. Every
+// event must be applied exactly once, in per-account order, and every dead letter published.
 func TestKilledProcessesApplyExactlyOnce(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		seed := rand.Uint64()
 		t.Logf("seed %d", seed)
 		rng := rand.New(rand.NewPCG(seed, seed))
-		h := newHarness(t, k, 4)
+		h := newHarness(t, k, 6)
 		items := mixed(20000, seed, "kill")
-		h.produce(items)
-		wantApplied := 0
-		for _, it := range items {
-			if !it.Dead(1) {
-				wantApplied++
+
+		produced := make(chan struct{})
+		go func() {
+			defer close(produced)
+			for i := 0; i < len(items); i += 1000 {
+				h.produce(items[i:min(i+1000, len(items))])
+				time.Sleep(200 * time.Millisecond)
+			}
+		}()
+		env := "SHUTDOWN_TIMEOUT=5s"
+		procs := []*child{h.startChild(env), h.startChild(env)}
+		for i := range 6 {
+			time.Sleep(time.Duration(300+rng.IntN(1500)) * time.Millisecond)
+			victim := rng.IntN(len(procs))
+			procs[victim].signal(syscall.SIGKILL)
+			procs[victim].wait(t, 10*time.Second)
+			t.Logf("kill %d: process %d killed with %d events applied", i+1, victim, h.applied())
+			procs[victim] = h.startChild(env)
+			if !k.Real() {
+				// kfake (2026-09) can lose a member that dies while the group is joining: two
+				// members of one generation both act as leader, the dead member keeps its
+				// partitions and is never expired. Real Kafka handles kills mid-join (the
+				// "kafka" variant keeps them); on kfake, let the new process join first.
+				procs[victim].waitReady(t)
 			}
 		}
-
-		const kills = 5
-		for i := range kills {
-			c := h.startChild()
-			target := h.applied() + 1 + rng.IntN(wantApplied/(kills+1))
-			h.waitApplied(min(target, wantApplied), 60*time.Second)
-			time.Sleep(time.Duration(rng.IntN(20)) * time.Millisecond)
-			c.signal(syscall.SIGKILL)
-			c.wait(t, 10*time.Second)
-			t.Logf("kill %d: %d of %d applied", i+1, h.applied(), wantApplied)
-		}
-
-		c := h.startChild("SHUTDOWN_TIMEOUT=5s")
+		<-produced
 		h.waitSettled(items, 1, 120*time.Second)
-		start := time.Now()
-		c.signal(syscall.SIGTERM)
-		if code := c.wait(t, 10*time.Second); code != 0 {
-			t.Fatalf("exit status after SIGTERM = %d, want 0", code)
+		for i, c := range procs {
+			start := time.Now()
+			c.signal(syscall.SIGTERM)
+			if code := c.wait(t, 10*time.Second); code != 0 {
+				t.Fatalf("process %d: exit status after SIGTERM = %d, want 0", i, code)
+			}
+			t.Logf("process %d: SIGTERM to exit %v", i, time.Since(start).Round(time.Millisecond))
 		}
-		t.Logf("SIGTERM to exit: %v", time.Since(start).Round(time.Millisecond))
 		h.verify(items, 1, true)
 	})
 }

@@ -41,6 +41,11 @@ type Processor struct {
 	joined  atomic.Bool
 	running atomic.Bool
 
+	// fail stops Run with an error: something that must not happen did (see worker.run).
+	failOnce sync.Once
+	failErr  error
+	stopPoll context.CancelFunc
+
 	mu      sync.Mutex
 	workers map[offsets.Partition]*worker
 }
@@ -98,7 +103,9 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schemaName string) error {
 // Run consumes and applies records until ctx is done, then shuts down: it stops fetching,
 // finishes (or, after Config.DrainTimeout, abandons) the transactions in flight, publishes what
 // is left in the outbox, commits offsets to Kafka and leaves the group, within
-// Config.ShutdownTimeout. It returns nil after a clean shutdown. Run may be called once.
+// Config.ShutdownTimeout. It returns nil after a shutdown asked for through ctx, and an error if
+// it could not start or stopped on an unexpected internal error (a restart resumes from
+// Postgres). Run may be called once.
 func (p *Processor) Run(ctx context.Context) error {
 	if !p.running.CompareAndSwap(false, true) {
 		return errors.New("processor: Run called twice")
@@ -108,9 +115,9 @@ func (p *Processor) Run(ctx context.Context) error {
 		return err
 	}
 	p.client.Store(cl)
-	defer cl.CloseAllowingRebalance()
 
 	if err := p.ensureTopics(ctx, kadm.NewClient(cl)); err != nil {
+		cl.Close() // not in a group yet: nothing to wait for
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -136,11 +143,33 @@ func (p *Processor) Run(ctx context.Context) error {
 	// Joining starts only now, so the rebalance callbacks always find p.client set.
 	cl.AddConsumeTopics(p.cfg.Topics...)
 	p.log.Info("processor started", "topics", p.cfg.Topics, "instance", p.cfg.InstanceName)
-	p.poll(ctx, cl)
-	return p.shutdown(ctx, cl, relay, stopRelay, relayDone)
+	pollCtx, stopPoll := context.WithCancel(ctx)
+	p.mu.Lock()
+	p.stopPoll = stopPoll
+	p.mu.Unlock()
+	p.poll(pollCtx, cl)
+	stopPoll()
+	p.shutdown(ctx, cl, relay, stopRelay, relayDone)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.failErr
 }
 
-func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Relay, stopRelay func(), relayDone <-chan struct{}) error {
+// fail makes Run shut down and return err.
+func (p *Processor) fail(err error) {
+	p.failOnce.Do(func() {
+		p.log.Error("processor stopping on an unexpected error", "err", err)
+		p.mu.Lock()
+		p.failErr = err
+		stop := p.stopPoll
+		p.mu.Unlock()
+		if stop != nil {
+			stop()
+		}
+	})
+}
+
+func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Relay, stopRelay func(), relayDone <-chan struct{}) {
 	begun := time.Now()
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.ShutdownTimeout)
 	defer cancel()
@@ -167,11 +196,23 @@ func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Re
 	}
 	fcancel()
 
-	if err := cl.LeaveGroupContext(sctx); err != nil {
-		p.log.Warn("leave group", "err", err)
+	// Leaving the group and closing the client wait for the group's state machine, which can be
+	// stuck in a join (a member died mid-rebalance). Do not let that hold the shutdown past its
+	// timeout: the group expels us at the session timeout anyway.
+	closed := make(chan struct{})
+	go func() {
+		defer close(closed)
+		if err := cl.LeaveGroupContext(sctx); err != nil {
+			p.log.Warn("leave group", "err", err)
+		}
+		cl.CloseAllowingRebalance()
+	}()
+	select {
+	case <-closed:
+	case <-sctx.Done():
+		p.log.Warn("kafka client did not close within the shutdown timeout; stopping anyway (the group expels this member at its session timeout)")
 	}
 	p.log.Info("processor stopped", "took", time.Since(begun).Round(time.Millisecond))
-	return nil
 }
 
 func deadlineOf(ctx context.Context) time.Time {
@@ -194,6 +235,7 @@ func (p *Processor) newClient() (*kgo.Client, error) {
 		kgo.Balancers(kgo.CooperativeStickyBalancer()),
 		kgo.ConsumeResetOffset(start),
 		kgo.SessionTimeout(p.cfg.SessionTimeout),
+		kgo.RebalanceTimeout(p.cfg.RebalanceTimeout),
 		kgo.HeartbeatInterval(min(3*time.Second, p.cfg.SessionTimeout/3)),
 		kgo.BlockRebalanceOnPoll(),
 		// A partition resumed after a pause joins the next fetch to its broker, which starts

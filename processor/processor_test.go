@@ -182,13 +182,27 @@ func TestRebalancesExactlyOnce(t *testing.T) {
 	})
 }
 
-// gate blocks the handler, ignoring its context (like a stuck call or a long GC pause), while
-// closed.
+// gate blocks the handler, ignoring its context (like a stuck call or a long GC pause), until
+// open is called. Each stalled handler call reports its partition on stalled.
 type gate struct {
 	inner   processor.Handler
 	closed  atomic.Bool
 	stalled chan offsets.Partition
 	release chan struct{}
+	once    sync.Once
+}
+
+// newGate returns a closed gate in front of the ledger handler for up to n stalled calls. The
+// test's cleanup opens it, so that a failing test does not leave handler goroutines stuck.
+func newGate(t *testing.T, n int) *gate {
+	g := &gate{inner: ledger.Handler{}, stalled: make(chan offsets.Partition, n), release: make(chan struct{})}
+	g.closed.Store(true)
+	t.Cleanup(g.open)
+	return g
+}
+
+func (g *gate) open() {
+	g.once.Do(func() { g.closed.Store(false); close(g.release) })
 }
 
 func (g *gate) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
@@ -210,12 +224,7 @@ func TestStaleOwnerIsFenced(t *testing.T) {
 		h := newHarness(t, k, 1)
 		items := ledger.Generate(ledger.GenConfig{Events: 50, Accounts: 5, Seed: 7, Prefix: "sp"})
 
-		g := &gate{inner: ledger.Handler{}, stalled: make(chan offsets.Partition, 1), release: make(chan struct{})}
-		g.closed.Store(true)
-		var once sync.Once
-		release := func() { once.Do(func() { g.closed.Store(false); close(g.release) }) }
-		t.Cleanup(release) // runs before the processor's cleanup: unsticks it on failure
-
+		g := newGate(t, 1)
 		cfg := h.config(g)
 		cfg.TxIdleTimeout = 2 * time.Second
 		a := h.start(cfg)
@@ -237,7 +246,7 @@ func TestStaleOwnerIsFenced(t *testing.T) {
 		}
 		t.Logf("claim went through after %v", time.Since(start).Round(time.Millisecond))
 
-		release()
+		g.open()
 		testenv.Eventually(t, 30*time.Second, func() error {
 			if a.counter("kafkapg_fenced_transactions_total") < 1 {
 				return testenv.Errorf("stale owner was not fenced")
@@ -268,12 +277,7 @@ func TestOwnerCutOffFromKafkaAppliesNothing(t *testing.T) {
 		h := newHarness(t, k, 2)
 		items := ledger.Generate(ledger.GenConfig{Events: 40, Accounts: 10, Seed: 5, Prefix: "st"})
 
-		g := &gate{inner: ledger.Handler{}, stalled: make(chan offsets.Partition, 2), release: make(chan struct{})}
-		g.closed.Store(true)
-		var once sync.Once
-		release := func() { once.Do(func() { g.closed.Store(false); close(g.release) }) }
-		t.Cleanup(release)
-
+		g := newGate(t, 2)
 		net := testenv.NewNetFault()
 		cfgA := h.config(g)
 		cfgA.TxIdleTimeout = 2 * time.Second
@@ -296,7 +300,7 @@ func TestOwnerCutOffFromKafkaAppliesNothing(t *testing.T) {
 		b := h.start(h.config(ledger.Handler{}))
 		h.waitSettled(items, 1, 60*time.Second)
 
-		release()
+		g.open()
 		time.Sleep(time.Second) // let A's workers try to commit
 		if got := a.counter("kafkapg_records_applied_total"); got != 0 {
 			t.Errorf("zombie A applied %v records", got)

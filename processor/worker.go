@@ -179,9 +179,11 @@ func (w *worker) run() {
 			w.cl.PauseFetchPartitions(map[string][]int32{w.tp.Topic: {w.tp.Partition}})
 			return
 		default:
-			// applyRange returns only nil, errStopped or ErrFenced; anything else is a bug.
-			w.log.Error("unexpected error applying batch; partition stops", "err", err)
+			// applyRange returns only nil, errStopped or ErrFenced; anything else is a bug. Stop
+			// the whole processor rather than leave the partition silently stuck: a restart
+			// resumes from Postgres.
 			w.stop()
+			w.p.fail(fmt.Errorf("partition %s: %w", w.tp, err))
 			return
 		}
 	}

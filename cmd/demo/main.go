@@ -41,7 +41,7 @@ const (
 func main() {
 	events := flag.Int("events", 5000, "ledger events to produce")
 	partitions := flag.Int("partitions", 8, "partitions of the ledger topic")
-	keep := flag.Bool("keep", false, "keep the demo schema (kafkapg_demo) in the database afterwards")
+	keep := flag.Bool("keep", false, "keep the demo schema (kafkapg_demo) and the logs afterwards")
 	flag.Parse()
 	if err := run(*events, int32(*partitions), *keep); err != nil {
 		fmt.Fprintf(os.Stderr, "\ndemo failed: %v\n", err)
@@ -64,6 +64,14 @@ func run(events int, partitions int32, keep bool) error {
 	if err != nil {
 		return err
 	}
+	ok := false
+	defer func() {
+		if ok && !keep {
+			os.RemoveAll(work)
+		} else {
+			fmt.Printf("logs       %s (devbroker.log, processor.log)\n", work)
+		}
+	}()
 
 	// Postgres: a clean schema of our own; the processor finds its tables and the ledger's there.
 	demoURL, err := withSearchPath(dbURL, schema)
@@ -227,10 +235,10 @@ func run(events int, partitions int32, keep bool) error {
 	}
 	fmt.Printf("metrics    were served at http://%s/metrics (also /healthz, /readyz): %s\n", httpAddr, metrics)
 	fmt.Printf("shutdown   SIGTERM -> exit %s in %v\n", exitStatus(exitErr), shutdown.Round(time.Millisecond))
-	fmt.Printf("logs       %s\n", work)
 	if verr != nil || derr != nil || exitErr != nil {
 		return errors.New("the demo found problems (above)")
 	}
+	ok = true
 	fmt.Println("\nok: every event applied exactly once or dead-lettered; nothing lost.")
 	return nil
 }

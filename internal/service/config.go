@@ -23,22 +23,23 @@ type DBEnv struct {
 // Env is the whole configuration of `processor run`.
 type Env struct {
 	DBEnv
-	KafkaBrokers        []string      `envconfig:"KAFKA_BROKERS" required:"true"`
-	KafkaGroupID        string        `envconfig:"KAFKA_GROUP_ID" required:"true"`
-	KafkaTopics         []string      `envconfig:"KAFKA_TOPICS" required:"true"`
-	KafkaStartOffset    string        `envconfig:"KAFKA_START_OFFSET" default:"earliest"`
-	KafkaSessionTimeout time.Duration `envconfig:"KAFKA_SESSION_TIMEOUT" default:"45s"`
-	Handler             string        `envconfig:"HANDLER" required:"true"`
-	HTTPAddr            string        `envconfig:"HTTP_ADDR" default:":9090"`
-	BatchMaxRecords     int           `envconfig:"BATCH_MAX_RECORDS" default:"500"`
-	BatchMaxWait        time.Duration `envconfig:"BATCH_MAX_WAIT" default:"20ms"`
-	RetryLocalAttempts  int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3"`
-	RetryBackoffBase    time.Duration `envconfig:"RETRY_BACKOFF_BASE" default:"200ms"`
-	RetryBackoffMax     time.Duration `envconfig:"RETRY_BACKOFF_MAX" default:"5s"`
-	ShutdownTimeout     time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"10s"`
-	DBTxIdleTimeout     time.Duration `envconfig:"DB_TX_IDLE_TIMEOUT" default:"30s"`
-	LogLevel            string        `envconfig:"LOG_LEVEL" default:"info"`
-	LogFormat           string        `envconfig:"LOG_FORMAT" default:"json"`
+	KafkaBrokers          []string      `envconfig:"KAFKA_BROKERS" required:"true"`
+	KafkaGroupID          string        `envconfig:"KAFKA_GROUP_ID" required:"true"`
+	KafkaTopics           []string      `envconfig:"KAFKA_TOPICS" required:"true"`
+	KafkaStartOffset      string        `envconfig:"KAFKA_START_OFFSET" default:"earliest"`
+	KafkaSessionTimeout   time.Duration `envconfig:"KAFKA_SESSION_TIMEOUT" default:"45s"`
+	KafkaRebalanceTimeout time.Duration `envconfig:"KAFKA_REBALANCE_TIMEOUT" default:"30s"`
+	Handler               string        `envconfig:"HANDLER" required:"true"`
+	HTTPAddr              string        `envconfig:"HTTP_ADDR" default:":9090"`
+	BatchMaxRecords       int           `envconfig:"BATCH_MAX_RECORDS" default:"500"`
+	BatchMaxWait          time.Duration `envconfig:"BATCH_MAX_WAIT" default:"20ms"`
+	RetryLocalAttempts    int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3"`
+	RetryBackoffBase      time.Duration `envconfig:"RETRY_BACKOFF_BASE" default:"200ms"`
+	RetryBackoffMax       time.Duration `envconfig:"RETRY_BACKOFF_MAX" default:"5s"`
+	ShutdownTimeout       time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"10s"`
+	DBTxIdleTimeout       time.Duration `envconfig:"DB_TX_IDLE_TIMEOUT" default:"30s"`
+	LogLevel              string        `envconfig:"LOG_LEVEL" default:"info"`
+	LogFormat             string        `envconfig:"LOG_FORMAT" default:"json"`
 }
 
 // ConfigError is a missing or malformed setting; cmd/processor exits with status 2 on it.
@@ -149,6 +150,7 @@ func (e *Env) validate() error {
 		}
 	}
 	positive("KAFKA_SESSION_TIMEOUT", e.KafkaSessionTimeout)
+	positive("KAFKA_REBALANCE_TIMEOUT", e.KafkaRebalanceTimeout)
 	positive("RETRY_BACKOFF_BASE", e.RetryBackoffBase)
 	positive("RETRY_BACKOFF_MAX", e.RetryBackoffMax)
 	positive("SHUTDOWN_TIMEOUT", e.ShutdownTimeout)

@@ -46,6 +46,7 @@ func NewKfake(t testing.TB, opts ...kfake.Opt) *Kafka {
 		kfake.NumBrokers(1),
 		kfake.GroupMinSessionTimeout(100 * time.Millisecond),
 	}
+
 	c, err := kfake.NewCluster(append(base, opts...)...)
 	if err != nil {
 		t.Fatalf("start kfake: %v", err)
