@@ -3,7 +3,9 @@ package processor_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/url"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -54,7 +56,7 @@ func TestLedgerEndToEnd(t *testing.T) {
 				}
 				c, ok := committed.Lookup(h.topic, p)
 				if !ok || c.At != pos.Next {
-					return testenv.Errorf("partition %d: kafka committed %v, postgres %d", p, c.At, pos.Next)
+					return fmt.Errorf("partition %d: kafka committed %v, postgres %d", p, c.At, pos.Next)
 				}
 			}
 			return nil
@@ -62,6 +64,29 @@ func TestLedgerEndToEnd(t *testing.T) {
 		if got := r.counter("kafkapg_records_dead_lettered_total"); got == 0 {
 			t.Error("dead-lettered metric stayed at zero")
 		}
+	})
+}
+
+// TestWaitsForSourceTopic starts the processor before its topic exists (pods and topics are
+// often created in any order): it must wait, then process once the topic appears.
+func TestWaitsForSourceTopic(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 1)
+		h.topic = k.TopicName(t) // not created yet
+		r := h.start(h.config(ledger.Handler{}))
+		time.Sleep(time.Second)
+		select {
+		case <-r.done:
+			t.Fatalf("Run returned before the topic existed: %v", r.err)
+		default:
+		}
+
+		k.CreateTopicNamed(t, h.topic, 3)
+		items := mixed(300, 9, "late")
+		h.produce(items)
+		h.waitSettled(items, 1, 60*time.Second)
+		h.verify(items, 1, false)
 	})
 }
 
@@ -80,7 +105,7 @@ func TestDeadLetterHeaders(t *testing.T) {
 		var dlq []*kgo.Record
 		testenv.Eventually(t, 30*time.Second, func() error {
 			if dlq = k.ReadAll(t, h.dlq()); len(dlq) < 2 {
-				return testenv.Errorf("%d dead letters", len(dlq))
+				return fmt.Errorf("%d dead letters", len(dlq))
 			}
 			return nil
 		})
@@ -107,7 +132,7 @@ func TestDeadLetterHeaders(t *testing.T) {
 				f.Class != tt.class || f.Tries != tt.tries || f.Attempt != 1 || f.FailedAt.IsZero() || f.Timestamp.IsZero() {
 				t.Errorf("%s: failure headers = %+v", tt.name, f)
 			}
-			if !contains(f.Message, tt.errSubstr) {
+			if !strings.Contains(f.Message, tt.errSubstr) {
 				t.Errorf("%s: error message %q does not mention %q", tt.name, f.Message, tt.errSubstr)
 			}
 			if string(tt.rec.Key) != "acct-1" {
@@ -118,10 +143,6 @@ func TestDeadLetterHeaders(t *testing.T) {
 			t.Errorf("original header not kept first: %+v", dlq[0].Headers)
 		}
 	})
-}
-
-func contains(s, sub string) bool {
-	return len(sub) == 0 || len(s) >= len(sub) && (s[:len(sub)] == sub || contains(s[1:], sub))
 }
 
 func TestRestartResumesFromPostgres(t *testing.T) {
@@ -204,6 +225,21 @@ func (g *gate) open() {
 	g.once.Do(func() { g.closed.Store(false); close(g.release) })
 }
 
+// waitStalled waits until the handler is stalled on n different partitions.
+func (g *gate) waitStalled(t *testing.T, n int) {
+	t.Helper()
+	stalled := map[offsets.Partition]bool{}
+	timeout := time.After(30 * time.Second)
+	for len(stalled) < n {
+		select {
+		case tp := <-g.stalled:
+			stalled[tp] = true
+		case <-timeout:
+			t.Fatalf("handler stalled on %d partitions, want %d", len(stalled), n)
+		}
+	}
+}
+
 func (g *gate) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
 	if g.closed.Load() {
 		g.stalled <- offsets.Partition{Topic: rec.Topic, Partition: rec.Partition}
@@ -228,11 +264,7 @@ func TestStaleOwnerIsFenced(t *testing.T) {
 		cfg.TxIdleTimeout = 2 * time.Second
 		a := h.start(cfg)
 		h.produce(items)
-		select {
-		case <-g.stalled:
-		case <-time.After(30 * time.Second):
-			t.Fatal("handler never ran")
-		}
+		g.waitStalled(t, 1)
 
 		// The new owner's claim waits for the stalled transaction's row lock until Postgres ends
 		// that transaction (TxIdleTimeout).
@@ -248,7 +280,7 @@ func TestStaleOwnerIsFenced(t *testing.T) {
 		g.open()
 		testenv.Eventually(t, 30*time.Second, func() error {
 			if a.counter("kafkapg_fenced_transactions_total") < 1 {
-				return testenv.Errorf("stale owner was not fenced")
+				return fmt.Errorf("stale owner was not fenced")
 			}
 			return nil
 		})
@@ -285,15 +317,7 @@ func TestOwnerCutOffFromKafkaAppliesNothing(t *testing.T) {
 		cfgA.KafkaOptions = append(cfgA.KafkaOptions, kgo.Dialer(net.Dial))
 		a := h.start(cfgA)
 		h.produce(items)
-		stalled := map[offsets.Partition]bool{}
-		for len(stalled) < 2 {
-			select {
-			case tp := <-g.stalled:
-				stalled[tp] = true
-			case <-time.After(30 * time.Second):
-				t.Fatalf("A's handler stalled on %d partitions, want 2", len(stalled))
-			}
-		}
+		g.waitStalled(t, 2)
 
 		net.Cut()
 		b := h.start(h.config(ledger.Handler{}))
@@ -431,7 +455,7 @@ func TestUnattributedBatchErrorIsIsolated(t *testing.T) {
 				key = "bad"
 			}
 			recs = append(recs, &kgo.Record{Topic: h.topic, Key: []byte(key),
-				Value: []byte(`{"event_id":"` + string(rune('a'+i%26)) + "-" + itoa(i) + `","account":"x","amount":1,"seq":` + itoa(i+1) + `}`)})
+				Value: fmt.Appendf(nil, `{"event_id":"u-%d","account":"x","amount":1,"seq":%d}`, i, i+1)})
 		}
 		k.Produce(t, recs...)
 		cfg := h.config(failsWith{})
@@ -441,12 +465,14 @@ func TestUnattributedBatchErrorIsIsolated(t *testing.T) {
 		h.waitApplied(198, 30*time.Second)
 		testenv.Eventually(t, 30*time.Second, func() error {
 			if n := len(k.ReadAll(t, h.dlq())); n != 2 {
-				return testenv.Errorf("%d dead letters, want 2", n)
+				return fmt.Errorf("%d dead letters, want 2", n)
 			}
 			return nil
 		})
-		var order []int64
-		rows, _ := h.pool.Query(context.Background(), `SELECT seq FROM ledger_entries ORDER BY applied_order`)
+		rows, err := h.pool.Query(context.Background(), `SELECT seq FROM ledger_entries ORDER BY applied_order`)
+		if err != nil {
+			t.Fatal(err)
+		}
 		order, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 		if err != nil {
 			t.Fatal(err)
@@ -457,15 +483,4 @@ func TestUnattributedBatchErrorIsIsolated(t *testing.T) {
 			}
 		}
 	})
-}
-
-func itoa(i int) string {
-	return string(appendInt(nil, i))
-}
-
-func appendInt(b []byte, i int) []byte {
-	if i >= 10 {
-		b = appendInt(b, i/10)
-	}
-	return append(b, byte('0'+i%10))
 }

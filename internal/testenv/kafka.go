@@ -69,7 +69,17 @@ func (k *Kafka) Client(t testing.TB, opts ...kgo.Opt) *kgo.Client {
 // CreateTopic creates a topic with a name unique to this test and returns the name.
 func (k *Kafka) CreateTopic(t testing.TB, partitions int32) string {
 	t.Helper()
-	name := "t_" + Name(t, 40)
+	name := k.TopicName(t)
+	k.CreateTopicNamed(t, name, partitions)
+	return name
+}
+
+// TopicName returns a topic name unique to this test, without creating the topic.
+func (k *Kafka) TopicName(t testing.TB) string { return "t_" + Name(t, 40) }
+
+// CreateTopicNamed creates the topic name.
+func (k *Kafka) CreateTopicNamed(t testing.TB, name string, partitions int32) {
+	t.Helper()
 	adm := kadm.NewClient(k.Client(t))
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -80,7 +90,6 @@ func (k *Kafka) CreateTopic(t testing.TB, partitions int32) string {
 	if err != nil {
 		t.Fatalf("create topic %s: %v", name, err)
 	}
-	return name
 }
 
 // Group returns a consumer group id unique to this test.
