@@ -3,6 +3,7 @@ package offsets_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 
@@ -132,7 +133,7 @@ func TestClaimWaitsForInFlightTransaction(t *testing.T) {
 			return err
 		}
 		if !waiting {
-			return testenv.Errorf("claim is not waiting on the row lock yet")
+			return fmt.Errorf("claim is not waiting on the row lock yet")
 		}
 		return nil
 	})

@@ -3,6 +3,7 @@ package processor_test
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -18,6 +19,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kafkapg/kafkapg/internal/promscrape"
 	"github.com/kafkapg/kafkapg/internal/service"
 	"github.com/kafkapg/kafkapg/internal/testenv"
 )
@@ -160,25 +162,14 @@ func (c *child) waitReady(t *testing.T) {
 	})
 }
 
-// metric scrapes the child's /metrics and returns the sum of a counter's series.
+// metric scrapes the child's /metrics and returns the sum of a metric's series.
 func (c *child) metric(t *testing.T, name string) float64 {
 	t.Helper()
-	resp, err := http.Get("http://" + c.httpAddr(t) + "/metrics")
+	sums, err := promscrape.Sums(context.Background(), "http://"+c.httpAddr(t)+"/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer resp.Body.Close()
-	total := 0.0
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		line := sc.Text()
-		if strings.HasPrefix(line, name+" ") || strings.HasPrefix(line, name+"{") {
-			var v float64
-			fmt.Sscan(line[strings.LastIndexByte(line, ' ')+1:], &v)
-			total += v
-		}
-	}
-	return total
+	return sums[name]
 }
 
 // TestKilledProcessesApplyExactlyOnce runs two processor processes in one group while ledger

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -425,7 +424,6 @@ func (p *Processor) removeWorkers(which map[string][]int32) []*worker {
 		}
 	}
 	p.metrics.assigned.Set(float64(len(p.workers)))
-	sort.Slice(out, func(i, j int) bool { return out[i].tp.String() < out[j].tp.String() })
 	return out
 }
 

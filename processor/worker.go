@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/backoff"
@@ -29,11 +30,12 @@ var errStopped = errors.New("worker stopped")
 // (run), except stop/abandon, called by the rebalance callbacks and shutdown. pos is touched only
 // by run.
 type worker struct {
-	p   *Processor
-	cl  *kgo.Client
-	tp  offsets.Partition
-	pos offsets.Position
-	log *slog.Logger
+	p       *Processor
+	cl      *kgo.Client
+	tp      offsets.Partition
+	pos     offsets.Position
+	log     *slog.Logger
+	applied prometheus.Counter // kafkapg_records_applied_total for this topic, looked up once
 
 	mu          sync.Mutex
 	queue       []*kgo.Record
@@ -58,6 +60,7 @@ func newWorker(p *Processor, cl *kgo.Client, pos offsets.Position) *worker {
 		tp:       pos.TP(),
 		pos:      pos,
 		log:      p.log.With("topic", pos.Topic, "partition", pos.Partition),
+		applied:  p.metrics.applied.WithLabelValues(pos.Topic),
 		wake:     make(chan struct{}, 1),
 		stopping: make(chan struct{}),
 		ctx:      ctx,
@@ -334,7 +337,7 @@ func (w *worker) transact(recs []*Record, msgs []sink.Message, withHandler bool)
 				w.tp.Topic: {w.tp.Partition: {Epoch: last.leaderEpoch, Offset: next}},
 			})
 			if withHandler {
-				w.p.metrics.applied.WithLabelValues(w.tp.Topic).Add(float64(len(recs)))
+				w.applied.Add(float64(len(recs)))
 			}
 			w.p.metrics.txDuration.Observe(time.Since(start).Seconds())
 			w.p.metrics.batchRecords.Observe(float64(len(recs)))

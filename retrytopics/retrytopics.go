@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -158,7 +160,7 @@ func EnsureDLQTopics(ctx context.Context, adm *kadm.Client, group string, source
 	for _, s := range sources {
 		want[DLQTopic(s, group)] = s
 	}
-	all := append(append([]string{}, sources...), keys(want)...)
+	all := append(slices.Clone(sources), slices.Collect(maps.Keys(want))...)
 	details, err := adm.ListTopics(ctx, all...)
 	if err != nil {
 		return nil, nil, fmt.Errorf("list topics: %w", err)
@@ -184,12 +186,4 @@ func EnsureDLQTopics(ctx context.Context, adm *kadm.Client, group string, source
 		}
 	}
 	return created, missing, nil
-}
-
-func keys(m map[string]string) []string {
-	out := make([]string, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	return out
 }

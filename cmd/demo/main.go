@@ -8,18 +8,15 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"flag"
 	"fmt"
 	"net"
-	"net/http"
 	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"syscall"
 	"time"
 
@@ -28,6 +25,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/promscrape"
 	"github.com/kafkapg/kafkapg/internal/topicread"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -203,7 +201,13 @@ func run(events int, partitions int32, keep bool) error {
 		return err
 	}
 	took := time.Since(started)
-	metrics := scrape(httpAddr, "kafkapg_records_applied_total", "kafkapg_records_dead_lettered_total")
+	metrics := "(scrape failed)"
+	if sums, err := promscrape.Sums(ctx, "http://"+httpAddr+"/metrics"); err == nil {
+		metrics = fmt.Sprintf("kafkapg_records_applied_total=%g kafkapg_records_dead_lettered_total=%g",
+			sums["kafkapg_records_applied_total"], sums["kafkapg_records_dead_lettered_total"])
+	} else {
+		metrics += " " + err.Error()
+	}
 
 	rep, verr := ledger.Verify(ctx, pool, items, 1)
 	dlq, err := topicread.All(ctx, []string{brokerAddr}, retrytopics.DLQTopic(topic, group))
@@ -309,32 +313,6 @@ func waitFor(ctx context.Context, timeout time.Duration, cond func() error) erro
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-}
-
-// scrape returns "name value" pairs (series summed) from the processor's /metrics.
-func scrape(addr string, names ...string) string {
-	resp, err := http.Get("http://" + addr + "/metrics")
-	if err != nil {
-		return "(scrape failed: " + err.Error() + ")"
-	}
-	defer resp.Body.Close()
-	sums := map[string]float64{}
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		line := sc.Text()
-		for _, n := range names {
-			if strings.HasPrefix(line, n+" ") || strings.HasPrefix(line, n+"{") {
-				var v float64
-				fmt.Sscan(line[strings.LastIndexByte(line, ' ')+1:], &v)
-				sums[n] += v
-			}
-		}
-	}
-	var parts []string
-	for _, n := range names {
-		parts = append(parts, fmt.Sprintf("%s=%g", n, sums[n]))
-	}
-	return strings.Join(parts, " ")
 }
 
 func exitStatus(err error) string {

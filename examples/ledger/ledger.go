@@ -27,7 +27,6 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/kafkapg/kafkapg/processor"
 )
@@ -63,14 +62,6 @@ const (
 	AddBalanceSQL  = `INSERT INTO ledger_balances (account, balance, last_seq) VALUES ($1, $2, $3)
 		ON CONFLICT (account) DO UPDATE SET balance = ledger_balances.balance + EXCLUDED.balance, last_seq = EXCLUDED.last_seq`
 )
-
-// Setup creates the ledger tables.
-func Setup(ctx context.Context, db interface {
-	Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
-}) error {
-	_, err := db.Exec(ctx, Schema)
-	return err
-}
 
 // Handler applies ledger events. The zero value is ready to use.
 type Handler struct{}

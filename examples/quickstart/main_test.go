@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -35,13 +36,13 @@ func TestQuickstart(t *testing.T) {
 			return err
 		}
 		if n != 2 || sum != 49 {
-			return testenv.Errorf("orders: %d rows, sum %d; want 2 rows, sum 49", n, sum)
+			return fmt.Errorf("orders: %d rows, sum %d; want 2 rows, sum 49", n, sum)
 		}
 		return nil
 	})
 	testenv.Eventually(t, 30*time.Second, func() error {
 		if got := len(k.ReadAll(t, "orders.orders-to-postgres.dlq")); got != 1 {
-			return testenv.Errorf("%d dead letters, want 1 (the bad JSON)", got)
+			return fmt.Errorf("%d dead letters, want 1 (the bad JSON)", got)
 		}
 		return nil
 	})

@@ -10,7 +10,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"fmt"
 	"net/url"
 	"os"
 	"regexp"
@@ -107,6 +106,3 @@ func Eventually(t testing.TB, timeout time.Duration, cond func() error) {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
-
-// Errorf is fmt.Errorf, for conditions passed to Eventually.
-var Errorf = fmt.Errorf
