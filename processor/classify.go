@@ -13,7 +13,8 @@ type ErrorClass int
 
 const (
 	// ClassRetryable: the record may succeed later. It is retried with backoff
-	// (Config.LocalAttempts tries), then dead-lettered.
+	// (Config.LocalAttempts tries), then goes through the retry tiers (Config.RetryTiers), then is
+	// dead-lettered.
 	ClassRetryable ErrorClass = iota
 	// ClassPermanent: the record can never succeed (Permanent was used). It is dead-lettered at
 	// once.
@@ -37,7 +38,8 @@ func (c ErrorClass) String() string {
 	return "unknown"
 }
 
-// Classify is the one place that decides the class of a handler or transaction error:
+// Classify is the one place that decides the class of a handler or transaction error (a Handler
+// can override it by implementing ErrorClassifier):
 //
 //   - the connection to Postgres was lost during the transaction, or the COMMIT's outcome is
 //     unknown: infrastructure;
@@ -92,6 +94,19 @@ func Classify(err error) ErrorClass {
 		return ClassInfrastructure
 	}
 	return ClassRetryable
+}
+
+// classify classifies a handler's error, letting the handler override Classify (ErrorClassifier).
+// Failures outside the handler's control stay infrastructure whatever it says.
+func (p *Processor) classify(err error) ErrorClass {
+	var infra *infrastructureError
+	if errors.Is(err, sink.ErrConnLost) || errors.Is(err, sink.ErrCommitUnknown) || errors.As(err, &infra) {
+		return ClassInfrastructure
+	}
+	if c, ok := p.cfg.Handler.(ErrorClassifier); ok {
+		return c.ClassifyError(err)
+	}
+	return Classify(err)
 }
 
 // Infrastructure marks err as a failure of a dependency rather than of the record: the

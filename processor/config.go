@@ -5,11 +5,27 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/retrytopics"
 )
+
+// What happens to a key's later records after one of its records is dead-lettered
+// (Config.OnDeadLetter).
+const (
+	// OnDeadLetterSkip: the key's next record is applied; the dead letter is skipped.
+	OnDeadLetterSkip = "skip"
+	// OnDeadLetterBlock: the key stays held, its later records parked, until an operator releases
+	// it (see ReleaseKeys).
+	OnDeadLetterBlock = "block"
+)
+
+// DefaultRetryTiers are the retry tiers used when Config.RetryTiers is nil.
+var DefaultRetryTiers = []time.Duration{time.Second, 10 * time.Second, time.Minute}
 
 // Start offsets for partitions with no stored position.
 const (
@@ -48,9 +64,24 @@ type Config struct {
 	// to 4 MiB.
 	MaxBufferedBytes int
 
+	// RetryTiers are the delays of the retry tiers. A record that still fails with a retryable
+	// error after its local attempts goes to tier 1 (topic {topic}.{group}.retry.1), is tried again
+	// (delivery Attempt 2) once the tier's delay (plus up to 10% jitter) has passed, then goes to
+	// tier 2, and so on; after the last tier it is dead-lettered. nil means DefaultRetryTiers
+	// (1s, 10s, 1m); an empty, non-nil slice means no tiers: records are dead-lettered after
+	// their local attempts. [RETRY_TIERS]
+	RetryTiers []time.Duration
+	// OnDeadLetter says what happens to a key's later records once one of its records has been
+	// dead-lettered: OnDeadLetterSkip (they are applied) or OnDeadLetterBlock (they are held until
+	// an operator releases the key). Defaults to OnDeadLetterSkip. [ON_DEAD_LETTER]
+	OnDeadLetter string
+	// DisableTopicCreation stops the processor from creating missing retry-tier and dead-letter
+	// topics; a missing one is then an error at startup. [KAFKA_CREATE_TOPICS=false]
+	DisableTopicCreation bool
+
 	// LocalAttempts is how many times a failing record is tried within one delivery, counting
-	// the first try, before it is dead-lettered. 1 disables local retries. Defaults to 3.
-	// [RETRY_LOCAL_ATTEMPTS]
+	// the first try, before it moves on to a retry tier or is dead-lettered. 1 disables local
+	// retries. Defaults to 3. [RETRY_LOCAL_ATTEMPTS]
 	LocalAttempts int
 	// BackoffBase is the delay before the first retry; it doubles per retry up to BackoffMax,
 	// with jitter. It applies to local retries of a record and to retries in place after an
@@ -93,6 +124,9 @@ type Config struct {
 	// KafkaOptions are extra franz-go options (TLS, SASL, ...), applied after kafkapg's own.
 	// Options that change group callbacks, offsets or commits break the guarantees.
 	KafkaOptions []kgo.Opt
+
+	drainInterval time.Duration // how often the drainer looks for keys other processors readied
+	statsInterval time.Duration // how often the retry path's metrics are read from Postgres
 }
 
 func (c *Config) withDefaults() *Config {
@@ -113,6 +147,12 @@ func (c *Config) withDefaults() *Config {
 	}
 	if out.MaxBufferedBytes == 0 {
 		out.MaxBufferedBytes = 4 << 20
+	}
+	if out.RetryTiers == nil {
+		out.RetryTiers = DefaultRetryTiers
+	}
+	if out.OnDeadLetter == "" {
+		out.OnDeadLetter = OnDeadLetterSkip
 	}
 	if out.LocalAttempts == 0 {
 		out.LocalAttempts = 3
@@ -141,6 +181,12 @@ func (c *Config) withDefaults() *Config {
 	if out.InstanceName == "" {
 		host, _ := os.Hostname()
 		out.InstanceName = fmt.Sprintf("%s:%d", host, os.Getpid())
+	}
+	if out.drainInterval == 0 {
+		out.drainInterval = time.Second
+	}
+	if out.statsInterval == 0 {
+		out.statsInterval = 5 * time.Second
 	}
 	if out.Logger == nil {
 		out.Logger = slog.Default()
@@ -182,6 +228,22 @@ func (c *Config) validate() error {
 	}
 	if c.StartOffset != StartEarliest && c.StartOffset != StartLatest {
 		errs = append(errs, fmt.Errorf("StartOffset (KAFKA_START_OFFSET) must be %q or %q, got %q", StartEarliest, StartLatest, c.StartOffset))
+	}
+	if len(c.RetryTiers) > retrytopics.MaxTiers {
+		errs = append(errs, fmt.Errorf("RetryTiers (RETRY_TIERS) has %d tiers; at most %d are allowed", len(c.RetryTiers), retrytopics.MaxTiers))
+	}
+	for i, d := range c.RetryTiers {
+		if d <= 0 {
+			errs = append(errs, fmt.Errorf("RetryTiers (RETRY_TIERS) tier %d: delay %v must be positive", i+1, d))
+		}
+	}
+	if c.OnDeadLetter != OnDeadLetterSkip && c.OnDeadLetter != OnDeadLetterBlock {
+		errs = append(errs, fmt.Errorf("OnDeadLetter (ON_DEAD_LETTER) must be %q or %q, got %q", OnDeadLetterSkip, OnDeadLetterBlock, c.OnDeadLetter))
+	}
+	for _, t := range c.Topics {
+		if c.Group != "" && (strings.Contains(t, "."+c.Group+".retry.") || strings.HasSuffix(t, "."+c.Group+".dlq")) {
+			errs = append(errs, fmt.Errorf("Topics (KAFKA_TOPICS) lists %q, which looks like a retry or dead-letter topic: list source topics only; their retry tiers are consumed with them", t))
+		}
 	}
 	if c.BatchMaxRecords < 1 {
 		errs = append(errs, fmt.Errorf("BatchMaxRecords (BATCH_MAX_RECORDS) must be at least 1, got %d", c.BatchMaxRecords))

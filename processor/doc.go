@@ -13,13 +13,19 @@
 // # What it guarantees
 //
 //   - Every record's effects written through the handler's transaction are committed exactly
-//     once, or the record is dead-lettered (topic {topic}.{group}.dlq) exactly once in Postgres
-//     terms: the dead letter is committed to an outbox in the same transaction as the offset
-//     advance that skips the record, then published at least once. This holds across crashes,
-//     restarts, rebalances and zombie owners.
-//   - Records of a partition are applied in offset order. A failing record does not block the
-//     others: the records before it are committed, it is retried alone (Config.LocalAttempts
-//     tries with backoff) and then dead-lettered, and the partition moves on.
+//     once, or the record is dead-lettered (topic {topic}.{group}.dlq and one dead_letters row)
+//     exactly once in Postgres terms: every move of a record (to a retry tier, to the DLQ,
+//     parked behind its key) is committed in the same transaction as the offset advance that
+//     skips it, and the record it publishes goes through an outbox, at least once. This holds
+//     across crashes, restarts, rebalances and zombie owners.
+//   - A failing record does not block the others: the records before it are committed, it is
+//     retried alone (Config.LocalAttempts tries with backoff), then goes through the retry tiers
+//     (Config.RetryTiers: topics {topic}.{group}.retry.{n}, each delivered no earlier than its
+//     delay after the failure), then is dead-lettered; the partition moves on meanwhile.
+//   - Records with the same key are applied in their partition's order, also across retries:
+//     while a key has a record in the retry path, its later records wait, parked in Postgres, and
+//     are applied in order once it is applied or dead-lettered (Config.OnDeadLetter). Records of
+//     other keys, and records without a key, are not held.
 //   - Infrastructure failures (Postgres unreachable, serialization failures) never dead-letter a
 //     record: the partition retries in place and resumes where it was.
 //
@@ -27,7 +33,9 @@
 //
 //   - Effects outside the transaction (calls to other services from a handler) may happen more
 //     than once.
-//   - A dead letter may be published to the DLQ topic more than once if the process dies between
-//     Kafka's acknowledgement and the outbox delete.
+//   - A retry or dead-letter record may be published more than once if the process dies between
+//     Kafka's acknowledgement and the outbox delete. A second copy in a retry tier is recognised
+//     and skipped; a second copy in the DLQ topic is not (deduplicate on the kafkapg-original-*
+//     headers, or read the dead_letters table, which has exactly one row per dead letter).
 //   - Records that Kafka deleted (retention) before they were applied are not recovered.
 package processor

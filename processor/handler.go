@@ -8,9 +8,14 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
-// Record is one Kafka record handed to a Handler.
+// Record is one Kafka record handed to a Handler. Whichever way it arrives (from its source
+// topic, from a retry tier, or parked behind its key), Topic, Partition, Offset, Key, Value,
+// Headers and Timestamp are those of the record in its source topic; kafkapg's own headers are
+// removed.
 type Record struct {
 	Topic     string
 	Partition int32
@@ -19,11 +24,24 @@ type Record struct {
 	Value     []byte
 	Headers   []kgo.RecordHeader
 	Timestamp time.Time
-	// Attempt is the delivery attempt, 1 for the first delivery from the source topic. Retries
-	// inside one delivery (see Config.LocalAttempts) do not change it.
+	// Attempt is the delivery attempt: 1 for the first delivery (from the source topic, or after
+	// waiting behind its key), n+1 from retry tier n. Retries inside one delivery (see
+	// Config.LocalAttempts) do not change it.
 	Attempt int
 
+	consumed    int64 // offset in the partition it was consumed from (source topic or tier)
 	leaderEpoch int32
+	stage       retrytopics.Stage
+	ordered     bool      // its key orders it: a non-null key, from a source topic
+	firstFailed time.Time // zero until its first failure
+}
+
+func (r *Record) origin() retrytopics.Origin {
+	return retrytopics.Origin{Topic: r.Topic, Partition: r.Partition, Offset: r.Offset}
+}
+
+func (r *Record) rec() retrytopics.Rec {
+	return retrytopics.Rec{Origin: r.origin(), Key: r.Key, Value: r.Value, Headers: r.Headers, Timestamp: r.Timestamp}
 }
 
 // Handler applies one record's effects. It is the main extension point of kafkapg.
@@ -34,8 +52,8 @@ type Record struct {
 // roll back tx, and should not keep it or the record after returning.
 //
 // Return nil on success; Permanent(err) for a record that can never succeed (it is dead-lettered
-// without retries); any other error to have the record retried (with backoff, then
-// dead-lettered). Errors caused by Postgres being unreachable are recognised and retried in
+// without retries); any other error to have the record retried (with backoff within the
+// delivery, then through the retry tiers, then dead-lettered). Errors caused by Postgres being unreachable are recognised and retried in
 // place without counting against the record (see Classify). A panic is recovered and treated as a
 // retryable error, with its stack logged.
 //
@@ -52,6 +70,15 @@ type Handler interface {
 // error does not name a record, the processor splits the batch to find the failing ones.
 type BatchHandler interface {
 	HandleBatch(ctx context.Context, tx pgx.Tx, recs []*Record) error
+}
+
+// ErrorClassifier is an optional interface for a Handler that decides itself how its errors are
+// classified, overriding Classify. It is called with every error the handler returned (or its
+// recovered panic); call Classify for the errors it has no opinion on. Failures of Postgres
+// outside the handler's own statements (a lost connection, a COMMIT with unknown outcome) are
+// always infrastructure and do not reach it.
+type ErrorClassifier interface {
+	ClassifyError(err error) ErrorClass
 }
 
 // HandlerFunc adapts a function to the Handler interface.

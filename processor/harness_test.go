@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -50,6 +51,7 @@ func (h *harness) config(handler processor.Handler) *processor.Config {
 		Topics:           []string{h.topic},
 		Handler:          handler,
 		LocalAttempts:    3,
+		RetryTiers:       []time.Duration{}, // tests of the retry tiers set their own
 		BackoffBase:      5 * time.Millisecond,
 		BackoffMax:       50 * time.Millisecond,
 		SessionTimeout:   3 * time.Second,
@@ -127,6 +129,26 @@ func (r *running) counter(name string) float64 {
 	return total
 }
 
+// gauge returns the sum of a gauge metric's series.
+func (r *running) gauge(name string) float64 {
+	mfs, err := r.reg.Gather()
+	if err != nil {
+		panic(err)
+	}
+	total := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if g := m.GetGauge(); g != nil {
+				total += g.GetValue()
+			}
+		}
+	}
+	return total
+}
+
 func (h *harness) produce(items []ledger.Item) {
 	h.t.Helper()
 	recs := make([]*kgo.Record, len(items))
@@ -157,7 +179,8 @@ func (h *harness) waitApplied(n int, timeout time.Duration) {
 }
 
 // waitSettled waits until every item is accounted for: the expected events applied, the outbox
-// empty and the dead-letter topic holding at least the expected dead letters.
+// and the retry path (tiers, held keys, parked records) empty, and the dead-letter topic holding
+// at least the expected dead letters.
 func (h *harness) waitSettled(items []ledger.Item, maxAttempt int, timeout time.Duration) {
 	h.t.Helper()
 	wantApplied, wantDead := 0, 0
@@ -179,11 +202,71 @@ func (h *harness) waitSettled(items []ledger.Item, maxAttempt int, timeout time.
 		if outbox > 0 {
 			return fmt.Errorf("%d outbox rows not yet published", outbox)
 		}
+		if n := h.retryPathRows(); n != "" {
+			return fmt.Errorf("retry path not empty: %s", n)
+		}
 		if got := len(h.k.ReadAll(h.t, h.dlq())); got < wantDead {
 			return fmt.Errorf("%d of %d dead letters published", got, wantDead)
 		}
 		return nil
 	})
+}
+
+// retryPathRows describes what is left in the retry path's tables ("" if nothing).
+func (h *harness) retryPathRows() string {
+	var retries, keys, parked int
+	err := h.pool.QueryRow(context.Background(), `SELECT
+		(SELECT count(*) FROM kafkapg.retries), (SELECT count(*) FROM kafkapg.held_keys), (SELECT count(*) FROM kafkapg.held_records)`).
+		Scan(&retries, &keys, &parked)
+	if err != nil {
+		return err.Error()
+	}
+	if retries+keys+parked == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%d records in tiers, %d held keys, %d parked records", retries, keys, parked)
+}
+
+// checkDeadLetterRows checks that the dead_letters table has exactly one row per item that must
+// be dead-lettered, and no other.
+func (h *harness) checkDeadLetterRows(items []ledger.Item, maxAttempt int) {
+	h.t.Helper()
+	rows, err := h.pool.Query(context.Background(), `SELECT value, attempts, error_class FROM kafkapg.dead_letters WHERE consumer_group = $1`, h.group)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	got := map[string]int{}
+	var value []byte
+	var attempts int
+	var class string
+	_, err = pgx.ForEachRow(rows, []any{&value, &attempts, &class}, func() error {
+		got[string(value)]++
+		if attempts < 1 || attempts > maxAttempt || class == "" {
+			h.t.Errorf("dead_letters row of %q: attempts %d, class %q", value, attempts, class)
+		}
+		return nil
+	})
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	want := 0
+	for _, it := range items {
+		n := got[string(it.Value)]
+		delete(got, string(it.Value))
+		switch {
+		case it.Dead(maxAttempt) && n != 1:
+			h.t.Errorf("%s record %q has %d dead_letters rows, want 1", it.Kind, it.Value, n)
+		case !it.Dead(maxAttempt) && n != 0:
+			h.t.Errorf("%s record %q has %d dead_letters rows, want none", it.Kind, it.Value, n)
+		}
+		if it.Dead(maxAttempt) {
+			want++
+		}
+	}
+	for v := range got {
+		h.t.Errorf("dead_letters row %q matches no produced record", v)
+	}
+	h.t.Logf("dead_letters: exactly one row for each of the %d dead records", want)
 }
 
 func (h *harness) dlq() string { return retrytopics.DLQTopic(h.topic, h.group) }
@@ -199,6 +282,7 @@ func (h *harness) verify(items []ledger.Item, maxAttempt int, allowDupDeadLetter
 	if err != nil {
 		h.t.Fatalf("dead-letter verification failed:\n%v", err)
 	}
+	h.checkDeadLetterRows(items, maxAttempt)
 	h.t.Logf("verified: %d events applied exactly once in per-account order across %d accounts; %d expected dead letters present (%d published twice)",
 		rep.Applied, rep.Accounts, len(items)-rep.Expected, dups)
 }

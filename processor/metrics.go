@@ -1,7 +1,11 @@
 package processor
 
 import (
+	"strconv"
+
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
 // metrics are the processor's Prometheus metrics. Labels are bounded: topic names and error
@@ -18,6 +22,19 @@ type metrics struct {
 	assigned      prometheus.Gauge
 	rebalances    *prometheus.CounterVec
 	handlerPanics prometheus.Counter
+
+	routed     *prometheus.CounterVec
+	parked     *prometheus.CounterVec
+	duplicates *prometheus.CounterVec
+
+	// Group-wide state of the retry path, read from Postgres every few seconds.
+	heldKeys     prometheus.Gauge
+	blockedKeys  prometheus.Gauge
+	heldRecords  prometheus.Gauge
+	oldestHeld   prometheus.Gauge
+	tierRecords  *prometheus.GaugeVec
+	tierOverdue  *prometheus.GaugeVec
+	deadLetterDB prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -69,12 +86,71 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "handler_panics_total",
 			Help: "Handler panics recovered.",
 		}),
+		routed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "records_retried_total",
+			Help: "Records sent to a retry tier (committed to the outbox), by source topic and tier.",
+		}, []string{"topic", "tier"}),
+		parked: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "records_held_total",
+			Help: "Records parked in Postgres behind an earlier record of their key that is in the retry path.",
+		}, []string{"topic"}),
+		duplicates: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "retry_duplicates_skipped_total",
+			Help: "Copies of retry records skipped because the record had already moved on (at-least-once publication).",
+		}, []string{"topic"}),
+		heldKeys: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "held_keys",
+			Help: "Keys of the group whose later records wait behind a record in the retry path or a blocked dead letter (group-wide, from Postgres).",
+		}),
+		blockedKeys: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "blocked_keys",
+			Help: "Held keys waiting for an operator after a dead letter (ON_DEAD_LETTER=block; group-wide, from Postgres).",
+		}),
+		heldRecords: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "held_records",
+			Help: "Records parked behind held keys (group-wide, from Postgres).",
+		}),
+		oldestHeld: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "oldest_held_record_age_seconds",
+			Help: "Age of the oldest parked record; 0 if none (group-wide, from Postgres).",
+		}),
+		tierRecords: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Name: "retry_tier_records",
+			Help: "Records waiting in each retry tier (group-wide, from Postgres).",
+		}, []string{"tier"}),
+		tierOverdue: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Name: "retry_tier_lag_seconds",
+			Help: "How far past its due time the most overdue record of each retry tier is: the tier consumer's lag (group-wide, from Postgres).",
+		}, []string{"tier"}),
+		deadLetterDB: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "dead_letters_new",
+			Help: "Rows in the dead_letters table with status new (group-wide, from Postgres).",
+		}),
 	}
 	for _, c := range []prometheus.Collector{m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
-		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics} {
+		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
+		m.routed, m.parked, m.duplicates, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
+		m.tierRecords, m.tierOverdue, m.deadLetterDB} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
 	}
 	return m, nil
+}
+
+func tierLabel(n int) string { return strconv.Itoa(n) }
+
+// setRetryStats publishes the retry path's state; tiers is the number of configured tiers, so
+// that empty tiers read 0.
+func (m *metrics) setRetryStats(st retrytopics.Stats, tiers int) {
+	m.heldKeys.Set(float64(st.HeldKeys))
+	m.blockedKeys.Set(float64(st.BlockedKeys))
+	m.heldRecords.Set(float64(st.HeldRecords))
+	m.oldestHeld.Set(st.OldestHeld.Seconds())
+	m.deadLetterDB.Set(float64(st.DeadLettersDB))
+	for n := 1; n <= tiers; n++ {
+		t := st.Tiers[n]
+		m.tierRecords.WithLabelValues(tierLabel(n)).Set(float64(t.Records))
+		m.tierOverdue.WithLabelValues(tierLabel(n)).Set(t.Overdue.Seconds())
+	}
 }

@@ -173,9 +173,11 @@ func (c *child) metric(t *testing.T, name string) float64 {
 }
 
 // TestKilledProcessesApplyExactlyOnce runs two processor processes in one group while ledger
-// events keep arriving, and SIGKILLs one of them at random moments (mid-batch, mid-commit,
-// mid-publish, mid-rebalance), restarting it each time. Then it stops both with SIGTERM. Every
-// event must be applied exactly once, in per-account order, and every dead letter published.
+// events keep arriving, a tenth of them failing transiently through short retry tiers, and
+// SIGKILLs one of them at random moments (mid-batch, mid-commit, mid-publish, mid-rebalance, while
+// records sit in tiers and keys are held), restarting it each time. Then it stops both with
+// SIGTERM. Every event must be applied exactly once, in per-account order, or dead-lettered
+// exactly when its failures outlast the tiers, and every dead letter published.
 func TestKilledProcessesApplyExactlyOnce(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
@@ -183,7 +185,7 @@ func TestKilledProcessesApplyExactlyOnce(t *testing.T) {
 		t.Logf("seed %d", seed)
 		rng := rand.New(rand.NewPCG(seed, seed))
 		h := newHarness(t, k, 6)
-		items := mixed(20000, seed, "kill")
+		items := flakyMix(20000, seed, "kill")
 
 		produced := make(chan struct{})
 		go func() {
@@ -193,15 +195,15 @@ func TestKilledProcessesApplyExactlyOnce(t *testing.T) {
 				time.Sleep(200 * time.Millisecond)
 			}
 		}()
-		env := "SHUTDOWN_TIMEOUT=5s"
-		procs := []*child{h.startChild(env), h.startChild(env)}
+		env := []string{"SHUTDOWN_TIMEOUT=5s", "RETRY_TIERS=200ms,500ms,1s"}
+		procs := []*child{h.startChild(env...), h.startChild(env...)}
 		for i := range 6 {
 			time.Sleep(time.Duration(300+rng.IntN(1500)) * time.Millisecond)
 			victim := rng.IntN(len(procs))
 			procs[victim].signal(syscall.SIGKILL)
 			procs[victim].wait(t, 10*time.Second)
 			t.Logf("kill %d: process %d killed with %d events applied", i+1, victim, h.applied())
-			procs[victim] = h.startChild(env)
+			procs[victim] = h.startChild(env...)
 			if !k.Real() {
 				// kfake (2026-09) can lose a member that dies while the group is joining: two
 				// members of one generation both act as leader, the dead member keeps its
@@ -211,7 +213,7 @@ func TestKilledProcessesApplyExactlyOnce(t *testing.T) {
 			}
 		}
 		<-produced
-		h.waitSettled(items, 1, 120*time.Second)
+		h.waitSettled(items, tiersMaxAttempt, 120*time.Second)
 		for i, c := range procs {
 			start := time.Now()
 			c.signal(syscall.SIGTERM)
@@ -220,7 +222,7 @@ func TestKilledProcessesApplyExactlyOnce(t *testing.T) {
 			}
 			t.Logf("process %d: SIGTERM to exit %v", i, time.Since(start).Round(time.Millisecond))
 		}
-		h.verify(items, 1, true)
+		h.verify(items, tiersMaxAttempt, true)
 	})
 }
 
@@ -232,9 +234,9 @@ func TestPausedProcessComesBackAsZombie(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 4)
-		items := mixed(20000, 11, "pause")
+		items := flakyMix(20000, 11, "pause")
 		go h.produce(items)
-		env := []string{"DB_TX_IDLE_TIMEOUT=2s", "BATCH_MAX_RECORDS=20"}
+		env := []string{"DB_TX_IDLE_TIMEOUT=2s", "BATCH_MAX_RECORDS=20", "RETRY_TIERS=200ms,500ms,1s"}
 		a := h.startChild(env...)
 		h.waitApplied(2000, 60*time.Second)
 		a.signal(syscall.SIGSTOP)
@@ -247,7 +249,7 @@ func TestPausedProcessComesBackAsZombie(t *testing.T) {
 			return nil
 		})
 		a.signal(syscall.SIGCONT)
-		h.waitSettled(items, 1, 120*time.Second)
+		h.waitSettled(items, tiersMaxAttempt, 120*time.Second)
 		t.Logf("thawed zombie: %v transactions fenced, %v infrastructure retries",
 			a.metric(t, "kafkapg_fenced_transactions_total"), a.metric(t, "kafkapg_infrastructure_retries_total"))
 		a.signal(syscall.SIGTERM)
@@ -258,6 +260,6 @@ func TestPausedProcessComesBackAsZombie(t *testing.T) {
 		if code := b.wait(t, 15*time.Second); code != 0 {
 			t.Errorf("B exit status %d", code)
 		}
-		h.verify(items, 1, true)
+		h.verify(items, tiersMaxAttempt, true)
 	})
 }

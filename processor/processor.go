@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,6 +36,9 @@ type Processor struct {
 	sink    *sink.Sink
 	batch   BatchHandler // cfg.Handler as a BatchHandler, if it is one
 	backoff backoff.Policy
+	retry   *retrytopics.Store
+	tierOf  map[string]tierRef // retry-tier topic -> its source topic and tier
+	drainer *drainer
 
 	client  atomic.Pointer[kgo.Client]
 	relay   atomic.Pointer[sink.Relay]
@@ -75,7 +80,15 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 		store:   offsets.NewStore(c.Schema, c.Group),
 		backoff: backoff.Policy{Base: c.BackoffBase, Max: c.BackoffMax},
 		workers: map[offsets.Partition]*worker{},
+		retry:   retrytopics.NewStore(c.Schema, c.Group),
+		tierOf:  map[string]tierRef{},
 	}
+	for _, t := range c.Topics {
+		for n := 1; n <= len(c.RetryTiers); n++ {
+			p.tierOf[retrytopics.TierTopic(t, c.Group, n)] = tierRef{source: t, n: n}
+		}
+	}
+	p.drainer = newDrainer(p)
 	p.batch, _ = c.Handler.(BatchHandler)
 	p.sink = sink.New(pool, p.store, sink.Config{
 		Schema:        c.Schema,
@@ -97,6 +110,20 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schemaName string) error {
 	}
 	_, err := schema.Migrate(ctx, pool, schemaName)
 	return err
+}
+
+// ReleaseBlockedKeys releases keys that a dead letter blocked (Config.OnDeadLetter =
+// OnDeadLetterBlock): their parked records are applied next, in order, by whichever processor of
+// the group picks them up (within a second). key nil releases every blocked key of the partition.
+// It returns how many keys it released. The same in SQL:
+//
+//	UPDATE kafkapg.held_keys SET state = 'ready', head_offset = NULL, updated_at = now()
+//	WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4 AND state = 'blocked';
+func ReleaseBlockedKeys(ctx context.Context, db retrytopics.Execer, schemaName, group, topic string, partition int32, key []byte) (int64, error) {
+	if schemaName == "" {
+		schemaName = "kafkapg"
+	}
+	return retrytopics.NewStore(schemaName, group).Unblock(ctx, db, topic, partition, key)
 }
 
 // Run consumes and applies records until ctx is done, then shuts down: it stops fetching,
@@ -138,10 +165,16 @@ func (p *Processor) Run(ctx context.Context) error {
 		relay.Run(relayCtx)
 	}()
 	defer stopRelay()
+	go p.drainer.run()
+	statsCtx, stopStats := context.WithCancel(ctx)
+	defer stopStats()
+	go p.refreshStats(statsCtx)
 
 	// Joining starts only now, so the rebalance callbacks always find p.client set.
-	cl.AddConsumeTopics(p.cfg.Topics...)
-	p.log.Info("processor started", "topics", p.cfg.Topics, "instance", p.cfg.InstanceName)
+	topics := slices.Concat(p.cfg.Topics, slices.Sorted(maps.Keys(p.tierOf)))
+	cl.AddConsumeTopics(topics...)
+	p.log.Info("processor started", "topics", p.cfg.Topics, "retry_tiers", p.cfg.RetryTiers,
+		"on_dead_letter", p.cfg.OnDeadLetter, "instance", p.cfg.InstanceName)
 	pollCtx, stopPoll := context.WithCancel(ctx)
 	p.mu.Lock()
 	p.stopPoll = stopPoll
@@ -177,6 +210,7 @@ func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Re
 	// Stop the workers first: nothing new is applied from here on.
 	drain := min(p.cfg.DrainTimeout, p.cfg.ShutdownTimeout/2)
 	p.stopWorkers(p.removeWorkers(nil), drain)
+	p.drainer.stop(drain)
 
 	if err := cl.CommitMarkedOffsets(sctx); err != nil {
 		p.log.Warn("final kafka offset commit failed (advisory only; postgres holds the positions)", "err", err)
@@ -241,6 +275,9 @@ func (p *Processor) newClient() (*kgo.Client, error) {
 		// when the one in flight returns; with nothing else to fetch that takes FetchMaxWait.
 		kgo.FetchMaxWait(500 * time.Millisecond),
 		kgo.AutoCommitMarks(),
+		// The outbox relay publishes retry and dead-letter records to their source record's
+		// partition number.
+		kgo.RecordPartitioner(sink.Partitioner()),
 		kgo.AdjustFetchOffsetsFn(p.claimAssigned),
 		kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, m map[string][]int32) {
 			// Called after every join, also with nothing new assigned.
@@ -262,25 +299,50 @@ func (p *Processor) newClient() (*kgo.Client, error) {
 	return cl, nil
 }
 
-// ensureTopics creates missing dead-letter topics, waiting (with backoff) for the source topics
-// to exist and for the broker to answer.
+// ensureTopics creates missing retry-tier and dead-letter topics (unless DisableTopicCreation),
+// waiting (with backoff) for the source topics to exist and for the broker to answer. A missing
+// retry or dead-letter topic that it may not create is an error.
 func (p *Processor) ensureTopics(ctx context.Context, adm *kadm.Client) error {
 	for failures := 1; ; failures++ {
-		created, missing, err := retrytopics.EnsureDLQTopics(ctx, adm, p.cfg.Group, p.cfg.Topics)
+		created, missing, err := retrytopics.EnsureTopics(ctx, adm, p.cfg.Group, p.cfg.Topics, len(p.cfg.RetryTiers), !p.cfg.DisableTopicCreation)
 		for _, t := range created {
-			p.log.Info("created dead-letter topic", "topic", t)
+			p.log.Info("created topic", "topic", t)
+		}
+		if errors.Is(err, retrytopics.ErrTopicMissing) {
+			return fmt.Errorf("processor: %w; create them, or let the processor create them (KAFKA_CREATE_TOPICS=true)", err)
 		}
 		if err == nil && len(missing) == 0 {
 			return nil
 		}
 		d := p.backoff.Delay(failures)
 		if err != nil {
-			p.log.Warn("cannot prepare dead-letter topics yet; retrying", "err", err, "retry_in", d)
+			p.log.Warn("cannot prepare retry and dead-letter topics yet; retrying", "err", err, "retry_in", d)
 		} else {
 			p.log.Warn("waiting for source topics to exist", "missing", missing, "retry_in", d)
 		}
 		if !backoff.Sleep(ctx, nil, d) {
 			return ctx.Err()
+		}
+	}
+}
+
+// refreshStats publishes the retry path's group-wide state as metrics every statsInterval.
+func (p *Processor) refreshStats(ctx context.Context) {
+	tick := time.NewTicker(p.cfg.statsInterval)
+	defer tick.Stop()
+	for {
+		qctx, cancel := context.WithTimeout(ctx, p.cfg.statsInterval)
+		st, err := p.retry.Stats(qctx, p.pool)
+		cancel()
+		if err == nil {
+			p.metrics.setRetryStats(st, len(p.cfg.RetryTiers))
+		} else if ctx.Err() == nil {
+			p.log.Debug("cannot read retry path stats", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
 		}
 	}
 }

@@ -24,24 +24,34 @@ import (
 // committed: what was not committed is left for the partition's next owner.
 var errStopped = errors.New("worker stopped")
 
-// worker applies the records of one partition, in offset order, one transaction per batch.
+// worker applies the records of one partition, in offset order, one transaction per batch. The
+// partition is either a source topic's or a retry tier's (see retry.go).
 //
 // Ownership: the poll loop calls push; everything else runs on the worker's own goroutine
-// (run), except stop/abandon, called by the rebalance callbacks and shutdown. pos is touched only
-// by run.
+// (run), except stop/abandon, called by the rebalance callbacks and shutdown. pos and held are
+// touched only by run.
 type worker struct {
 	p       *Processor
 	cl      *kgo.Client
 	tp      offsets.Partition
 	pos     offsets.Position
 	log     *slog.Logger
-	applied prometheus.Counter // kafkapg_records_applied_total for this topic, looked up once
+	source  string             // the source topic: tp.Topic, or the topic whose retry tier tp is
+	tier    int                // 0 for a source topic's partition, n for retry tier n
+	applied prometheus.Counter // kafkapg_records_applied_total of the source topic, looked up once
+
+	// held is a superset of the partition's held keys (source partitions only): only this
+	// partition's owner ever adds a key to held_keys, and it loads the set when it starts, so a
+	// key not in it cannot be held and its records need no check in Postgres.
+	held map[string]struct{}
 
 	mu          sync.Mutex
 	queue       []*kgo.Record
 	queuedBytes int       // keys and values in queue
 	firstAt     time.Time // when the oldest queued record arrived
-	paused      bool      // fetching from the partition is paused because the queue is full
+	full        bool      // the queue holds MaxBufferedBytes or more
+	waiting     bool      // the first queued record is not due yet (retry tiers)
+	paused      bool      // fetching from the partition is paused (full or waiting)
 	closed      bool      // no more records are accepted
 	wake        chan struct{}
 
@@ -54,19 +64,24 @@ type worker struct {
 
 func newWorker(p *Processor, cl *kgo.Client, pos offsets.Position) *worker {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &worker{
+	w := &worker{
 		p:        p,
 		cl:       cl,
 		tp:       pos.TP(),
 		pos:      pos,
 		log:      p.log.With("topic", pos.Topic, "partition", pos.Partition),
-		applied:  p.metrics.applied.WithLabelValues(pos.Topic),
+		source:   pos.Topic,
 		wake:     make(chan struct{}, 1),
 		stopping: make(chan struct{}),
 		ctx:      ctx,
 		cancel:   cancel,
 		done:     make(chan struct{}),
 	}
+	if t, ok := p.tierOf[pos.Topic]; ok {
+		w.source, w.tier = t.source, t.n
+	}
+	w.applied = p.metrics.applied.WithLabelValues(w.source)
+	return w
 }
 
 // push queues fetched records. It pauses fetching from the partition when the queue is full.
@@ -83,9 +98,9 @@ func (w *worker) push(recs []*kgo.Record) {
 	for _, r := range recs {
 		w.queuedBytes += len(r.Key) + len(r.Value)
 	}
-	if !w.paused && w.queuedBytes >= w.p.cfg.MaxBufferedBytes {
-		w.paused = true
-		w.cl.PauseFetchPartitions(map[string][]int32{w.tp.Topic: {w.tp.Partition}})
+	if !w.full && w.queuedBytes >= w.p.cfg.MaxBufferedBytes {
+		w.full = true
+		w.syncPause()
 	}
 	select {
 	case w.wake <- struct{}{}:
@@ -93,7 +108,22 @@ func (w *worker) push(recs []*kgo.Record) {
 	}
 }
 
-// take returns the next batch, waiting for records and for the batch to fill (BatchMaxWait).
+// syncPause pauses or resumes fetching from the partition to match full and waiting. w.mu is held.
+func (w *worker) syncPause() {
+	want := w.full || w.waiting
+	if want == w.paused {
+		return
+	}
+	w.paused = want
+	if want {
+		w.cl.PauseFetchPartitions(map[string][]int32{w.tp.Topic: {w.tp.Partition}})
+	} else {
+		w.cl.ResumeFetchPartitions(map[string][]int32{w.tp.Topic: {w.tp.Partition}})
+	}
+}
+
+// take returns the next batch, waiting for records, for the batch to fill (BatchMaxWait) and, in
+// a retry tier, for the first record to be due (fetching from the partition is paused meanwhile).
 // It returns nil once the worker is stopping.
 func (w *worker) take() []*kgo.Record {
 	var timer *time.Timer
@@ -103,39 +133,54 @@ func (w *worker) take() []*kgo.Record {
 		}
 	}()
 	for {
-		var wait <-chan time.Time
+		wait := time.Duration(-1)
 		w.mu.Lock()
 		if n := len(w.queue); n > 0 {
-			max := w.p.cfg.BatchMaxRecords
+			limit := w.p.cfg.BatchMaxRecords
+			ready, nextDue := min(n, limit), time.Time{}
+			if w.tier > 0 {
+				ready, nextDue = duePrefix(w.queue[:min(n, limit)], time.Now())
+			}
+			if w.waiting != (ready == 0) {
+				w.waiting = ready == 0
+				w.syncPause()
+			}
 			linger := w.p.cfg.BatchMaxWait - time.Since(w.firstAt)
-			if n >= max || linger <= 0 {
-				k := min(n, max)
-				batch := w.queue[:k:k]
-				w.queue = w.queue[k:]
+			switch {
+			case ready == 0:
+				wait = max(time.Until(nextDue), time.Millisecond)
+			case ready >= limit || ready < n || linger <= 0:
+				batch := w.queue[:ready:ready]
+				w.queue = w.queue[ready:]
 				for _, r := range batch {
 					w.queuedBytes -= len(r.Key) + len(r.Value)
 				}
 				if len(w.queue) > 0 {
 					w.firstAt = time.Now()
 				}
-				if w.paused && w.queuedBytes <= w.p.cfg.MaxBufferedBytes/2 {
-					w.paused = false
-					w.cl.ResumeFetchPartitions(map[string][]int32{w.tp.Topic: {w.tp.Partition}})
+				if w.full && w.queuedBytes <= w.p.cfg.MaxBufferedBytes/2 {
+					w.full = false
+					w.syncPause()
 				}
 				w.mu.Unlock()
 				return batch
+			default:
+				wait = linger
 			}
-			if timer == nil {
-				timer = time.NewTimer(linger)
-			} else {
-				timer.Reset(linger)
-			}
-			wait = timer.C
 		}
 		w.mu.Unlock()
+		var timeout <-chan time.Time
+		if wait >= 0 {
+			if timer == nil {
+				timer = time.NewTimer(wait)
+			} else {
+				timer.Reset(wait)
+			}
+			timeout = timer.C
+		}
 		select {
 		case <-w.wake:
-		case <-wait:
+		case <-timeout:
 		case <-w.stopping:
 			return nil
 		}
@@ -159,37 +204,51 @@ func (w *worker) abandon() { w.cancel() }
 func (w *worker) run() {
 	defer close(w.done)
 	defer w.cancel()
-	for {
+	err := w.loadHeld()
+	for err == nil {
 		batch := w.take()
 		if batch == nil {
 			return
 		}
-		recs := w.records(batch)
-		if len(recs) == 0 {
-			continue
-		}
-		err := w.applyRange(recs)
-		switch {
-		case err == nil:
-		case errors.Is(err, errStopped):
-			return
-		case errors.Is(err, offsets.ErrFenced):
-			w.p.metrics.fenced.Inc()
-			w.log.Warn("partition was claimed by another owner; this worker stops and applies nothing more", "err", err)
-			w.stop()
-			// Stop fetching a partition nobody here processes. The group rebalance that gave it
-			// to the other owner will revoke it from us; the pause is cleared then.
-			w.cl.PauseFetchPartitions(map[string][]int32{w.tp.Topic: {w.tp.Partition}})
-			return
-		default:
-			// applyRange returns only nil, errStopped or ErrFenced; anything else is a bug. Stop
-			// the whole processor rather than leave the partition silently stuck: a restart
-			// resumes from Postgres.
-			w.stop()
-			w.p.fail(fmt.Errorf("partition %s: %w", w.tp, err))
-			return
-		}
+		err = w.applyRange(w.records(batch))
 	}
+	switch {
+	case errors.Is(err, errStopped):
+	case errors.Is(err, offsets.ErrFenced):
+		w.p.metrics.fenced.Inc()
+		w.log.Warn("partition was claimed by another owner; this worker stops and applies nothing more", "err", err)
+		w.stop()
+		// Stop fetching a partition nobody here processes. The group rebalance that gave it
+		// to the other owner will revoke it from us; the pause is cleared then.
+		w.cl.PauseFetchPartitions(map[string][]int32{w.tp.Topic: {w.tp.Partition}})
+	default:
+		// applyRange returns only nil, errStopped or ErrFenced; anything else is a bug. Stop
+		// the whole processor rather than leave the partition silently stuck: a restart
+		// resumes from Postgres.
+		w.stop()
+		w.p.fail(fmt.Errorf("partition %s: %w", w.tp, err))
+	}
+}
+
+// loadHeld reads the partition's held keys (source partitions), retrying while Postgres fails.
+func (w *worker) loadHeld() error {
+	if w.tier > 0 {
+		return nil
+	}
+	return w.p.inPlace(w.ctx, w.stopping, w.log, false, func() error {
+		keys, err := w.p.retry.HeldKeys(w.ctx, w.p.pool, w.tp.Topic, w.tp.Partition)
+		if err != nil {
+			return err
+		}
+		w.held = make(map[string]struct{}, len(keys))
+		for _, k := range keys {
+			w.held[string(k)] = struct{}{}
+		}
+		if len(keys) > 0 {
+			w.log.Info("partition has held keys; their records keep waiting behind them", "held_keys", len(keys))
+		}
+		return nil
+	})
 }
 
 // records converts a fetched batch, dropping records below the stored position (already
@@ -200,7 +259,7 @@ func (w *worker) records(batch []*kgo.Record) []*Record {
 		if w.pos.Known && r.Offset < w.pos.Next {
 			continue
 		}
-		out = append(out, &Record{
+		rec := &Record{
 			Topic:       r.Topic,
 			Partition:   r.Partition,
 			Offset:      r.Offset,
@@ -209,24 +268,39 @@ func (w *worker) records(batch []*kgo.Record) []*Record {
 			Headers:     r.Headers,
 			Timestamp:   r.Timestamp,
 			Attempt:     1,
+			consumed:    r.Offset,
 			leaderEpoch: r.LeaderEpoch,
-		})
+			stage:       retrytopics.FromSource,
+			ordered:     r.Key != nil,
+		}
+		if w.tier > 0 {
+			w.fromTier(rec)
+		}
+		out = append(out, rec)
 	}
 	return out
 }
 
+// outcome counts what a batch transaction did with its records.
+type outcome struct {
+	applied    int // handled
+	parked     int // held behind their keys
+	duplicates int // copies of retry records that had moved on
+}
+
 // applyRange applies recs, isolating the ones that fail: the whole range is tried in one
 // transaction; if the handler fails, the records before the failing one are applied in one
-// transaction, the failing record alone is retried or dead-lettered, and the rest is applied the
-// same way. When a batch handler's error does not say which record failed, the range is split
-// in halves until the failures are isolated. The fast path (no failure) is one transaction.
+// transaction, the failing record alone is retried, sent to a retry tier or dead-lettered, and the
+// rest is applied the same way. When a batch handler's error does not say which record failed,
+// the range is split in halves until the failures are isolated. The fast path (no failure) is one
+// transaction.
 //
 // It returns nil, errStopped or an error wrapping offsets.ErrFenced.
 func (w *worker) applyRange(recs []*Record) error {
 	if len(recs) == 0 {
 		return nil
 	}
-	err := w.transact(recs, nil, true)
+	err := w.handleAll(recs)
 	var herr *sink.HandlerError
 	if !errors.As(err, &herr) {
 		return err
@@ -252,120 +326,204 @@ func (w *worker) applyRange(recs []*Record) error {
 	return w.applyRange(recs[mid:])
 }
 
+// handleAll applies recs in one transaction: records that must wait behind their key are parked,
+// copies of retry records that have moved on are skipped, the handler runs over the rest.
+//
+// It returns nil, a *sink.HandlerError (the handler failed; its RecordError indexes recs),
+// errStopped or an error wrapping offsets.ErrFenced.
+func (w *worker) handleAll(recs []*Record) error {
+	var out outcome
+	err := w.transact(recs, nil, func(ctx context.Context, tx pgx.Tx) error {
+		out = outcome{}
+		live, index, err := w.admit(ctx, tx, recs, &out)
+		if err != nil {
+			return Infrastructure(err)
+		}
+		if len(live) > 0 {
+			if err := w.p.handle(ctx, tx, live); err != nil {
+				var rerr *RecordError
+				if errors.As(err, &rerr) && rerr.Index >= 0 && rerr.Index < len(live) {
+					return &RecordError{Index: index[rerr.Index], Err: rerr.Err}
+				}
+				return err
+			}
+		}
+		if err := w.settle(ctx, tx, live); err != nil {
+			return Infrastructure(err)
+		}
+		out.applied = len(live)
+		return nil
+	}, true)
+	if err == nil {
+		w.applied.Add(float64(out.applied))
+		if w.tier > 0 && out.applied > 0 {
+			w.p.drainer.notify() // the records' keys may have become ready
+		}
+		if out.parked > 0 {
+			w.p.metrics.parked.WithLabelValues(w.source).Add(float64(out.parked))
+		}
+		if out.duplicates > 0 {
+			w.p.metrics.duplicates.WithLabelValues(w.source).Add(float64(out.duplicates))
+		}
+	}
+	return err
+}
+
+// admit decides, inside the batch transaction, which of recs the handler applies now: on a
+// source partition, records whose key is held are parked behind it; in a retry tier, copies of
+// records that have moved on are skipped. It returns the records to apply and their indexes in
+// recs.
+func (w *worker) admit(ctx context.Context, tx pgx.Tx, recs []*Record, out *outcome) (live []*Record, index []int, err error) {
+	if w.tier > 0 {
+		return w.admitRetries(ctx, tx, recs, out)
+	}
+	var keys [][]byte
+	for _, r := range recs {
+		if _, ok := w.held[string(r.Key)]; ok && r.ordered {
+			keys = append(keys, r.Key)
+		}
+	}
+	if len(keys) == 0 {
+		return recs, identity(len(recs)), nil
+	}
+	held, err := w.p.retry.LockHeldKeys(ctx, tx, w.tp.Topic, w.tp.Partition, keys)
+	if err != nil {
+		return nil, nil, err
+	}
+	var park []retrytopics.Rec
+	for i, r := range recs {
+		if r.ordered && held[string(r.Key)] {
+			park = append(park, r.rec())
+			continue
+		}
+		if r.ordered {
+			// Not held (any more): the key's last hold was settled since we saw it.
+			delete(w.held, string(r.Key))
+		}
+		live = append(live, r)
+		index = append(index, i)
+	}
+	if len(park) > 0 {
+		if err := w.p.retry.Park(ctx, tx, park); err != nil {
+			return nil, nil, err
+		}
+		out.parked = len(park)
+	}
+	return live, index, nil
+}
+
+// settle records, in the batch transaction, that live records were applied.
+func (w *worker) settle(ctx context.Context, tx pgx.Tx, live []*Record) error {
+	for _, r := range live {
+		if r.stage == retrytopics.FromTier {
+			if err := w.p.retry.Applied(ctx, tx, r.rec(), r.ordered); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func identity(n int) []int {
+	out := make([]int, n)
+	for i := range out {
+		out[i] = i
+	}
+	return out
+}
+
 // applyFailed handles a record whose handler just failed with err: it retries it alone
-// (LocalAttempts tries in all, with backoff) unless the error is permanent, then dead-letters it.
+// (LocalAttempts tries in all, with backoff) unless the error is permanent, then sends it to the
+// next retry tier or dead-letters it.
 func (w *worker) applyFailed(rec *Record, err error) error {
 	tries := 1
-	class := Classify(err)
-	w.p.metrics.failures.WithLabelValues(rec.Topic, class.String()).Inc()
+	class := w.p.classify(err)
+	w.p.metrics.failures.WithLabelValues(w.source, class.String()).Inc()
 	for class == ClassRetryable && tries < w.p.cfg.LocalAttempts {
 		d := w.p.backoff.Delay(tries)
-		w.log.Debug("record failed; retrying", "offset", rec.Offset, "key_hash", keyHash(rec.Key), "try", tries, "retry_in", d, "err", err)
+		w.log.Debug("record failed; retrying", "offset", rec.Offset, "key_hash", keyHash(rec.Key), "attempt", rec.Attempt, "try", tries, "retry_in", d, "err", err)
 		if !backoff.Sleep(w.ctx, w.stopping, d) {
 			return errStopped
 		}
 		tries++
-		terr := w.transact([]*Record{rec}, nil, true)
+		terr := w.handleAll([]*Record{rec})
 		var herr *sink.HandlerError
 		if !errors.As(terr, &herr) {
-			return terr // applied, stopped or fenced
+			return terr // applied (or parked, or skipped as a duplicate), stopped or fenced
 		}
 		err = herr.Err
 		var rerr *RecordError
 		if errors.As(err, &rerr) {
 			err = rerr.Err
 		}
-		class = Classify(err)
-		w.p.metrics.failures.WithLabelValues(rec.Topic, class.String()).Inc()
+		class = w.p.classify(err)
+		w.p.metrics.failures.WithLabelValues(w.source, class.String()).Inc()
 	}
-	return w.deadLetter(rec, err, class, tries)
+	return w.route(rec, err, class, tries)
 }
 
-// deadLetter skips rec, committing a dead-letter message to the outbox in the same transaction
-// as the offset advance: the record cannot be skipped without its dead letter, nor the reverse.
-func (w *worker) deadLetter(rec *Record, cause error, class ErrorClass, tries int) error {
-	now := time.Now()
-	msg := sink.Message{
-		Topic: retrytopics.DLQTopic(rec.Topic, w.p.cfg.Group),
-		Key:   rec.Key,
-		Value: rec.Value,
-		Headers: retrytopics.Headers(rec.Headers, retrytopics.Failure{
-			Topic:     rec.Topic,
-			Partition: rec.Partition,
-			Offset:    rec.Offset,
-			Timestamp: rec.Timestamp,
-			Group:     w.p.cfg.Group,
-			Attempt:   rec.Attempt,
-			Tries:     tries,
-			Class:     class.String(),
-			Message:   cause.Error(),
-			FailedAt:  now,
-		}),
-	}
-	if err := w.transact([]*Record{rec}, []sink.Message{msg}, false); err != nil {
-		return err
-	}
-	w.p.metrics.deadLettered.WithLabelValues(rec.Topic, class.String()).Inc()
-	w.log.Warn("record dead-lettered", "offset", rec.Offset, "key_hash", keyHash(rec.Key),
-		"class", class.String(), "tries", tries, "dlq", msg.Topic, "err", cause)
-	return nil
-}
-
-// transact commits recs (running the handler if withHandler) and msgs in one transaction that
-// advances the partition past recs. While the failure is the infrastructure's, it retries in
-// place with backoff, keeping the partition's position, for as long as the worker runs.
+// transact commits recs (running apply, if not nil) and msgs in one transaction that advances the
+// partition past recs. While the failure is the infrastructure's, it retries in place with
+// backoff, keeping the partition's position, for as long as the worker runs. A failure of apply is
+// the record's (returned, not retried) only if blame is set and it is not classified as
+// infrastructure.
 //
-// It returns nil, a *sink.HandlerError whose class is not infrastructure, errStopped, or an error
-// wrapping offsets.ErrFenced.
-func (w *worker) transact(recs []*Record, msgs []sink.Message, withHandler bool) error {
-	next := recs[len(recs)-1].Offset + 1
-	var apply func(context.Context, pgx.Tx) error
-	if withHandler {
-		apply = func(ctx context.Context, tx pgx.Tx) error { return w.p.handle(ctx, tx, recs) }
-	}
-	for failures := 0; ; {
+// It returns nil, a *sink.HandlerError, errStopped, or an error wrapping offsets.ErrFenced or
+// retrytopics.ErrStale.
+func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(context.Context, pgx.Tx) error, blame bool) error {
+	last := recs[len(recs)-1]
+	next := last.consumed + 1
+	return w.p.inPlace(w.ctx, w.stopping, w.log.With("from_offset", recs[0].consumed), blame, func() error {
 		start := time.Now()
 		err := w.p.sink.Apply(w.ctx, w.pos, next, apply, msgs)
 		if errors.Is(err, offsets.ErrAlreadyAdvanced) {
 			w.log.Info("an earlier commit whose outcome was unknown had succeeded", "next_offset", next)
 			err = nil
 		}
+		if err != nil {
+			return err
+		}
+		w.pos = w.pos.Advanced(next)
+		w.cl.MarkCommitOffsets(map[string]map[int32]kgo.EpochOffset{
+			w.tp.Topic: {w.tp.Partition: {Epoch: last.leaderEpoch, Offset: next}},
+		})
+		w.p.metrics.txDuration.Observe(time.Since(start).Seconds())
+		w.p.metrics.batchRecords.Observe(float64(len(recs)))
+		return nil
+	})
+}
+
+// inPlace runs tx until it succeeds, retrying in place with backoff while the failure is the
+// infrastructure's, until ctx is done or stopping is closed (then it returns errStopped). It
+// returns at once an error wrapping offsets.ErrFenced or retrytopics.ErrStale, and, if blame is
+// set, a *sink.HandlerError that is not classified as infrastructure: a failure of the record.
+func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *slog.Logger, blame bool, tx func() error) error {
+	for failures := 0; ; {
+		err := tx()
 		if err == nil {
-			w.pos = w.pos.Advanced(next)
-			last := recs[len(recs)-1]
-			w.cl.MarkCommitOffsets(map[string]map[int32]kgo.EpochOffset{
-				w.tp.Topic: {w.tp.Partition: {Epoch: last.leaderEpoch, Offset: next}},
-			})
-			if withHandler {
-				w.applied.Add(float64(len(recs)))
-			}
-			w.p.metrics.txDuration.Observe(time.Since(start).Seconds())
-			w.p.metrics.batchRecords.Observe(float64(len(recs)))
 			if failures > 0 {
-				w.log.Info("postgres is back; partition resumes", "after_failures", failures)
+				log.Info("postgres is back; processing resumes", "after_failures", failures)
 			}
 			return nil
 		}
-		if w.ctx.Err() != nil {
+		if ctx.Err() != nil {
 			return errStopped
 		}
-		if errors.Is(err, offsets.ErrFenced) {
+		if errors.Is(err, offsets.ErrFenced) || errors.Is(err, retrytopics.ErrStale) {
 			return err
 		}
-		// A failure is the record's only if its handler ran and failed for a reason that is not
-		// the infrastructure's (a transaction without a handler has nobody else to blame).
 		var herr *sink.HandlerError
-		if withHandler && errors.As(err, &herr) && Classify(herr.Err) != ClassInfrastructure {
+		if blame && errors.As(err, &herr) && p.classify(herr.Err) != ClassInfrastructure {
 			return herr
 		}
 		failures++
-		w.p.metrics.infraRetries.Inc()
-		d := w.p.backoff.Delay(failures)
+		p.metrics.infraRetries.Inc()
+		d := p.backoff.Delay(failures)
 		if failures == 1 || failures%10 == 0 {
-			w.log.Warn("transaction failed for a reason outside the record; retrying in place",
-				"err", err, "failures", failures, "retry_in", d, "from_offset", recs[0].Offset)
+			log.Warn("transaction failed for a reason outside the record; retrying in place",
+				"err", err, "failures", failures, "retry_in", d)
 		}
-		if !backoff.Sleep(w.ctx, w.stopping, d) {
+		if !backoff.Sleep(ctx, stopping, d) {
 			return errStopped
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -69,7 +70,7 @@ func sorted(s []string) []string {
 	return s
 }
 
-func TestEnsureDLQTopics(t *testing.T) {
+func TestEnsureTopics(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -78,7 +79,7 @@ func TestEnsureDLQTopics(t *testing.T) {
 	createTopic(t, addrs, "refunds", 1)
 	sources := []string{"orders", "ghost", "refunds"}
 
-	created, missing, err := retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "billing", sources)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", sources, 0, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,7 +100,7 @@ func TestEnsureDLQTopics(t *testing.T) {
 	}
 
 	// Idempotent: the second call finds everything in place.
-	created, missing, err = retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "billing", sources)
+	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", sources, 0, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -112,7 +113,7 @@ func TestEnsureDLQTopics(t *testing.T) {
 
 	// Once the source appears, its DLQ is created.
 	createTopic(t, addrs, "ghost", 2)
-	created, missing, err = retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "billing", sources)
+	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", sources, 0, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -124,7 +125,7 @@ func TestEnsureDLQTopics(t *testing.T) {
 	}
 
 	// Another group gets DLQs of its own.
-	created, _, err = retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "audit", []string{"orders"})
+	created, _, err = retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "audit", []string{"orders"}, 0, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -133,10 +134,10 @@ func TestEnsureDLQTopics(t *testing.T) {
 	}
 }
 
-// TestEnsureDLQTopicsLostRace: another instance creates the DLQ between this one's ListTopics and
+// TestEnsureTopicsLostRace: another instance creates the DLQ between this one's ListTopics and
 // CreateTopic. TopicAlreadyExists is success, but the topic is not reported as created by us.
 // A stale metadata cache produces exactly that sequence.
-func TestEnsureDLQTopicsLostRace(t *testing.T) {
+func TestEnsureTopicsLostRace(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -151,7 +152,7 @@ func TestEnsureDLQTopicsLostRace(t *testing.T) {
 		t.Skipf("the admin client's metadata is not stale (err %v); cannot stage the race this way", err)
 	}
 
-	created, missing, err := retrytopics.EnsureDLQTopics(ctx, stale, "billing", []string{"orders"})
+	created, missing, err := retrytopics.EnsureTopics(ctx, stale, "billing", []string{"orders"}, 0, true)
 	if err != nil {
 		t.Fatalf("err = %v, want TopicAlreadyExists treated as success", err)
 	}
@@ -160,9 +161,9 @@ func TestEnsureDLQTopicsLostRace(t *testing.T) {
 	}
 }
 
-// TestEnsureDLQTopicsKeepsExisting checks that an existing DLQ is left alone, even if its
+// TestEnsureTopicsKeepsExisting checks that an existing DLQ is left alone, even if its
 // partition count differs from the source's or its source is gone.
-func TestEnsureDLQTopicsKeepsExisting(t *testing.T) {
+func TestEnsureTopicsKeepsExisting(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -171,25 +172,25 @@ func TestEnsureDLQTopicsKeepsExisting(t *testing.T) {
 	createTopic(t, addrs, "orders.billing.dlq", 1)
 	createTopic(t, addrs, "gone.billing.dlq", 1)
 
-	created, missing, err := retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders", "gone"})
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders", "gone"}, 0, true)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(created) != 0 || len(missing) != 0 {
-		t.Errorf("created = %q, missing = %q; want neither", created, missing)
+	if len(created) != 0 || !slices.Equal(missing, []string{"gone"}) {
+		t.Errorf("created = %q, missing = %q; want nothing created, the missing source gone reported", created, missing)
 	}
 	if got := partitions(t, addrs, "orders.billing.dlq"); got != 1 {
 		t.Errorf("existing DLQ now has %d partitions, want it untouched (1)", got)
 	}
 }
 
-func TestEnsureDLQTopicsNoSources(t *testing.T) {
+func TestEnsureTopicsNoSources(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	addrs := newCluster(t)
 	createTopic(t, addrs, "orders", 3)
-	created, missing, err := retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "billing", nil)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", nil, 0, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -201,16 +202,56 @@ func TestEnsureDLQTopicsNoSources(t *testing.T) {
 	}
 }
 
-func TestEnsureDLQTopicsContextDone(t *testing.T) {
+func TestEnsureTopicsContextDone(t *testing.T) {
 	t.Parallel()
 	addrs := newCluster(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	_, _, err := retrytopics.EnsureDLQTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders"})
+	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders"}, 0, true)
 	if err == nil {
-		t.Fatal("EnsureDLQTopics with a cancelled context returned no error")
+		t.Fatal("EnsureTopics with a cancelled context returned no error")
 	}
 	if !errors.Is(err, context.Canceled) {
 		t.Errorf("err = %v, want it to wrap context.Canceled", err)
+	}
+}
+
+func TestEnsureTopicsTiers(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	addrs := newCluster(t)
+	createTopic(t, addrs, "orders", 3)
+
+	// Creation disabled: every missing retry and dead-letter topic is named in the error.
+	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders"}, 2, false)
+	if !errors.Is(err, retrytopics.ErrTopicMissing) {
+		t.Fatalf("err = %v, want ErrTopicMissing", err)
+	}
+	for _, name := range []string{"orders.billing.retry.1", "orders.billing.retry.2", "orders.billing.dlq"} {
+		if !strings.Contains(err.Error(), name) {
+			t.Errorf("error %q does not name %s", err, name)
+		}
+	}
+	if got := partitions(t, addrs, "orders.billing.retry.1"); got != -1 {
+		t.Errorf("a topic was created although creation is disabled")
+	}
+
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders"}, 2, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"orders.billing.dlq", "orders.billing.retry.1", "orders.billing.retry.2"}
+	if !slices.Equal(sorted(created), want) || len(missing) != 0 {
+		t.Errorf("created = %q, missing = %q; want %q, none missing", created, missing, want)
+	}
+	for _, name := range want {
+		if got := partitions(t, addrs, name); got != 3 {
+			t.Errorf("%s has %d partitions, want 3 (the source's)", name, got)
+		}
+	}
+	// Now everything exists: creation disabled is fine.
+	if _, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders"}, 2, false); err != nil {
+		t.Errorf("with all topics present and creation disabled: %v", err)
 	}
 }

@@ -16,7 +16,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
-// Header names added to dead-lettered records.
+// Header names added to records sent to a retry tier or to the dead-letter topic.
 const (
 	HeaderPrefix            = "kafkapg-"
 	HeaderOriginalTopic     = "kafkapg-original-topic"
@@ -24,11 +24,13 @@ const (
 	HeaderOriginalOffset    = "kafkapg-original-offset"
 	HeaderOriginalTimestamp = "kafkapg-original-timestamp" // milliseconds since the Unix epoch, as Kafka keeps it
 	HeaderGroup             = "kafkapg-group"
-	HeaderAttempt           = "kafkapg-attempt" // delivery attempt that failed last (1 = first delivery)
-	HeaderTries             = "kafkapg-tries"   // handler invocations during that delivery
+	HeaderAttempt           = "kafkapg-attempt" // delivery attempts made so far (1 = the first delivery failed)
+	HeaderTries             = "kafkapg-tries"   // handler invocations during the last delivery
 	HeaderErrorClass        = "kafkapg-error-class"
-	HeaderErrorMessage      = "kafkapg-error-message" // at most MaxErrorMessage bytes
-	HeaderFailedAt          = "kafkapg-failed-at"     // RFC 3339 with nanoseconds, UTC
+	HeaderErrorMessage      = "kafkapg-error-message"   // at most MaxErrorMessage bytes
+	HeaderFailedAt          = "kafkapg-failed-at"       // last failure; RFC 3339 with nanoseconds, UTC
+	HeaderFirstFailedAt     = "kafkapg-first-failed-at" // first failure; RFC 3339 with nanoseconds, UTC
+	HeaderDueAt             = "kafkapg-due-at"          // retry records only: not handled before; RFC 3339, UTC
 )
 
 // MaxErrorMessage bounds the error message carried in a header, in bytes.
@@ -37,28 +39,81 @@ const MaxErrorMessage = 1024
 // DLQTopic returns the dead-letter topic for records of topic consumed by group.
 func DLQTopic(topic, group string) string { return topic + "." + group + ".dlq" }
 
-// Failure describes why and where a record failed.
-type Failure struct {
-	Topic     string
-	Partition int32
-	Offset    int64
-	Timestamp time.Time
-	Group     string
-	Attempt   int
-	Tries     int
-	Class     string
-	Message   string
-	FailedAt  time.Time
+// TierTopic returns the topic of retry tier n (1-based) for records of topic consumed by group.
+func TierTopic(topic, group string, n int) string {
+	return topic + "." + group + ".retry." + strconv.Itoa(n)
 }
 
-// Headers returns orig (minus any kafkapg- headers) followed by headers describing f.
-func Headers(orig []kgo.RecordHeader, f Failure) []kgo.RecordHeader {
-	out := make([]kgo.RecordHeader, 0, len(orig)+11)
-	for _, h := range orig {
+// MaxTiers bounds the number of retry tiers.
+const MaxTiers = 20
+
+// ParseTiers parses a comma-separated list of tier delays such as "1s,10s,1m". An empty or
+// all-blank string means no tiers. Every delay must be a positive Go duration.
+func ParseTiers(s string) ([]time.Duration, error) {
+	if strings.TrimSpace(s) == "" {
+		return []time.Duration{}, nil
+	}
+	parts := strings.Split(s, ",")
+	if len(parts) > MaxTiers {
+		return nil, fmt.Errorf("%d retry tiers; at most %d are allowed", len(parts), MaxTiers)
+	}
+	tiers := make([]time.Duration, 0, len(parts))
+	for i, p := range parts {
+		p = strings.TrimSpace(p)
+		d, err := time.ParseDuration(p)
+		if err != nil {
+			return nil, fmt.Errorf("tier %d: %q is not a duration like 10s or 1m", i+1, p)
+		}
+		if d <= 0 {
+			return nil, fmt.Errorf("tier %d: delay %v must be positive", i+1, d)
+		}
+		tiers = append(tiers, d)
+	}
+	return tiers, nil
+}
+
+// JitterFraction is the most that DueAt adds to a tier's delay, as a fraction of it.
+const JitterFraction = 0.1
+
+// DueAt returns when a record that failed at failedAt may be tried again from a tier with the given
+// delay: failedAt + delay + jitter, where jitter is u × JitterFraction × delay and u is in [0, 1)
+// (pass a random number). The jitter spreads the retries of records that failed together; it never
+// makes a record due earlier than its tier's delay.
+func DueAt(failedAt time.Time, delay time.Duration, u float64) time.Time {
+	return failedAt.Add(delay + time.Duration(u*JitterFraction*float64(delay)))
+}
+
+// Failure describes why and where a record failed. Topic, Partition, Offset and Timestamp are
+// the record's coordinates in its source topic, whichever tier it failed in.
+type Failure struct {
+	Topic         string
+	Partition     int32
+	Offset        int64
+	Timestamp     time.Time
+	Group         string
+	Attempt       int // delivery attempts made so far
+	Tries         int // handler invocations during the last one
+	Class         string
+	Message       string
+	FailedAt      time.Time
+	FirstFailedAt time.Time
+	DueAt         time.Time // zero for a dead letter
+}
+
+// StripHeaders returns headers without the kafkapg- ones: the record's own headers.
+func StripHeaders(headers []kgo.RecordHeader) []kgo.RecordHeader {
+	out := make([]kgo.RecordHeader, 0, len(headers))
+	for _, h := range headers {
 		if !strings.HasPrefix(h.Key, HeaderPrefix) {
 			out = append(out, h)
 		}
 	}
+	return out
+}
+
+// Headers returns orig (minus any kafkapg- headers) followed by headers describing f.
+func Headers(orig []kgo.RecordHeader, f Failure) []kgo.RecordHeader {
+	out := append(make([]kgo.RecordHeader, 0, len(orig)+13), StripHeaders(orig)...)
 	add := func(k, v string) { out = append(out, kgo.RecordHeader{Key: k, Value: []byte(v)}) }
 	add(HeaderOriginalTopic, f.Topic)
 	add(HeaderOriginalPartition, strconv.FormatInt(int64(f.Partition), 10))
@@ -70,11 +125,15 @@ func Headers(orig []kgo.RecordHeader, f Failure) []kgo.RecordHeader {
 	add(HeaderErrorClass, f.Class)
 	add(HeaderErrorMessage, Truncate(f.Message, MaxErrorMessage))
 	add(HeaderFailedAt, f.FailedAt.UTC().Format(time.RFC3339Nano))
+	add(HeaderFirstFailedAt, f.FirstFailedAt.UTC().Format(time.RFC3339Nano))
+	if !f.DueAt.IsZero() {
+		add(HeaderDueAt, f.DueAt.UTC().Format(time.RFC3339Nano))
+	}
 	return out
 }
 
-// ParseFailure reads the kafkapg- headers back. It reports an error naming the first header that
-// is missing or malformed.
+// ParseFailure reads the kafkapg- headers back. It reports an error naming every header that is
+// missing or malformed. HeaderDueAt is optional (dead letters have none).
 func ParseFailure(headers []kgo.RecordHeader) (Failure, error) {
 	get := map[string]string{}
 	for _, h := range headers {
@@ -103,10 +162,12 @@ func ParseFailure(headers []kgo.RecordHeader) (Failure, error) {
 		}
 		return n
 	}
-	when := func(k string) time.Time {
+	when := func(k string, optional bool) time.Time {
 		s, ok := get[k]
 		if !ok {
-			errs = append(errs, fmt.Errorf("header %s is missing", k))
+			if !optional {
+				errs = append(errs, fmt.Errorf("header %s is missing", k))
+			}
 			return time.Time{}
 		}
 		t, err := time.Parse(time.RFC3339Nano, s)
@@ -124,7 +185,9 @@ func ParseFailure(headers []kgo.RecordHeader) (Failure, error) {
 	f.Tries = int(num(HeaderTries, 32))
 	f.Class = str(HeaderErrorClass)
 	f.Message = str(HeaderErrorMessage)
-	f.FailedAt = when(HeaderFailedAt)
+	f.FailedAt = when(HeaderFailedAt, false)
+	f.FirstFailedAt = when(HeaderFirstFailedAt, false)
+	f.DueAt = when(HeaderDueAt, true)
 	if len(errs) > 0 {
 		return f, errors.Join(errs...)
 	}
@@ -152,38 +215,68 @@ func cutAt(s string, n int) string {
 	return s[:n]
 }
 
-// EnsureDLQTopics creates the dead-letter topic of every source topic that lacks one, with the
-// source topic's partition count and the broker's default replication factor. A source topic
-// that does not exist yet is reported in missing and skipped; retry later.
-func EnsureDLQTopics(ctx context.Context, adm *kadm.Client, group string, sources []string) (created, missing []string, err error) {
-	want := map[string]string{} // dlq -> source
+// Targets returns the topics that records of source consumed by group can be sent to: its retry
+// tiers 1..tiers, then its dead-letter topic.
+func Targets(source, group string, tiers int) []string {
+	out := make([]string, 0, tiers+1)
+	for n := 1; n <= tiers; n++ {
+		out = append(out, TierTopic(source, group, n))
+	}
+	return append(out, DLQTopic(source, group))
+}
+
+// ErrTopicMissing is returned by EnsureTopics, wrapped with the topic's name, when a retry or
+// dead-letter topic does not exist and creating it is not allowed.
+var ErrTopicMissing = errors.New("topic does not exist")
+
+// EnsureTopics checks that the retry-tier and dead-letter topics of every source topic exist
+// (see Targets). If create is true it creates missing ones with the source topic's partition count
+// and the broker's default replication factor; otherwise a missing one is an error wrapping
+// ErrTopicMissing. A source topic that does not exist yet is reported in missing and skipped:
+// retry later.
+func EnsureTopics(ctx context.Context, adm *kadm.Client, group string, sources []string, tiers int, create bool) (created, missing []string, err error) {
+	want := map[string]string{} // target -> source
 	for _, s := range sources {
-		want[DLQTopic(s, group)] = s
+		for _, t := range Targets(s, group, tiers) {
+			want[t] = s
+		}
 	}
 	all := append(slices.Clone(sources), slices.Collect(maps.Keys(want))...)
 	details, err := adm.ListTopics(ctx, all...)
 	if err != nil {
 		return nil, nil, fmt.Errorf("list topics: %w", err)
 	}
-	for dlq, src := range want {
-		if d, ok := details[dlq]; ok && d.Err == nil {
+	var absent []string
+	for _, s := range sources {
+		if sd, ok := details[s]; !ok || sd.Err != nil || len(sd.Partitions) == 0 {
+			missing = append(missing, s)
+		}
+	}
+	for _, t := range slices.Sorted(maps.Keys(want)) {
+		src := want[t]
+		if d, ok := details[t]; ok && d.Err == nil {
 			continue
 		}
-		sd, ok := details[src]
-		if !ok || sd.Err != nil || len(sd.Partitions) == 0 {
-			missing = append(missing, src)
+		if slices.Contains(missing, src) {
 			continue
 		}
-		resp, err := adm.CreateTopic(ctx, int32(len(sd.Partitions)), -1, nil, dlq)
+		if !create {
+			absent = append(absent, t)
+			continue
+		}
+		resp, err := adm.CreateTopic(ctx, int32(len(details[src].Partitions)), -1, nil, t)
 		if err == nil {
 			err = resp.Err
 		}
 		if err != nil && !errors.Is(err, kerr.TopicAlreadyExists) {
-			return created, missing, fmt.Errorf("create dead-letter topic %s: %w", dlq, err)
+			return created, missing, fmt.Errorf("create topic %s: %w", t, err)
 		}
 		if err == nil {
-			created = append(created, dlq)
+			created = append(created, t)
 		}
+	}
+	if len(absent) > 0 {
+		return created, missing, fmt.Errorf("%w: %s (creating topics is disabled)", ErrTopicMissing, strings.Join(absent, ", "))
 	}
 	return created, missing, nil
 }

@@ -3,6 +3,7 @@ package retrytopics_test
 import (
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -25,6 +26,16 @@ var failureHeaders = []string{
 	retrytopics.HeaderErrorClass,
 	retrytopics.HeaderErrorMessage,
 	retrytopics.HeaderFailedAt,
+	retrytopics.HeaderFirstFailedAt,
+	retrytopics.HeaderDueAt, // only when DueAt is set
+}
+
+// wantHeaders returns the kafkapg- headers Headers writes for f, in order.
+func wantHeaders(f retrytopics.Failure) []string {
+	if f.DueAt.IsZero() {
+		return failureHeaders[:len(failureHeaders)-1]
+	}
+	return failureHeaders
 }
 
 func sampleFailure() retrytopics.Failure {
@@ -39,6 +50,9 @@ func sampleFailure() retrytopics.Failure {
 		Class:     "permanent",
 		Message:   "ledger event e-1 has no account",
 		FailedAt:  time.Date(2025, 3, 4, 5, 6, 8, 987654321, time.UTC),
+		// A record that failed first at attempt 1 and is due again 10s after its last failure.
+		FirstFailedAt: time.Date(2025, 3, 4, 5, 6, 1, 5, time.UTC),
+		DueAt:         time.Date(2025, 3, 4, 5, 6, 18, 987654321, time.UTC),
 	}
 }
 
@@ -47,6 +61,8 @@ func sampleFailure() retrytopics.Failure {
 func normalized(f retrytopics.Failure) retrytopics.Failure {
 	f.Timestamp = time.UnixMilli(f.Timestamp.UnixMilli()).UTC()
 	f.FailedAt = f.FailedAt.UTC()
+	f.FirstFailedAt = f.FirstFailedAt.UTC()
+	f.DueAt = f.DueAt.UTC()
 	f.Message = retrytopics.Truncate(f.Message, retrytopics.MaxErrorMessage)
 	return f
 }
@@ -153,15 +169,16 @@ func TestHeadersRoundTrip(t *testing.T) {
 			t.Parallel()
 			got := retrytopics.Headers(tt.orig, tt.failure)
 
-			if len(got) != len(tt.wantKept)+len(failureHeaders) {
-				t.Fatalf("got %d headers, want %d kept + %d added: %v", len(got), len(tt.wantKept), len(failureHeaders), got)
+			added := wantHeaders(tt.failure)
+			if len(got) != len(tt.wantKept)+len(added) {
+				t.Fatalf("got %d headers, want %d kept + %d added: %v", len(got), len(tt.wantKept), len(added), got)
 			}
 			for i, want := range tt.wantKept {
 				if got[i].Key != want.Key || string(got[i].Value) != string(want.Value) {
 					t.Errorf("header %d = %s=%q, want %s=%q", i, got[i].Key, got[i].Value, want.Key, want.Value)
 				}
 			}
-			for i, key := range failureHeaders {
+			for i, key := range added {
 				if h := got[len(tt.wantKept)+i]; h.Key != key {
 					t.Errorf("header %d is %q, want %q", len(tt.wantKept)+i, h.Key, key)
 				}
@@ -227,6 +244,8 @@ func TestHeadersValues(t *testing.T) {
 		retrytopics.HeaderErrorClass:        "permanent",
 		retrytopics.HeaderErrorMessage:      "ledger event e-1 has no account",
 		retrytopics.HeaderFailedAt:          "2025-03-04T05:06:08.987654321Z",
+		retrytopics.HeaderFirstFailedAt:     "2025-03-04T05:06:01.000000005Z",
+		retrytopics.HeaderDueAt:             "2025-03-04T05:06:18.987654321Z",
 	}
 	if len(got) != len(want) {
 		t.Errorf("got %d distinct headers, want %d: %v", len(got), len(want), got)
@@ -234,6 +253,48 @@ func TestHeadersValues(t *testing.T) {
 	for k, v := range want {
 		if got[k] != v {
 			t.Errorf("%s = %q, want %q", k, got[k], v)
+		}
+	}
+}
+
+func TestParseTiers(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		in      string
+		want    []time.Duration
+		wantErr string
+	}{
+		{in: "1s,10s,1m", want: []time.Duration{time.Second, 10 * time.Second, time.Minute}},
+		{in: " 200ms , 500ms,1s ", want: []time.Duration{200 * time.Millisecond, 500 * time.Millisecond, time.Second}},
+		{in: "", want: []time.Duration{}},
+		{in: "  ", want: []time.Duration{}},
+		{in: "1s,,2s", wantErr: `tier 2: "" is not a duration`},
+		{in: "1s,ten", wantErr: `tier 2: "ten" is not a duration`},
+		{in: "0s", wantErr: "tier 1: delay 0s must be positive"},
+		{in: "-1s", wantErr: "tier 1: delay -1s must be positive"},
+		{in: strings.Repeat("1s,", retrytopics.MaxTiers) + "1s", wantErr: "at most 20"},
+	}
+	for _, tt := range tests {
+		got, err := retrytopics.ParseTiers(tt.in)
+		if tt.wantErr != "" {
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Errorf("ParseTiers(%q) error = %v, want one containing %q", tt.in, err, tt.wantErr)
+			}
+			continue
+		}
+		if err != nil || got == nil || !slices.Equal(got, tt.want) {
+			t.Errorf("ParseTiers(%q) = %v, %v; want %v (non-nil)", tt.in, got, err, tt.want)
+		}
+	}
+}
+
+func TestDueAt(t *testing.T) {
+	t.Parallel()
+	failed := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	for _, u := range []float64{0, 0.5, 0.999999} {
+		due := retrytopics.DueAt(failed, 10*time.Second, u)
+		if due.Before(failed.Add(10*time.Second)) || !due.Before(failed.Add(11*time.Second)) {
+			t.Errorf("DueAt(u=%v) = %v, want in [+10s, +11s)", u, due.Sub(failed))
 		}
 	}
 }

@@ -73,7 +73,7 @@ func NewRelay(pool *pgxpool.Pool, client *kgo.Client, cfg RelayConfig) *Relay {
 		pool:   pool,
 		client: client,
 		notify: make(chan struct{}, 1),
-		selectSQL: `SELECT id, topic, key, value, header_keys, header_values FROM ` + t + `
+		selectSQL: `SELECT id, topic, partition, key, value, header_keys, header_values FROM ` + t + `
 			WHERE consumer_group = $1 ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED`,
 		deleteSQL: `DELETE FROM ` + t + ` WHERE id = ANY($1)`,
 	}
@@ -159,7 +159,7 @@ func (r *Relay) publishBatch(parent context.Context) (int, error) {
 		rec := &kgo.Record{}
 		var keys []string
 		var vals [][]byte
-		if err := rows.Scan(&id, &rec.Topic, &rec.Key, &rec.Value, &keys, &vals); err != nil {
+		if err := rows.Scan(&id, &rec.Topic, &rec.Partition, &rec.Key, &rec.Value, &keys, &vals); err != nil {
 			rows.Close()
 			return 0, fmt.Errorf("outbox: scan: %w", err)
 		}

@@ -16,10 +16,23 @@ import (
 
 // Message is a record to publish to Kafka once the transaction that stored it commits.
 type Message struct {
-	Topic   string
-	Key     []byte
-	Value   []byte
-	Headers []kgo.RecordHeader
+	Topic string
+	// Partition is the partition to publish to, modulo the topic's partition count (see
+	// Partitioner).
+	Partition int32
+	Key       []byte
+	Value     []byte
+	Headers   []kgo.RecordHeader
+}
+
+// Partitioner is the kgo partitioner a Relay's client must use: it publishes each message to its
+// Partition modulo the topic's partition count.
+func Partitioner() kgo.Partitioner {
+	return kgo.BasicConsistentPartitioner(func(string) func(*kgo.Record, int) int {
+		return func(r *kgo.Record, n int) int {
+			return int(uint32(r.Partition) % uint32(n))
+		}
+	})
 }
 
 // HandlerError is returned by Apply when the function applying the effects failed (or Postgres
@@ -68,7 +81,7 @@ func New(pool *pgxpool.Pool, store *offsets.Store, cfg Config) *Sink {
 		pool:    pool,
 		offsets: store,
 		outboxSQL: `INSERT INTO ` + pgx.Identifier{cfg.Schema, "outbox"}.Sanitize() +
-			` (consumer_group, topic, key, value, header_keys, header_values) VALUES ($1, $2, $3, $4, $5, $6)`,
+			` (consumer_group, topic, partition, key, value, header_keys, header_values) VALUES ($1, $2, $3, $4, $5, $6, $7)`,
 		written: cfg.Written,
 	}
 	if ms := cfg.TxIdleTimeout.Milliseconds(); ms > 0 {
@@ -83,20 +96,33 @@ func (s *Sink) Offsets() *offsets.Store { return s.offsets }
 // Apply runs one transaction that advances pos to next, runs apply (if not nil) and stores msgs in
 // the outbox, then commits. BEGIN, the offset advance and the outbox inserts travel in one round
 // trip; apply's own statements follow, then COMMIT.
-func (s *Sink) Apply(ctx context.Context, pos offsets.Position, next int64, apply func(context.Context, pgx.Tx) error, msgs []Message) (err error) {
+func (s *Sink) Apply(ctx context.Context, pos offsets.Position, next int64, apply func(context.Context, pgx.Tx) error, msgs []Message) error {
+	return s.apply(ctx, &pos, next, apply, msgs)
+}
+
+// Transact is Apply without an offset advance, for work that is not consumed from a partition
+// (records parked in Postgres): whatever makes it happen once must be in apply.
+func (s *Sink) Transact(ctx context.Context, apply func(context.Context, pgx.Tx) error, msgs []Message) error {
+	return s.apply(ctx, nil, 0, apply, msgs)
+}
+
+func (s *Sink) apply(ctx context.Context, pos *offsets.Position, next int64, apply func(context.Context, pgx.Tx) error, msgs []Message) (err error) {
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{})
 	if s.idleSQL != "" {
 		b.Queue(s.idleSQL)
 	}
-	adv := s.offsets.QueueAdvance(b, pos, next)
+	var adv *pgx.QueuedQuery
+	if pos != nil {
+		adv = s.offsets.QueueAdvance(b, *pos, next)
+	}
 	for _, m := range msgs {
 		keys := make([]string, len(m.Headers))
 		vals := make([][]byte, len(m.Headers))
 		for i, h := range m.Headers {
 			keys[i], vals[i] = h.Key, h.Value
 		}
-		b.Queue(s.outboxSQL, s.offsets.Group(), m.Topic, m.Key, m.Value, keys, vals)
+		b.Queue(s.outboxSQL, s.offsets.Group(), m.Topic, m.Partition, m.Key, m.Value, keys, vals)
 	}
 
 	br := s.pool.SendBatch(ctx, b)
@@ -108,15 +134,22 @@ func (s *Sink) Apply(ctx context.Context, pos offsets.Position, next int64, appl
 		}
 	}()
 	var advanced int64
-	adv.Exec(func(tag pgconn.CommandTag) error {
-		advanced = tag.RowsAffected()
-		return nil
-	})
+	if adv != nil {
+		adv.Exec(func(tag pgconn.CommandTag) error {
+			advanced = tag.RowsAffected()
+			return nil
+		})
+	}
 	if err := br.Close(); err != nil {
+		if pos == nil {
+			return fmt.Errorf("begin, store %d outbox messages: %w", len(msgs), err)
+		}
 		return fmt.Errorf("begin, advance %s to %d, store %d outbox messages: %w", pos.TP(), next, len(msgs), err)
 	}
-	if err := s.offsets.CheckAdvance(ctx, tx, pos, next, advanced); err != nil {
-		return err
+	if pos != nil {
+		if err := s.offsets.CheckAdvance(ctx, tx, *pos, next, advanced); err != nil {
+			return err
+		}
 	}
 
 	if apply != nil {

@@ -34,6 +34,9 @@ const (
 	schema = "kafkapg_demo"
 	topic  = "ledger"
 	group  = "ledger-demo"
+	// tiers are the demo's retry tiers; a record gets len(tiers)+1 delivery attempts.
+	tiers      = "200ms,500ms,1s"
+	maxAttempt = 4
 )
 
 func main() {
@@ -114,19 +117,24 @@ func run(events int, partitions int32, keep bool) error {
 
 	items := ledger.Generate(ledger.GenConfig{
 		Events: events, Accounts: 50, Seed: uint64(time.Now().UnixNano()), Prefix: "demo",
-		PoisonPerMille: 10, MalformedPerMille: 10, FlakyPerMille: 10,
+		PoisonPerMille: 10, MalformedPerMille: 10, FlakyPerMille: 50, MaxFailAttempts: maxAttempt + 1,
 	})
 	kinds := map[ledger.Kind]int{}
+	exhausted := 0
 	recs := make([]*kgo.Record, len(items))
 	for i, it := range items {
 		kinds[it.Kind]++
+		if it.Kind == ledger.KindFlaky && it.Dead(maxAttempt) {
+			exhausted++
+		}
 		recs[i] = it.Record(topic)
 	}
 	if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
 		return fmt.Errorf("produce: %w", err)
 	}
-	fmt.Printf("produced   %d ledger events to %q (%d partitions): %d valid, %d flaky (fail every try), %d poison, %d malformed\n",
-		len(items), topic, partitions, kinds[ledger.KindOK], kinds[ledger.KindFlaky], kinds[ledger.KindPoison], kinds[ledger.KindMalformed])
+	fmt.Printf("produced   %d ledger events to %q (%d partitions): %d valid, %d flaky (%d recover in the retry tiers %s, %d outlast them), %d poison, %d malformed\n",
+		len(items), topic, partitions, kinds[ledger.KindOK], kinds[ledger.KindFlaky], kinds[ledger.KindFlaky]-exhausted, tiers, exhausted,
+		kinds[ledger.KindPoison], kinds[ledger.KindMalformed])
 
 	// The processor, configured only by environment variables, as in production.
 	httpAddr := "127.0.0.1:9090"
@@ -147,6 +155,7 @@ func run(events int, partitions int32, keep bool) error {
 		"LOG_FORMAT=text",
 		"RETRY_BACKOFF_BASE=20ms",
 		"RETRY_BACKOFF_MAX=200ms",
+		"RETRY_TIERS="+tiers,
 	)
 	logOut, _ := logFile(work, "processor.log")
 	proc.Stdout, proc.Stderr = logOut, logOut
@@ -164,12 +173,12 @@ func run(events int, partitions int32, keep bool) error {
 
 	wantDead := 0
 	for _, it := range items {
-		if it.Dead(1) {
+		if it.Dead(maxAttempt) {
 			wantDead++
 		}
 	}
 	wantApplied := len(items) - wantDead
-	var applied, dead int
+	var applied, dead, waiting int
 	fi, _ := os.Stdout.Stat()
 	tty := fi != nil && fi.Mode()&os.ModeCharDevice != 0
 	err = waitFor(ctx, 2*time.Minute, func() error {
@@ -186,11 +195,14 @@ func run(events int, partitions int32, keep bool) error {
 			return err
 		}
 		dead = len(dl)
-		if tty {
-			fmt.Printf("\rprocessing %d applied, %d dead-lettered ...", applied, dead)
+		if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM retries) + (SELECT count(*) FROM held_records)`).Scan(&waiting); err != nil {
+			return err
 		}
-		if applied < wantApplied || dead < wantDead {
-			return fmt.Errorf("%d of %d applied, %d of %d dead-lettered", applied, wantApplied, dead, wantDead)
+		if tty {
+			fmt.Printf("\rprocessing %d applied, %d dead-lettered, %d in retry tiers or waiting behind their key ...  ", applied, dead, waiting)
+		}
+		if applied < wantApplied || dead < wantDead || waiting > 0 {
+			return fmt.Errorf("%d of %d applied, %d of %d dead-lettered, %d waiting", applied, wantApplied, dead, wantDead, waiting)
 		}
 		return nil
 	})
@@ -203,18 +215,26 @@ func run(events int, partitions int32, keep bool) error {
 	took := time.Since(started)
 	metrics := "(scrape failed)"
 	if sums, err := promscrape.Sums(ctx, "http://"+httpAddr+"/metrics"); err == nil {
-		metrics = fmt.Sprintf("kafkapg_records_applied_total=%g kafkapg_records_dead_lettered_total=%g",
-			sums["kafkapg_records_applied_total"], sums["kafkapg_records_dead_lettered_total"])
+		metrics = fmt.Sprintf("kafkapg_records_applied_total=%g kafkapg_records_retried_total=%g kafkapg_records_held_total=%g kafkapg_records_dead_lettered_total=%g",
+			sums["kafkapg_records_applied_total"], sums["kafkapg_records_retried_total"], sums["kafkapg_records_held_total"],
+			sums["kafkapg_records_dead_lettered_total"])
 	} else {
 		metrics += " " + err.Error()
 	}
 
-	rep, verr := ledger.Verify(ctx, pool, items, 1)
+	rep, verr := ledger.Verify(ctx, pool, items, maxAttempt)
 	dlq, err := topicread.All(ctx, []string{brokerAddr}, retrytopics.DLQTopic(topic, group))
 	if err != nil {
 		return err
 	}
-	dups, derr := ledger.CheckDeadLetters(items, dlq, 1, false)
+	dups, derr := ledger.CheckDeadLetters(items, dlq, maxAttempt, false)
+	var deadRows int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM dead_letters WHERE consumer_group = $1`, group).Scan(&deadRows); err != nil {
+		return err
+	}
+	if deadRows != wantDead && derr == nil {
+		derr = fmt.Errorf("dead_letters has %d rows, want %d", deadRows, wantDead)
+	}
 
 	sigAt := time.Now()
 	proc.Process.Signal(syscall.SIGTERM)
@@ -227,10 +247,10 @@ func run(events int, partitions int32, keep bool) error {
 	shutdown := time.Since(sigAt)
 
 	fmt.Printf("applied    %d events exactly once into ledger_entries (%v from processor start)\n", rep.Applied, took.Round(time.Millisecond))
-	fmt.Printf("dead       %d records in topic %s (%d flaky, %d poison, %d malformed), %d duplicates\n",
-		len(dlq), retrytopics.DLQTopic(topic, group), kinds[ledger.KindFlaky], kinds[ledger.KindPoison], kinds[ledger.KindMalformed], dups)
+	fmt.Printf("dead       %d records in topic %s (%d outlasted the tiers, %d poison, %d malformed), %d duplicates; %d rows in %s.dead_letters\n",
+		len(dlq), retrytopics.DLQTopic(topic, group), exhausted, kinds[ledger.KindPoison], kinds[ledger.KindMalformed], dups, deadRows, schema)
 	if verr == nil {
-		fmt.Printf("balances   consistent: %d accounts, each balance = sum of its entries = sum of its produced events; per-account order kept\n", rep.Accounts)
+		fmt.Printf("balances   consistent: %d accounts, each balance = sum of its entries = sum of its produced events; per-account order kept across retries\n", rep.Accounts)
 	} else {
 		fmt.Printf("balances   INCONSISTENT:\n%v\n", verr)
 	}

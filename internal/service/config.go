@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/kelseyhightower/envconfig"
+
+	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
 // DBEnv is the configuration `processor migrate` needs.
@@ -36,10 +38,16 @@ type Env struct {
 	RetryLocalAttempts    int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3"`
 	RetryBackoffBase      time.Duration `envconfig:"RETRY_BACKOFF_BASE" default:"200ms"`
 	RetryBackoffMax       time.Duration `envconfig:"RETRY_BACKOFF_MAX" default:"5s"`
-	ShutdownTimeout       time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"10s"`
-	DBTxIdleTimeout       time.Duration `envconfig:"DB_TX_IDLE_TIMEOUT" default:"30s"`
-	LogLevel              string        `envconfig:"LOG_LEVEL" default:"info"`
-	LogFormat             string        `envconfig:"LOG_FORMAT" default:"json"`
+	// RetryTiers is parsed by LoadEnv into Tiers. Set but empty means no retry tiers.
+	RetryTiers        string        `envconfig:"RETRY_TIERS" default:"1s,10s,1m"`
+	OnDeadLetter      string        `envconfig:"ON_DEAD_LETTER" default:"skip"`
+	KafkaCreateTopics bool          `envconfig:"KAFKA_CREATE_TOPICS" default:"true"`
+	ShutdownTimeout   time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"10s"`
+	DBTxIdleTimeout   time.Duration `envconfig:"DB_TX_IDLE_TIMEOUT" default:"30s"`
+	LogLevel          string        `envconfig:"LOG_LEVEL" default:"info"`
+	LogFormat         string        `envconfig:"LOG_FORMAT" default:"json"`
+
+	Tiers []time.Duration `ignored:"true"` // RETRY_TIERS, parsed
 }
 
 // ConfigError is a missing or malformed setting; cmd/processor exits with status 2 on it.
@@ -97,6 +105,8 @@ func typeName(t string) string {
 		return "duration (e.g. 250ms, 10s, 1m)"
 	case "int", "int32":
 		return "integer"
+	case "bool":
+		return "boolean (true or false)"
 	}
 	return t
 }
@@ -169,6 +179,14 @@ func (e *Env) validate() error {
 	}
 	if _, err := parseLevel(e.LogLevel); err != nil {
 		errs = append(errs, err)
+	}
+	tiers, err := retrytopics.ParseTiers(e.RetryTiers)
+	if err != nil {
+		errs = append(errs, fmt.Errorf("RETRY_TIERS=%q: %w", e.RetryTiers, err))
+	}
+	e.Tiers = tiers
+	if e.OnDeadLetter != "skip" && e.OnDeadLetter != "block" {
+		errs = append(errs, fmt.Errorf("ON_DEAD_LETTER must be skip or block, got %q", e.OnDeadLetter))
 	}
 	if e.LogFormat != "json" && e.LogFormat != "text" {
 		errs = append(errs, fmt.Errorf("LOG_FORMAT must be json or text, got %q", e.LogFormat))

@@ -98,6 +98,10 @@ func TestLoadEnvDefaults(t *testing.T) {
 		RetryLocalAttempts:    3,
 		RetryBackoffBase:      200 * time.Millisecond,
 		RetryBackoffMax:       5 * time.Second,
+		RetryTiers:            "1s,10s,1m",
+		OnDeadLetter:          "skip",
+		KafkaCreateTopics:     true,
+		Tiers:                 []time.Duration{time.Second, 10 * time.Second, time.Minute},
 		ShutdownTimeout:       10 * time.Second,
 		DBTxIdleTimeout:       30 * time.Second,
 		LogLevel:              "info",
@@ -143,6 +147,23 @@ func TestLoadEnvValues(t *testing.T) {
 					e.RetryBackoffMax == time.Second && e.BatchMaxRecords == 1 && e.RetryLocalAttempts == 7 &&
 					e.DBMaxConns == 2147483647
 			},
+		},
+		{
+			name: "retry tiers",
+			vars: with("RETRY_TIERS", "200ms, 500ms,1s"),
+			check: func(e *Env) bool {
+				return slices.Equal(e.Tiers, []time.Duration{200 * time.Millisecond, 500 * time.Millisecond, time.Second})
+			},
+		},
+		{
+			name:  "retry tiers set but empty: no tiers",
+			vars:  with("RETRY_TIERS", ""),
+			check: func(e *Env) bool { return e.Tiers != nil && len(e.Tiers) == 0 },
+		},
+		{
+			name:  "dead-letter policy and topic creation",
+			vars:  with("ON_DEAD_LETTER", "block", "KAFKA_CREATE_TOPICS", "false"),
+			check: func(e *Env) bool { return e.OnDeadLetter == "block" && !e.KafkaCreateTopics },
 		},
 		{
 			name:  "log settings",
@@ -192,6 +213,10 @@ func TestLoadEnvErrors(t *testing.T) {
 		{name: "local attempts fractional", vars: with("RETRY_LOCAL_ATTEMPTS", "1.5"), want: []string{"RETRY_LOCAL_ATTEMPTS", `"1.5"`, "integer"}},
 		{name: "max conns overflows int32", vars: with("DB_MAX_CONNS", "2147483648"), want: []string{"DB_MAX_CONNS", `"2147483648"`, "integer"}},
 
+		{name: "retry tier garbled", vars: with("RETRY_TIERS", "1s,soon"), want: []string{`RETRY_TIERS="1s,soon"`, `tier 2: "soon" is not a duration`}},
+		{name: "retry tier zero", vars: with("RETRY_TIERS", "0s"), want: []string{"RETRY_TIERS", "tier 1: delay 0s must be positive"}},
+		{name: "dead-letter policy unknown", vars: with("ON_DEAD_LETTER", "drop"), want: []string{"ON_DEAD_LETTER must be skip or block", `"drop"`}},
+		{name: "topic creation not a boolean", vars: with("KAFKA_CREATE_TOPICS", "maybe"), want: []string{"KAFKA_CREATE_TOPICS", `"maybe"`, "boolean"}},
 		{name: "unknown handler", vars: with("HANDLER", "nope"), want: []string{`HANDLER="nope"`, "not a built-in handler", "(have: ledger)"}},
 		{name: "start offset middle", vars: with("KAFKA_START_OFFSET", "middle"), want: []string{"KAFKA_START_OFFSET", "earliest or latest", `"middle"`}},
 		{name: "backoff max below base", vars: with("RETRY_BACKOFF_BASE", "2s", "RETRY_BACKOFF_MAX", "1s"), want: []string{"RETRY_BACKOFF_MAX (1s)", "RETRY_BACKOFF_BASE (2s)"}},

@@ -1,0 +1,261 @@
+package processor
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/kafkapg/kafkapg/internal/backoff"
+	"github.com/kafkapg/kafkapg/retrytopics"
+	"github.com/kafkapg/kafkapg/sink"
+)
+
+// drainer applies the records parked behind keys that are ready again (their head was applied or
+// dead-lettered), key by key in offset order. Every processor runs one; they share the work
+// through row locks (a ready key is locked with SKIP LOCKED), so any processor of the group can
+// finish what another started or left behind when it died.
+//
+// A parked record is applied exactly once because the transaction that applies it also deletes it
+// from held_records, under its key's lock.
+type drainer struct {
+	p        *Processor
+	log      *slog.Logger
+	wake     chan struct{}
+	interval time.Duration
+
+	stopping chan struct{} // closed: finish the transaction in flight, start nothing new
+	ctx      context.Context
+	cancel   context.CancelFunc
+	done     chan struct{}
+}
+
+func newDrainer(p *Processor) *drainer {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &drainer{
+		p:        p,
+		log:      p.log.With("component", "drainer"),
+		wake:     make(chan struct{}, 1),
+		interval: p.cfg.drainInterval,
+		stopping: make(chan struct{}),
+		ctx:      ctx,
+		cancel:   cancel,
+		done:     make(chan struct{}),
+	}
+}
+
+// notify wakes the drainer: a key may have become ready.
+func (d *drainer) notify() {
+	select {
+	case d.wake <- struct{}{}:
+	default:
+	}
+}
+
+// stop stops the drainer, abandoning its transaction in flight after grace.
+func (d *drainer) stop(grace time.Duration) {
+	close(d.stopping)
+	select {
+	case <-d.done:
+		return
+	case <-time.After(grace):
+	}
+	d.cancel()
+	<-d.done
+}
+
+const (
+	drainBatch   = 100 // ready keys read at once
+	drainWorkers = 4   // keys drained at once by one processor
+)
+
+func (d *drainer) run() {
+	defer close(d.done)
+	tick := time.NewTicker(d.interval)
+	defer tick.Stop()
+	for failures := 1; ; {
+		keys, err := d.p.retry.ReadyKeys(d.ctx, d.p.pool, drainBatch)
+		if err != nil {
+			if d.ctx.Err() != nil {
+				return
+			}
+			wait := d.p.backoff.Delay(failures)
+			d.log.Warn("cannot read keys ready to drain; retrying", "err", err, "retry_in", wait)
+			failures++
+			if !backoff.Sleep(d.ctx, d.stopping, wait) {
+				return
+			}
+			continue
+		}
+		failures = 1
+		if d.drainAll(keys) != nil {
+			return // stopped
+		}
+		if len(keys) == drainBatch {
+			continue
+		}
+		select {
+		case <-d.stopping:
+			return
+		case <-d.wake:
+		case <-tick.C:
+		}
+	}
+}
+
+// drainAll drains keys, drainWorkers at a time. It returns errStopped if it was stopped.
+func (d *drainer) drainAll(keys []retrytopics.Key) error {
+	next := make(chan retrytopics.Key)
+	var stopped atomic.Bool
+	var wg sync.WaitGroup
+	for range min(drainWorkers, len(keys)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for k := range next {
+				if d.drainKey(k) != nil {
+					stopped.Store(true)
+				}
+			}
+		}()
+	}
+	for _, k := range keys {
+		next <- k
+	}
+	close(next)
+	wg.Wait()
+	if stopped.Load() {
+		return errStopped
+	}
+	return nil
+}
+
+// drainKey applies the records parked behind k in order, until none is left, the key is held
+// again (a record went to a retry tier, or was dead-lettered with ON_DEAD_LETTER=block) or
+// another processor holds it. It returns only errStopped.
+func (d *drainer) drainKey(k retrytopics.Key) error {
+	for {
+		select {
+		case <-d.stopping:
+			return errStopped
+		default:
+		}
+		more, err := d.applyNext(k)
+		if err != nil || !more {
+			return err
+		}
+	}
+}
+
+// applyNext applies k's first parked record, retrying it within the delivery and moving it on
+// if it keeps failing. more says whether the key may have more records ready.
+func (d *drainer) applyNext(k retrytopics.Key) (more bool, err error) {
+	var rec *Record
+	tries := 0
+	for {
+		var got bool
+		var hrec *Record
+		err := d.transact(func(ctx context.Context, tx pgx.Tx) error {
+			r, ok, err := d.p.retry.TakeParked(ctx, tx, k)
+			if err != nil || !ok {
+				got = false
+				return Infrastructure(err)
+			}
+			got = true
+			hrec = parkedRecord(r)
+			if rec != nil && hrec.Offset != rec.Offset {
+				// Another processor moved the record we were retrying on meanwhile.
+				return nil
+			}
+			if err := d.p.handle(ctx, tx, []*Record{hrec}); err != nil {
+				return err
+			}
+			return Infrastructure(d.p.retry.AppliedParked(ctx, tx, hrec.rec()))
+		}, true)
+		if err == nil {
+			if !got {
+				return false, nil
+			}
+			if rec == nil || hrec.Offset == rec.Offset {
+				d.p.metrics.applied.WithLabelValues(k.Topic).Inc()
+			}
+			return true, nil
+		}
+		if errors.Is(err, retrytopics.ErrStale) {
+			return true, nil // the record moved on under us (cannot happen under the key's lock); look again
+		}
+		var herr *sink.HandlerError
+		if !errors.As(err, &herr) {
+			return false, err // stopped
+		}
+		rec = hrec
+		cause := herr.Err
+		var rerr *RecordError
+		if errors.As(cause, &rerr) {
+			cause = rerr.Err
+		}
+		tries++
+		class := d.p.classify(cause)
+		d.p.metrics.failures.WithLabelValues(k.Topic, class.String()).Inc()
+		if class != ClassRetryable || tries >= d.p.cfg.LocalAttempts {
+			return d.route(k, rec, cause, class, tries)
+		}
+		if !backoff.Sleep(d.ctx, d.stopping, d.p.backoff.Delay(tries)) {
+			return false, errStopped
+		}
+	}
+}
+
+// route moves a parked record that keeps failing to the first retry tier or the dead-letter
+// topic. more says whether the key goes on with its next record.
+func (d *drainer) route(k retrytopics.Key, rec *Record, cause error, class ErrorClass, tries int) (more bool, err error) {
+	m := d.p.plan(rec, k.Topic, cause, class, tries)
+	err = d.transact(func(ctx context.Context, tx pgx.Tx) error {
+		r, ok, err := d.p.retry.TakeParked(ctx, tx, k)
+		if err != nil {
+			return Infrastructure(err)
+		}
+		if !ok || r.Offset != rec.Offset {
+			// Another processor moved the record on meanwhile: roll back, message included.
+			return retrytopics.ErrStale
+		}
+		return Infrastructure(d.p.write(ctx, tx, m))
+	}, false, m.msg)
+	if errors.Is(err, retrytopics.ErrStale) {
+		return true, nil // look again
+	}
+	if err != nil {
+		return false, err
+	}
+	d.p.moved(m, k.Topic, tries, cause)
+	return m.tier == 0 && !m.Block, nil
+}
+
+// transact runs one transaction that stores msgs in the outbox and runs apply (see
+// Processor.inPlace); apply must fail for the messages not to be stored.
+func (d *drainer) transact(apply func(context.Context, pgx.Tx) error, blame bool, msgs ...sink.Message) error {
+	return d.p.inPlace(d.ctx, d.stopping, d.log, blame, func() error {
+		return d.p.sink.Transact(d.ctx, apply, msgs)
+	})
+}
+
+// parkedRecord is the Record of a parked record: attempt 1, like any record delivered for the
+// first time.
+func parkedRecord(r retrytopics.Rec) *Record {
+	return &Record{
+		Topic:     r.Topic,
+		Partition: r.Partition,
+		Offset:    r.Offset,
+		Key:       r.Key,
+		Value:     r.Value,
+		Headers:   r.Headers,
+		Timestamp: r.Timestamp,
+		Attempt:   1,
+		stage:     retrytopics.FromHeld,
+		ordered:   true,
+	}
+}

@@ -1,0 +1,260 @@
+package processor_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/retrytopics"
+)
+
+// testTiers are short retry tiers, as a user trying kafkapg out would set them.
+var testTiers = []time.Duration{200 * time.Millisecond, 500 * time.Millisecond, time.Second}
+
+// tiersMaxAttempt is the last delivery attempt with testTiers.
+const tiersMaxAttempt = 4
+
+// flakyMix is a ledger workload where a tenth of the events fail transiently, some for longer than
+// the tiers last, across many keys.
+func flakyMix(events int, seed uint64, prefix string) []ledger.Item {
+	return ledger.Generate(ledger.GenConfig{
+		Events: events, Accounts: 40, Seed: seed, Prefix: prefix,
+		PoisonPerMille: 10, MalformedPerMille: 10, FlakyPerMille: 100, MaxFailAttempts: tiersMaxAttempt + 1,
+	})
+}
+
+// TestRetryTiersKeepKeyOrder produces a continuous stream in which a tenth of the events fail
+// transiently: each must be applied exactly once (or dead-lettered exactly when its failures
+// outlast the tiers), and every account's events applied in produce order although the failing
+// ones went through the retry tiers.
+func TestRetryTiersKeepKeyOrder(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 4)
+		items := flakyMix(3000, 21, "tier")
+		cfg := h.config(ledger.Handler{})
+		cfg.RetryTiers = testTiers
+		cfg.LocalAttempts = 2
+		r := h.start(cfg)
+		for i := 0; i < len(items); i += 300 {
+			h.produce(items[i:min(i+300, len(items))])
+			time.Sleep(50 * time.Millisecond)
+		}
+		h.waitSettled(items, tiersMaxAttempt, 90*time.Second)
+		h.verify(items, tiersMaxAttempt, false)
+		retried, held := r.counter("kafkapg_records_retried_total"), r.counter("kafkapg_records_held_total")
+		t.Logf("%v records sent to retry tiers, %v parked behind their keys", retried, held)
+		if retried == 0 || held == 0 {
+			t.Errorf("records_retried_total = %v, records_held_total = %v; the workload must exercise both", retried, held)
+		}
+	})
+}
+
+// attemptLog records, per event, when each delivery attempt started and failed.
+type attemptLog struct {
+	mu       sync.Mutex
+	started  map[string][]time.Time
+	failedAt map[string][]time.Time
+}
+
+// TestRetryRecordWaitsUntilDue checks that a record in a tier is not handled before its due time,
+// and what its retry record's headers say.
+func TestRetryRecordWaitsUntilDue(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 1)
+		log := &attemptLog{started: map[string][]time.Time{}, failedAt: map[string][]time.Time{}}
+		handler := processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			log.mu.Lock()
+			defer log.mu.Unlock()
+			id := string(rec.Value)
+			log.started[id] = append(log.started[id], time.Now())
+			if rec.Attempt == 1 {
+				log.failedAt[id] = append(log.failedAt[id], time.Now())
+				return fmt.Errorf("first delivery of %s fails", id)
+			}
+			_, err := tx.Exec(ctx, `INSERT INTO ledger_entries (event_id, account, amount, seq) VALUES ($1, 'a', 0, $2)`, id, rec.Attempt)
+			return err
+		})
+		cfg := h.config(handler)
+		cfg.RetryTiers = []time.Duration{time.Second}
+		cfg.LocalAttempts = 1
+		h.start(cfg)
+		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k1"), Value: []byte("due-1"),
+			Headers: []kgo.RecordHeader{{Key: "trace", Value: []byte("abc")}}})
+		h.waitApplied(1, 30*time.Second)
+
+		log.mu.Lock()
+		failed, second := log.failedAt["due-1"][0], log.started["due-1"][1]
+		log.mu.Unlock()
+		waited := second.Sub(failed)
+		t.Logf("attempt 2 started %v after attempt 1 failed (tier delay 1s, jitter up to 100ms)", waited.Round(time.Millisecond))
+		if waited < time.Second {
+			t.Errorf("attempt 2 started %v after the failure, before the 1s tier delay", waited)
+		}
+		if waited > 5*time.Second {
+			t.Errorf("attempt 2 started %v after the failure; the record waited far past its due time", waited)
+		}
+
+		recs := k.ReadAll(t, retrytopics.TierTopic(h.topic, h.group, 1))
+		if len(recs) != 1 {
+			t.Fatalf("tier 1 holds %d records, want 1", len(recs))
+		}
+		rr := recs[0]
+		f, err := retrytopics.ParseFailure(rr.Headers)
+		if err != nil {
+			t.Fatalf("retry record headers: %v", err)
+		}
+		if string(rr.Key) != "k1" || string(rr.Value) != "due-1" || rr.Partition != 0 {
+			t.Errorf("retry record key %q value %q partition %d; want the original k1, due-1, partition 0", rr.Key, rr.Value, rr.Partition)
+		}
+		if f.Topic != h.topic || f.Partition != 0 || f.Offset != 0 || f.Attempt != 1 || f.Group != h.group || f.Class != "retryable" {
+			t.Errorf("retry record headers describe %+v", f)
+		}
+		if d := f.DueAt.Sub(f.FailedAt); d < time.Second || d >= 1100*time.Millisecond {
+			t.Errorf("due-at is %v after failed-at, want in [1s, 1.1s)", d)
+		}
+		if !f.FirstFailedAt.Equal(f.FailedAt) {
+			t.Errorf("first-failed-at %v != failed-at %v on the first failure", f.FirstFailedAt, f.FailedAt)
+		}
+		var trace bool
+		for _, hd := range rr.Headers {
+			trace = trace || (hd.Key == "trace" && string(hd.Value) == "abc")
+		}
+		if !trace {
+			t.Errorf("the record's own headers were not kept: %v", rr.Headers)
+		}
+	})
+}
+
+// TestDuplicateRetryRecordIsAppliedOnce publishes a second copy of a retry record (as an outbox
+// relay that died between producing and deleting would) after the first copy was applied: the
+// copy must be recognised and skipped.
+func TestDuplicateRetryRecordIsAppliedOnce(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 2)
+		cfg := h.config(ledger.Handler{})
+		cfg.RetryTiers = []time.Duration{100 * time.Millisecond, 100 * time.Millisecond}
+		cfg.LocalAttempts = 1
+		r := h.start(cfg)
+
+		ev := ledger.Event{EventID: "dup-1", Account: "acct-1", Amount: 5, Seq: 1, FailAttempts: 1}
+		value, _ := json.Marshal(ev)
+		items := []ledger.Item{{Kind: ledger.KindFlaky, Event: ev, Key: []byte(ev.Account), Value: value}}
+		h.produce(items)
+		h.waitSettled(items, 3, 30*time.Second)
+
+		tier := retrytopics.TierTopic(h.topic, h.group, 1)
+		recs := k.ReadAll(t, tier)
+		if len(recs) != 1 {
+			t.Fatalf("tier 1 holds %d records, want 1", len(recs))
+		}
+		dup := &kgo.Record{Topic: tier, Partition: recs[0].Partition, Key: recs[0].Key, Value: recs[0].Value, Headers: recs[0].Headers}
+		k.Produce(t, dup, dup)
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if got := r.counter("kafkapg_retry_duplicates_skipped_total"); got != 2 {
+				return fmt.Errorf("%v duplicates skipped, want 2", got)
+			}
+			return nil
+		})
+		h.waitSettled(items, 3, 10*time.Second)
+		h.verify(items, 3, false)
+	})
+}
+
+// TestBlockedKeyWaitsForOperator: with ON_DEAD_LETTER=block, a dead-lettered record holds its key
+// (later records of the key are parked, other keys flow) until an operator releases it.
+func TestBlockedKeyWaitsForOperator(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 1)
+		cfg := h.config(ledger.Handler{})
+		cfg.RetryTiers = []time.Duration{100 * time.Millisecond}
+		cfg.LocalAttempts = 1
+		cfg.OnDeadLetter = processor.OnDeadLetterBlock
+		r := h.start(cfg)
+
+		event := func(id, account string, seq int64, fail int, poison bool) ledger.Item {
+			ev := ledger.Event{EventID: id, Account: account, Amount: seq * 10, Seq: seq, FailAttempts: fail, Poison: poison}
+			v, _ := json.Marshal(ev)
+			kind := ledger.KindOK
+			switch {
+			case poison:
+				kind = ledger.KindPoison
+			case fail > 0:
+				kind = ledger.KindFlaky
+			}
+			return ledger.Item{Kind: kind, Event: ev, Key: []byte(account), Value: v}
+		}
+		items := []ledger.Item{
+			event("a1", "A", 1, 0, false),
+			event("a2", "A", 2, 0, true), // poison: dead-lettered, blocks A
+			event("b1", "B", 1, 0, false),
+			event("a3", "A", 3, 0, false),
+			event("c1", "C", 1, 5, false), // exhausts the tier: dead-lettered, blocks C
+			event("b2", "B", 2, 0, false),
+			event("a4", "A", 4, 0, false),
+			event("c2", "C", 2, 0, false),
+		}
+		h.produce(items)
+		applied := func() []string {
+			rows, err := h.pool.Query(context.Background(), `SELECT event_id FROM ledger_entries ORDER BY applied_order`)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			if err != nil {
+				t.Fatal(err)
+			}
+			return ids
+		}
+		testenv.Eventually(t, 30*time.Second, func() error {
+			var parked int
+			if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.held_records`).Scan(&parked); err != nil {
+				return err
+			}
+			if got := fmt.Sprint(applied()); got != "[a1 b1 b2]" || parked != 3 {
+				return fmt.Errorf("applied %s with %d records parked; want [a1 b1 b2] with a3, a4, c2 parked", got, parked)
+			}
+			return nil
+		})
+		testenv.Eventually(t, 15*time.Second, func() error {
+			if got := r.gauge("kafkapg_blocked_keys"); got != 2 {
+				return fmt.Errorf("kafkapg_blocked_keys = %v, want 2", got)
+			}
+			return nil
+		})
+
+		// Still blocked a while later.
+		time.Sleep(1500 * time.Millisecond)
+		if got := fmt.Sprint(applied()); got != "[a1 b1 b2]" {
+			t.Fatalf("applied %s while A and C were blocked", got)
+		}
+
+		n, err := processor.ReleaseBlockedKeys(context.Background(), h.pool, "kafkapg", h.group, h.topic, 0, []byte("A"))
+		if err != nil || n != 1 {
+			t.Fatalf("ReleaseBlockedKeys(A) = %d, %v; want 1 key released", n, err)
+		}
+		testenv.Eventually(t, 15*time.Second, func() error {
+			if got := fmt.Sprint(applied()); got != "[a1 b1 b2 a3 a4]" {
+				return fmt.Errorf("applied %s, want a3 and a4 after A's release", got)
+			}
+			return nil
+		})
+		if n, err := processor.ReleaseBlockedKeys(context.Background(), h.pool, "kafkapg", h.group, h.topic, 0, nil); err != nil || n != 1 {
+			t.Fatalf("ReleaseBlockedKeys(all) = %d, %v; want C released", n, err)
+		}
+		h.waitSettled(items, 2, 15*time.Second)
+		h.verify(items, 2, false)
+	})
+}

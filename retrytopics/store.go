@@ -1,0 +1,490 @@
+package retrytopics
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// Store keeps the retry path's state in Postgres for one consumer group: records waiting in
+// retry tiers (table retries), keys held behind them (held_keys), records parked behind held keys
+// (held_records) and dead letters (dead_letters).
+//
+// Its methods that take a pgx.Tx run inside the caller's transaction, which also advances the
+// offset of the partition the record is moved off (or, for a parked record, deletes it from
+// held_records): a record's move and its new state commit together or not at all.
+//
+// The held_keys row of a key is the lock that serializes everything done to the key. Whoever
+// parks a record behind the key, applies the key's head or hands the key over to its next parked
+// record first locks that row (SELECT ... FOR UPDATE), so a record cannot be parked behind a key
+// that is being released at the same moment and then be forgotten.
+type Store struct {
+	group       string
+	retries     string
+	heldKeys    string
+	heldRecords string
+	deadLetters string
+}
+
+// NewStore returns a Store for group whose tables live in schema.
+func NewStore(schema, group string) *Store {
+	t := func(name string) string { return pgx.Identifier{schema, name}.Sanitize() }
+	return &Store{
+		group:       group,
+		retries:     t("retries"),
+		heldKeys:    t("held_keys"),
+		heldRecords: t("held_records"),
+		deadLetters: t("dead_letters"),
+	}
+}
+
+// Querier runs queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
+type Querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Execer runs statements; *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
+type Execer interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// Origin names a record in its source topic.
+type Origin struct {
+	Topic     string
+	Partition int32
+	Offset    int64
+}
+
+func (o Origin) String() string { return fmt.Sprintf("%s[%d]@%d", o.Topic, o.Partition, o.Offset) }
+
+// Rec is a source record: its origin and contents.
+type Rec struct {
+	Origin
+	Key       []byte // nil for a record without a key
+	Value     []byte
+	Headers   []kgo.RecordHeader
+	Timestamp time.Time
+}
+
+// Key names a key of a source partition.
+type Key struct {
+	Topic     string
+	Partition int32
+	Key       []byte
+}
+
+// Stage says where a record is when it fails.
+type Stage int
+
+const (
+	// FromSource: the record was consumed from its source topic.
+	FromSource Stage = iota
+	// FromTier: the record was consumed from a retry tier.
+	FromTier
+	// FromHeld: the record was parked behind its key and has just been taken from held_records.
+	FromHeld
+)
+
+// ErrStale means the retry state of a record is not what its copy in a tier says: the copy is a
+// duplicate publication, and the record has already moved on.
+var ErrStale = errors.New("retry state changed: duplicate or stale copy")
+
+// Move describes a failed record's next step.
+type Move struct {
+	Rec
+	// Held says the record's key orders it: later records of the key wait while it is in the
+	// retry path (or dead-lettered, with Block). False for records without a key.
+	Held bool
+	From Stage
+	// Attempt is the delivery attempt that failed (1 = first delivery).
+	Attempt       int
+	Class         string
+	Message       string
+	FirstFailedAt time.Time
+	// DueAt is when the record may be tried again (ToTier only).
+	DueAt time.Time
+	// Block keeps the key held after a dead letter, until an operator releases it (DeadLetter
+	// only).
+	Block bool
+}
+
+// HeldKeys returns the keys of a source partition that are held, in any state.
+func (s *Store) HeldKeys(ctx context.Context, q Querier, topic string, partition int32) ([][]byte, error) {
+	rows, err := q.Query(ctx, `SELECT key FROM `+s.heldKeys+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
+		s.group, topic, partition)
+	if err != nil {
+		return nil, fmt.Errorf("read held keys of %s[%d]: %w", topic, partition, err)
+	}
+	keys, err := pgx.CollectRows(rows, pgx.RowTo[[]byte])
+	if err != nil {
+		return nil, fmt.Errorf("read held keys of %s[%d]: %w", topic, partition, err)
+	}
+	return keys, nil
+}
+
+// LockHeldKeys locks the held_keys rows of the given keys of a source partition and returns the
+// keys that are held.
+func (s *Store) LockHeldKeys(ctx context.Context, tx pgx.Tx, topic string, partition int32, keys [][]byte) (map[string]bool, error) {
+	rows, err := tx.Query(ctx, `SELECT key FROM `+s.heldKeys+`
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = ANY($4::bytea[])
+		ORDER BY key FOR UPDATE`, s.group, topic, partition, keys)
+	if err != nil {
+		return nil, fmt.Errorf("lock held keys: %w", err)
+	}
+	held := map[string]bool{}
+	var k []byte
+	_, err = pgx.ForEachRow(rows, []any{&k}, func() error {
+		held[string(k)] = true
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("lock held keys: %w", err)
+	}
+	return held, nil
+}
+
+// Park stores records behind their held keys. The caller holds the keys' locks (LockHeldKeys).
+func (s *Store) Park(ctx context.Context, tx pgx.Tx, recs []Rec) error {
+	b := &pgx.Batch{}
+	for _, r := range recs {
+		keys, vals := splitHeaders(r.Headers)
+		b.Queue(`INSERT INTO `+s.heldRecords+` (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp")
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`,
+			s.group, r.Topic, r.Partition, r.Offset, r.Key, r.Value, keys, vals, r.Timestamp)
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("park %d records behind held keys: %w", len(recs), err)
+	}
+	return nil
+}
+
+// RetryState is a record's row in the retries table.
+type RetryState struct {
+	Attempt       int // the delivery attempt its current copy in a tier carries
+	FirstFailedAt time.Time
+}
+
+// LockRetries locks the retry state of records and returns it; a record with no state is not in
+// the retry path (any copy of it in a tier is a duplicate).
+func (s *Store) LockRetries(ctx context.Context, tx pgx.Tx, recs []Origin) (map[Origin]RetryState, error) {
+	topics := make([]string, len(recs))
+	parts := make([]int32, len(recs))
+	offs := make([]int64, len(recs))
+	for i, o := range recs {
+		topics[i], parts[i], offs[i] = o.Topic, o.Partition, o.Offset
+	}
+	rows, err := tx.Query(ctx, `SELECT topic, partition, "offset", attempt, first_failed_at FROM `+s.retries+`
+		WHERE consumer_group = $1
+		AND (topic, partition, "offset") IN (SELECT * FROM unnest($2::text[], $3::int[], $4::bigint[]))
+		ORDER BY topic, partition, "offset" FOR UPDATE`, s.group, topics, parts, offs)
+	if err != nil {
+		return nil, fmt.Errorf("lock retry state: %w", err)
+	}
+	out := map[Origin]RetryState{}
+	var o Origin
+	var st RetryState
+	_, err = pgx.ForEachRow(rows, []any{&o.Topic, &o.Partition, &o.Offset, &st.Attempt, &st.FirstFailedAt}, func() error {
+		out[o] = st
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("lock retry state: %w", err)
+	}
+	return out, nil
+}
+
+// Applied records that a record from a tier was applied: it leaves the retry path, and its key,
+// if held, goes on with its next parked record (or is no longer held). The caller holds the
+// record's retry state lock (LockRetries).
+func (s *Store) Applied(ctx context.Context, tx pgx.Tx, r Rec, held bool) error {
+	if _, err := tx.Exec(ctx, `DELETE FROM `+s.retries+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4`,
+		s.group, r.Topic, r.Partition, r.Offset); err != nil {
+		return fmt.Errorf("forget retry state of %s: %w", r.Origin, err)
+	}
+	if held {
+		return s.release(ctx, tx, Key{r.Topic, r.Partition, r.Key})
+	}
+	return nil
+}
+
+// ToTier records that a failed record goes to a retry tier (attempt m.Attempt+1 is next). Moving
+// a record on from a tier returns ErrStale if its retry state is not at m.Attempt.
+func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
+	next := m.Attempt + 1
+	switch m.From {
+	case FromSource, FromHeld:
+		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)`,
+			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, Truncate(m.Message, MaxStoredMessage)); err != nil {
+			return fmt.Errorf("store retry state of %s: %w", m.Origin, err)
+		}
+	case FromTier:
+		tag, err := tx.Exec(ctx, `UPDATE `+s.retries+` SET attempt = $6, due_at = $7, error_class = $8, error_message = $9, updated_at = now()
+			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4 AND attempt = $5`,
+			s.group, m.Topic, m.Partition, m.Offset, m.Attempt, next, m.DueAt, m.Class, Truncate(m.Message, MaxStoredMessage))
+		if err != nil {
+			return fmt.Errorf("update retry state of %s: %w", m.Origin, err)
+		}
+		if tag.RowsAffected() != 1 {
+			return fmt.Errorf("%s at attempt %d: %w", m.Origin, m.Attempt, ErrStale)
+		}
+	}
+	if !m.Held {
+		return nil
+	}
+	switch m.From {
+	case FromSource:
+		// The key was not held (the record would have been parked otherwise): it is from now on.
+		if _, err := tx.Exec(ctx, `INSERT INTO `+s.heldKeys+` (consumer_group, topic, partition, key, state, head_offset)
+			VALUES ($1, $2, $3, $4, 'retrying', $5)`, s.group, m.Topic, m.Partition, m.Key, m.Offset); err != nil {
+			return fmt.Errorf("hold key of %s: %w", m.Origin, err)
+		}
+	case FromHeld:
+		if err := s.unpark(ctx, tx, m.Origin); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `UPDATE `+s.heldKeys+` SET state = 'retrying', head_offset = $5, updated_at = now()
+			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4`,
+			s.group, m.Topic, m.Partition, m.Key, m.Offset); err != nil {
+			return fmt.Errorf("make %s its key's head: %w", m.Origin, err)
+		}
+	}
+	return nil
+}
+
+// MaxStoredMessage bounds the error messages stored in Postgres, in bytes.
+const MaxStoredMessage = 8 << 10
+
+// DeadLetter records that a failed record is dead-lettered: one dead_letters row, and the record
+// leaves the retry path. Its key, if held, goes on with its next record, or stays held (blocked)
+// if m.Block. Moving a record on from a tier returns ErrStale if its retry state is not at
+// m.Attempt.
+func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
+	keys, vals := splitHeaders(m.Headers)
+	if _, err := tx.Exec(ctx, `INSERT INTO `+s.deadLetters+` (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp",
+			error_class, error_message, attempts, first_failed_at)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)`,
+		s.group, m.Topic, m.Partition, m.Offset, m.Key, m.Value, keys, vals, m.Timestamp,
+		m.Class, Truncate(m.Message, MaxStoredMessage), m.Attempt, m.FirstFailedAt); err != nil {
+		return fmt.Errorf("store dead letter %s: %w", m.Origin, err)
+	}
+	switch m.From {
+	case FromTier:
+		tag, err := tx.Exec(ctx, `DELETE FROM `+s.retries+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4 AND attempt = $5`,
+			s.group, m.Topic, m.Partition, m.Offset, m.Attempt)
+		if err != nil {
+			return fmt.Errorf("forget retry state of %s: %w", m.Origin, err)
+		}
+		if tag.RowsAffected() != 1 {
+			return fmt.Errorf("%s at attempt %d: %w", m.Origin, m.Attempt, ErrStale)
+		}
+	case FromHeld:
+		if err := s.unpark(ctx, tx, m.Origin); err != nil {
+			return err
+		}
+	}
+	if !m.Held {
+		return nil
+	}
+	k := Key{m.Topic, m.Partition, m.Key}
+	switch {
+	case m.Block && m.From == FromSource:
+		if _, err := tx.Exec(ctx, `INSERT INTO `+s.heldKeys+` (consumer_group, topic, partition, key, state, head_offset)
+			VALUES ($1, $2, $3, $4, 'blocked', $5)`, s.group, m.Topic, m.Partition, m.Key, m.Offset); err != nil {
+			return fmt.Errorf("block key of %s: %w", m.Origin, err)
+		}
+	case m.Block:
+		if _, err := tx.Exec(ctx, `UPDATE `+s.heldKeys+` SET state = 'blocked', head_offset = $5, updated_at = now()
+			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4`,
+			s.group, m.Topic, m.Partition, m.Key, m.Offset); err != nil {
+			return fmt.Errorf("block key of %s: %w", m.Origin, err)
+		}
+	case m.From != FromSource:
+		return s.release(ctx, tx, k)
+	}
+	return nil
+}
+
+// ReadyKeys returns up to limit keys whose head is settled and whose parked records wait to be
+// applied, oldest first.
+func (s *Store) ReadyKeys(ctx context.Context, q Querier, limit int) ([]Key, error) {
+	rows, err := q.Query(ctx, `SELECT topic, partition, key FROM `+s.heldKeys+`
+		WHERE consumer_group = $1 AND state = 'ready' ORDER BY updated_at LIMIT $2`, s.group, limit)
+	if err != nil {
+		return nil, fmt.Errorf("read ready keys: %w", err)
+	}
+	var out []Key
+	var k Key
+	_, err = pgx.ForEachRow(rows, []any{&k.Topic, &k.Partition, &k.Key}, func() error {
+		out = append(out, k)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read ready keys: %w", err)
+	}
+	return out, nil
+}
+
+// TakeParked locks a ready key and returns its first parked record. ok is false if the key is not
+// ready, is locked by another transaction, or has nothing parked any more (it is then released).
+func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key) (r Rec, ok bool, err error) {
+	var one int
+	err = tx.QueryRow(ctx, `SELECT 1 FROM `+s.heldKeys+`
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4 AND state = 'ready'
+		FOR UPDATE SKIP LOCKED`, s.group, k.Topic, k.Partition, k.Key).Scan(&one)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return r, false, nil
+	}
+	if err != nil {
+		return r, false, fmt.Errorf("lock ready key: %w", err)
+	}
+	var hkeys []string
+	var hvals [][]byte
+	err = tx.QueryRow(ctx, `SELECT "offset", value, header_keys, header_values, "timestamp" FROM `+s.heldRecords+`
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4
+		ORDER BY "offset" LIMIT 1`, s.group, k.Topic, k.Partition, k.Key).
+		Scan(&r.Offset, &r.Value, &hkeys, &hvals, &r.Timestamp)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return r, false, s.release(ctx, tx, k)
+	}
+	if err != nil {
+		return r, false, fmt.Errorf("read parked record: %w", err)
+	}
+	r.Topic, r.Partition, r.Key = k.Topic, k.Partition, k.Key
+	r.Headers = joinHeaders(hkeys, hvals)
+	return r, true, nil
+}
+
+// AppliedParked records that a parked record was applied: it is deleted, and its key goes on with
+// its next parked record or is no longer held. The caller holds the key's lock (TakeParked).
+func (s *Store) AppliedParked(ctx context.Context, tx pgx.Tx, r Rec) error {
+	if err := s.unpark(ctx, tx, r.Origin); err != nil {
+		return err
+	}
+	return s.release(ctx, tx, Key{r.Topic, r.Partition, r.Key})
+}
+
+// unpark deletes a parked record, failing if it is not there.
+func (s *Store) unpark(ctx context.Context, tx pgx.Tx, o Origin) error {
+	tag, err := tx.Exec(ctx, `DELETE FROM `+s.heldRecords+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4`,
+		s.group, o.Topic, o.Partition, o.Offset)
+	if err != nil {
+		return fmt.Errorf("delete parked record %s: %w", o, err)
+	}
+	if tag.RowsAffected() != 1 {
+		return fmt.Errorf("parked record %s: %w", o, ErrStale)
+	}
+	return nil
+}
+
+// release settles a key's head: the key becomes ready if records are parked behind it, and is no
+// longer held otherwise. It locks the key's row first; the statements after the lock see every
+// record parked before it was taken.
+func (s *Store) release(ctx context.Context, tx pgx.Tx, k Key) error {
+	b := &pgx.Batch{}
+	b.Queue(`SELECT 1 FROM `+s.heldKeys+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4 FOR UPDATE`,
+		s.group, k.Topic, k.Partition, k.Key)
+	b.Queue(`UPDATE `+s.heldKeys+` h SET state = 'ready', head_offset = NULL, updated_at = now()
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4
+		AND EXISTS (SELECT 1 FROM `+s.heldRecords+` r
+			WHERE r.consumer_group = h.consumer_group AND r.topic = h.topic AND r.partition = h.partition AND r.key = h.key)`,
+		s.group, k.Topic, k.Partition, k.Key)
+	b.Queue(`DELETE FROM `+s.heldKeys+` h
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4
+		AND NOT EXISTS (SELECT 1 FROM `+s.heldRecords+` r
+			WHERE r.consumer_group = h.consumer_group AND r.topic = h.topic AND r.partition = h.partition AND r.key = h.key)`,
+		s.group, k.Topic, k.Partition, k.Key)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("release held key: %w", err)
+	}
+	return nil
+}
+
+// Unblock releases keys held after a dead letter (ON_DEAD_LETTER=block): their parked records are
+// applied next. key nil releases every blocked key of the partition. It returns how many keys it
+// released.
+func (s *Store) Unblock(ctx context.Context, db Execer, topic string, partition int32, key []byte) (int64, error) {
+	tag, err := db.Exec(ctx, `UPDATE `+s.heldKeys+` SET state = 'ready', head_offset = NULL, updated_at = now()
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND ($4::bytea IS NULL OR key = $4) AND state = 'blocked'`,
+		s.group, topic, partition, key)
+	if err != nil {
+		return 0, fmt.Errorf("release blocked keys: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+// Stats describes the retry path of a group.
+type Stats struct {
+	HeldKeys      int
+	BlockedKeys   int
+	HeldRecords   int
+	OldestHeld    time.Duration // age of the oldest parked record; 0 if none
+	Tiers         map[int]TierStats
+	DeadLettersDB int // dead_letters rows with status new
+}
+
+// TierStats describes the records waiting in one retry tier.
+type TierStats struct {
+	Records int
+	// Overdue is how long past its due time the most overdue record of the tier is: how far the
+	// tier's consumer is behind. 0 if nothing is overdue.
+	Overdue time.Duration
+}
+
+// Stats reads the group's retry path state.
+func (s *Store) Stats(ctx context.Context, q Querier) (Stats, error) {
+	st := Stats{Tiers: map[int]TierStats{}}
+	var oldest float64
+	err := q.QueryRow(ctx, `SELECT
+			(SELECT count(*) FROM `+s.heldKeys+` WHERE consumer_group = $1),
+			(SELECT count(*) FROM `+s.heldKeys+` WHERE consumer_group = $1 AND state = 'blocked'),
+			(SELECT count(*) FROM `+s.heldRecords+` WHERE consumer_group = $1),
+			(SELECT coalesce(extract(epoch FROM now() - min(held_at)), 0)::float8 FROM `+s.heldRecords+` WHERE consumer_group = $1),
+			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'new')`, s.group).
+		Scan(&st.HeldKeys, &st.BlockedKeys, &st.HeldRecords, &oldest, &st.DeadLettersDB)
+	if err != nil {
+		return st, fmt.Errorf("read retry path stats: %w", err)
+	}
+	st.OldestHeld = time.Duration(oldest * float64(time.Second))
+	rows, err := q.Query(ctx, `SELECT attempt - 1, count(*), coalesce(extract(epoch FROM max(now() - due_at)), 0)::float8
+		FROM `+s.retries+` WHERE consumer_group = $1 GROUP BY attempt`, s.group)
+	if err != nil {
+		return st, fmt.Errorf("read retry tier stats: %w", err)
+	}
+	var tier, n int
+	var overdue float64
+	_, err = pgx.ForEachRow(rows, []any{&tier, &n, &overdue}, func() error {
+		st.Tiers[tier] = TierStats{Records: n, Overdue: time.Duration(max(overdue, 0) * float64(time.Second))}
+		return nil
+	})
+	if err != nil {
+		return st, fmt.Errorf("read retry tier stats: %w", err)
+	}
+	return st, nil
+}
+
+func splitHeaders(hs []kgo.RecordHeader) ([]string, [][]byte) {
+	keys := make([]string, len(hs))
+	vals := make([][]byte, len(hs))
+	for i, h := range hs {
+		keys[i], vals[i] = h.Key, h.Value
+	}
+	return keys, vals
+}
+
+func joinHeaders(keys []string, vals [][]byte) []kgo.RecordHeader {
+	if len(keys) == 0 {
+		return nil
+	}
+	out := make([]kgo.RecordHeader, 0, len(keys))
+	for i := range min(len(keys), len(vals)) {
+		out = append(out, kgo.RecordHeader{Key: keys[i], Value: vals[i]})
+	}
+	return out
+}
