@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
 var nopHandler = HandlerFunc(func(context.Context, pgx.Tx, *Record) error { return nil })
@@ -77,6 +81,14 @@ func TestConfigValidate(t *testing.T) {
 			wantErr: []string{"(DB_TX_IDLE_TIMEOUT)", "-1s"}},
 		{name: "negative shutdown timeout", modify: func(c *Config) { c.ShutdownTimeout = -time.Second },
 			wantErr: []string{"(SHUTDOWN_TIMEOUT)", "-1s"}},
+		{name: "zero retry tier", modify: func(c *Config) { c.RetryTiers = []time.Duration{time.Second, 0} },
+			wantErr: []string{"(RETRY_TIERS)", "tier 2", "0s must be positive"}},
+		{name: "too many retry tiers", modify: func(c *Config) { c.RetryTiers = make([]time.Duration, 21) },
+			wantErr: []string{"(RETRY_TIERS)", "21 tiers", "at most 20"}},
+		{name: "unknown dead-letter policy", modify: func(c *Config) { c.OnDeadLetter = "drop" },
+			wantErr: []string{"(ON_DEAD_LETTER)", `"skip" or "block"`, `"drop"`}},
+		{name: "retry topic listed as a source", modify: func(c *Config) { c.Topics = []string{"orders", "orders." + c.Group + ".retry.1"} },
+			wantErr: []string{"(KAFKA_TOPICS)", "retry or dead-letter topic"}},
 		{name: "every required field missing", modify: func(c *Config) { *c = *(&Config{}).withDefaults() },
 			wantErr: []string{"(KAFKA_BROKERS)", "(KAFKA_GROUP_ID)", "(KAFKA_TOPICS)", "Handler is required"}},
 	}
@@ -199,6 +211,20 @@ func TestConfigWithDefaultsSpecialValues(t *testing.T) {
 		check  func(c *Config) error
 	}{
 		{
+			name:   "nil RetryTiers means the default tiers; empty means none",
+			modify: func(c *Config) {},
+			check: func(c *Config) error {
+				if !slices.Equal(c.RetryTiers, DefaultRetryTiers) || c.OnDeadLetter != OnDeadLetterSkip {
+					return fmt.Errorf("RetryTiers = %v, OnDeadLetter = %q; want %v, skip", c.RetryTiers, c.OnDeadLetter, DefaultRetryTiers)
+				}
+				none := (&Config{RetryTiers: []time.Duration{}}).withDefaults()
+				if none.RetryTiers == nil || len(none.RetryTiers) != 0 {
+					return fmt.Errorf("empty RetryTiers became %v, want it kept empty", none.RetryTiers)
+				}
+				return nil
+			},
+		},
+		{
 			name:   "negative BatchMaxWait means apply at once",
 			modify: func(c *Config) { c.BatchMaxWait = -1 },
 			check: func(c *Config) error {
@@ -287,6 +313,36 @@ func TestConfigNewRejectsInvalid(t *testing.T) {
 	for _, want := range []string{"invalid config", "(KAFKA_TOPICS)", "(RETRY_LOCAL_ATTEMPTS)"} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("New with no topics and -1 attempts: error = %v, want it to contain %q", err, want)
+		}
+	}
+}
+
+func TestDuePrefix(t *testing.T) {
+	t.Parallel()
+	now := time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+	rec := func(due string) *kgo.Record {
+		if due == "" {
+			return &kgo.Record{}
+		}
+		return &kgo.Record{Headers: []kgo.RecordHeader{{Key: retrytopics.HeaderDueAt, Value: []byte(due)}}}
+	}
+	past, future := now.Add(-time.Second).Format(time.RFC3339Nano), now.Add(time.Second).Format(time.RFC3339Nano)
+	tests := []struct {
+		name     string
+		recs     []*kgo.Record
+		want     int
+		wantNext time.Time
+	}{
+		{"all due", []*kgo.Record{rec(past), rec(past)}, 2, time.Time{}},
+		{"first not due", []*kgo.Record{rec(future), rec(past)}, 0, now.Add(time.Second)},
+		{"due prefix", []*kgo.Record{rec(past), rec(future), rec(past)}, 1, now.Add(time.Second)},
+		{"no or garbled due time: due at once", []*kgo.Record{rec(""), rec("soon")}, 2, time.Time{}},
+		{"exactly due", []*kgo.Record{rec(now.Format(time.RFC3339Nano))}, 1, time.Time{}},
+	}
+	for _, tt := range tests {
+		got, next := duePrefix(tt.recs, now)
+		if got != tt.want || !next.Equal(tt.wantNext) {
+			t.Errorf("%s: duePrefix = %d, %v; want %d, %v", tt.name, got, next, tt.want, tt.wantNext)
 		}
 	}
 }

@@ -3,6 +3,7 @@ package processor_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -235,11 +236,14 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 			return nil
 		})
 
-		// Still blocked a while later.
+		// Still blocked a while later, and after a restart: the state is in Postgres.
 		time.Sleep(1500 * time.Millisecond)
+		r.stop(t)
 		if got := fmt.Sprint(applied()); got != "[a1 b1 b2]" {
 			t.Fatalf("applied %s while A and C were blocked", got)
 		}
+		cfg.Registerer = nil
+		h.start(cfg)
 
 		n, err := processor.ReleaseBlockedKeys(context.Background(), h.pool, "kafkapg", h.group, h.topic, 0, []byte("A"))
 		if err != nil || n != 1 {
@@ -256,5 +260,51 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 		}
 		h.waitSettled(items, 2, 15*time.Second)
 		h.verify(items, 2, false)
+	})
+}
+
+// classifyingHandler fails every record with errOverloaded and classifies that error itself.
+type classifyingHandler struct{ class processor.ErrorClass }
+
+var errOverloaded = errors.New("downstream says: invalid request, do not retry")
+
+func (classifyingHandler) Handle(context.Context, pgx.Tx, *processor.Record) error {
+	return errOverloaded
+}
+
+func (h classifyingHandler) ClassifyError(err error) processor.ErrorClass {
+	if errors.Is(err, errOverloaded) {
+		return h.class
+	}
+	return processor.Classify(err)
+}
+
+// TestHandlerOverridesClassification: a handler that implements ErrorClassifier decides the
+// class of its errors; here a plain error it calls permanent skips the local retries and the
+// tiers.
+func TestHandlerOverridesClassification(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 1)
+		cfg := h.config(classifyingHandler{class: processor.ClassPermanent})
+		cfg.RetryTiers = testTiers
+		r := h.start(cfg)
+		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k"), Value: []byte("v")})
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if n := len(k.ReadAll(t, h.dlq())); n != 1 {
+				return fmt.Errorf("%d dead letters, want 1", n)
+			}
+			return nil
+		})
+		f, err := retrytopics.ParseFailure(k.ReadAll(t, h.dlq())[0].Headers)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if f.Class != "permanent" || f.Attempt != 1 || f.Tries != 1 {
+			t.Errorf("dead letter says class %s, attempt %d, tries %d; want permanent, 1, 1", f.Class, f.Attempt, f.Tries)
+		}
+		if got := r.counter("kafkapg_records_retried_total"); got != 0 {
+			t.Errorf("%v records sent to retry tiers, want none", got)
+		}
 	})
 }
