@@ -361,6 +361,8 @@ func (w *worker) handleAll(recs []*Record) error {
 		}
 		if out.parked > 0 {
 			w.p.metrics.parked.WithLabelValues(w.source).Add(float64(out.parked))
+			// A drainer may have skipped a ready key while this transaction held its lock.
+			w.p.drainer.notify()
 		}
 		if out.duplicates > 0 {
 			w.p.metrics.duplicates.WithLabelValues(w.source).Add(float64(out.duplicates))
