@@ -151,54 +151,80 @@ func (d *drainer) drainKey(k retrytopics.Key) error {
 	}
 }
 
-// applyNext applies k's first parked record, retrying it within the delivery and moving it on
-// if it keeps failing. more says whether the key may have more records ready.
+// applyNext applies k's next parked records: up to BatchMaxRecords of them in one transaction
+// while the handler accepts them; a failing record is isolated the way a partition batch's is
+// (the records before it are applied, it is retried alone within its delivery, then moved on).
+// more says whether the key may have more records ready.
 func (d *drainer) applyNext(k retrytopics.Key) (more bool, err error) {
-	var rec *Record
-	tries := 0
+	limit := d.p.cfg.BatchMaxRecords
 	for {
-		var got bool
-		var hrec *Record
-		err := d.transact(func(ctx context.Context, tx pgx.Tx) error {
-			r, ok, err := d.p.retry.TakeParked(ctx, tx, k)
-			if err != nil || !ok {
-				got = false
-				return Infrastructure(err)
-			}
-			got = true
-			hrec = parkedRecord(r)
-			if rec != nil && hrec.Offset != rec.Offset {
-				// Another processor moved the record we were retrying on meanwhile.
-				return nil
-			}
-			if err := d.p.handle(ctx, tx, []*Record{hrec}); err != nil {
-				return err
-			}
-			return Infrastructure(d.p.retry.AppliedParked(ctx, tx, hrec.rec()))
-		}, true)
+		n, first, err := d.applyParked(k, limit)
 		if err == nil {
-			if !got {
-				return false, nil
-			}
-			if rec == nil || hrec.Offset == rec.Offset {
-				d.p.metrics.applied.WithLabelValues(k.Topic).Inc()
-			}
-			return true, nil
+			return n > 0, nil
 		}
 		if errors.Is(err, retrytopics.ErrStale) {
-			return true, nil // the record moved on under us (cannot happen under the key's lock); look again
+			return true, nil // the records moved on under us (cannot happen under the key's lock); look again
 		}
 		var herr *sink.HandlerError
 		if !errors.As(err, &herr) {
 			return false, err // stopped
 		}
-		rec = hrec
-		cause := herr.Err
+		index, cause := -1, herr.Err
 		var rerr *RecordError
-		if errors.As(cause, &rerr) {
-			cause = rerr.Err
+		if errors.As(herr.Err, &rerr) && rerr.Index >= 0 && rerr.Index < limit {
+			index, cause = rerr.Index, rerr.Err
 		}
-		tries++
+		switch {
+		case index > 0:
+			limit = index // apply the records before the failing one
+		case index < 0 && limit > 1:
+			limit = max(1, limit/2) // the error does not say which record: narrow down
+		default:
+			return d.retryFirst(k, first, cause)
+		}
+	}
+}
+
+// applyParked applies up to limit of k's parked records, in offset order, in one transaction. It
+// returns how many it applied (0 if the key is not ready, is locked elsewhere or has nothing
+// parked) and the first of them, which a *sink.HandlerError refers to.
+func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error) {
+	var recs []*Record
+	err := d.transact(func(ctx context.Context, tx pgx.Tx) error {
+		parked, err := d.p.retry.TakeParked(ctx, tx, k, limit)
+		if err != nil {
+			return Infrastructure(err)
+		}
+		recs = recs[:0]
+		for _, r := range parked {
+			recs = append(recs, parkedRecord(r))
+		}
+		if len(recs) == 0 {
+			return nil
+		}
+		if err := d.p.handle(ctx, tx, recs); err != nil {
+			return err
+		}
+		return Infrastructure(d.p.retry.AppliedParked(ctx, tx, k, parked))
+	}, true)
+	var first *Record
+	if len(recs) > 0 {
+		first = recs[0]
+	}
+	if err != nil {
+		return 0, first, err
+	}
+	if len(recs) > 0 {
+		d.p.metrics.applied.WithLabelValues(k.Topic).Add(float64(len(recs)))
+	}
+	return len(recs), first, nil
+}
+
+// retryFirst handles k's first parked record, rec, whose handler just failed with cause: it is
+// retried alone (Config.LocalAttempts tries in all) unless the error is permanent, then moved to
+// the first retry tier or dead-lettered. more says whether the key goes on with its next record.
+func (d *drainer) retryFirst(k retrytopics.Key, rec *Record, cause error) (more bool, err error) {
+	for tries := 1; ; tries++ {
 		class := d.p.classify(cause)
 		d.p.metrics.failures.WithLabelValues(k.Topic, class.String()).Inc()
 		if class != ClassRetryable || tries >= d.p.cfg.LocalAttempts {
@@ -206,6 +232,27 @@ func (d *drainer) applyNext(k retrytopics.Key) (more bool, err error) {
 		}
 		if !backoff.Sleep(d.ctx, d.stopping, d.p.backoff.Delay(tries)) {
 			return false, errStopped
+		}
+		_, first, err := d.applyParked(k, 1)
+		if errors.Is(err, retrytopics.ErrStale) {
+			return true, nil
+		}
+		var herr *sink.HandlerError
+		failed := errors.As(err, &herr)
+		switch {
+		case err != nil && !failed:
+			return false, err // stopped
+		case first == nil:
+			return false, nil // the key is not ready here any more
+		case first.Offset != rec.Offset:
+			return true, nil // another processor moved the record on meanwhile; look again
+		case !failed:
+			return true, nil // applied
+		}
+		cause = herr.Err
+		var rerr *RecordError
+		if errors.As(cause, &rerr) {
+			cause = rerr.Err
 		}
 	}
 }
@@ -215,11 +262,11 @@ func (d *drainer) applyNext(k retrytopics.Key) (more bool, err error) {
 func (d *drainer) route(k retrytopics.Key, rec *Record, cause error, class ErrorClass, tries int) (more bool, err error) {
 	m := d.p.plan(rec, k.Topic, cause, class, tries)
 	err = d.transact(func(ctx context.Context, tx pgx.Tx) error {
-		r, ok, err := d.p.retry.TakeParked(ctx, tx, k)
+		head, err := d.p.retry.TakeParked(ctx, tx, k, 1)
 		if err != nil {
 			return Infrastructure(err)
 		}
-		if !ok || r.Offset != rec.Offset {
+		if len(head) == 0 || head[0].Offset != rec.Offset {
 			// Another processor moved the record on meanwhile: roll back, message included.
 			return retrytopics.ErrStale
 		}

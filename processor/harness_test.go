@@ -110,27 +110,12 @@ func (r *running) stop(t *testing.T) {
 }
 
 // counter returns the sum of a counter metric's series.
-func (r *running) counter(name string) float64 {
-	mfs, err := r.reg.Gather()
-	if err != nil {
-		panic(err)
-	}
-	total := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if c := m.GetCounter(); c != nil {
-				total += c.GetValue()
-			}
-		}
-	}
-	return total
-}
+func (r *running) counter(name string) float64 { return r.sum(name) }
 
 // gauge returns the sum of a gauge metric's series.
-func (r *running) gauge(name string) float64 {
+func (r *running) gauge(name string) float64 { return r.sum(name) }
+
+func (r *running) sum(name string) float64 {
 	mfs, err := r.reg.Gather()
 	if err != nil {
 		panic(err)
@@ -141,9 +126,7 @@ func (r *running) gauge(name string) float64 {
 			continue
 		}
 		for _, m := range mf.GetMetric() {
-			if g := m.GetGauge(); g != nil {
-				total += g.GetValue()
-			}
+			total += m.GetCounter().GetValue() + m.GetGauge().GetValue()
 		}
 	}
 	return total

@@ -173,7 +173,7 @@ func (p *Processor) Run(ctx context.Context) error {
 	// Joining starts only now, so the rebalance callbacks always find p.client set.
 	topics := slices.Concat(p.cfg.Topics, slices.Sorted(maps.Keys(p.tierOf)))
 	cl.AddConsumeTopics(topics...)
-	p.log.Info("processor started", "topics", p.cfg.Topics, "retry_tiers", p.cfg.RetryTiers,
+	p.log.Info("processor started", "topics", p.cfg.Topics, "retry_tiers", fmt.Sprint(p.cfg.RetryTiers),
 		"on_dead_letter", p.cfg.OnDeadLetter, "instance", p.cfg.InstanceName)
 	pollCtx, stopPoll := context.WithCancel(ctx)
 	p.mu.Lock()

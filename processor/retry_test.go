@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -354,6 +355,33 @@ func TestNullKeysAreNeverHeld(t *testing.T) {
 		}
 		if n := h.retryPathRows(); n != "" {
 			t.Errorf("retry path not empty: %s", n)
+		}
+	})
+}
+
+// TestMissingRetryTopicIsAStartupError: with topic creation disabled, a missing retry or
+// dead-letter topic stops Run with an error that names it and the setting.
+func TestMissingRetryTopicIsAStartupError(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 2)
+		cfg := h.config(ledger.Handler{})
+		cfg.RetryTiers = []time.Duration{time.Second}
+		cfg.DisableTopicCreation = true
+		p, err := processor.New(h.pool, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		err = p.Run(ctx)
+		if err == nil {
+			t.Fatal("Run returned nil with its retry and dead-letter topics missing")
+		}
+		for _, want := range []string{retrytopics.TierTopic(h.topic, h.group, 1), h.dlq(), "KAFKA_CREATE_TOPICS"} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("Run error %q does not name %s", err, want)
+			}
 		}
 	})
 }

@@ -331,43 +331,64 @@ func (s *Store) ReadyKeys(ctx context.Context, q Querier, limit int) ([]Key, err
 	return out, nil
 }
 
-// TakeParked locks a ready key and returns its first parked record. ok is false if the key is not
-// ready, is locked by another transaction, or has nothing parked any more (it is then released).
-func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key) (r Rec, ok bool, err error) {
+// TakeParked locks a ready key and returns up to limit of its parked records, in offset order.
+// It returns none if the key is not ready, is locked by another transaction, or has nothing
+// parked any more (it is then released).
+func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key, limit int) ([]Rec, error) {
 	var one int
-	err = tx.QueryRow(ctx, `SELECT 1 FROM `+s.heldKeys+`
+	err := tx.QueryRow(ctx, `SELECT 1 FROM `+s.heldKeys+`
 		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4 AND state = 'ready'
 		FOR UPDATE SKIP LOCKED`, s.group, k.Topic, k.Partition, k.Key).Scan(&one)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return r, false, nil
+		return nil, nil
 	}
 	if err != nil {
-		return r, false, fmt.Errorf("lock ready key: %w", err)
+		return nil, fmt.Errorf("lock ready key: %w", err)
 	}
+	rows, err := tx.Query(ctx, `SELECT "offset", value, header_keys, header_values, "timestamp" FROM `+s.heldRecords+`
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4
+		ORDER BY "offset" LIMIT $5`, s.group, k.Topic, k.Partition, k.Key, limit)
+	if err != nil {
+		return nil, fmt.Errorf("read parked records: %w", err)
+	}
+	var out []Rec
+	var r Rec
 	var hkeys []string
 	var hvals [][]byte
-	err = tx.QueryRow(ctx, `SELECT "offset", value, header_keys, header_values, "timestamp" FROM `+s.heldRecords+`
-		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4
-		ORDER BY "offset" LIMIT 1`, s.group, k.Topic, k.Partition, k.Key).
-		Scan(&r.Offset, &r.Value, &hkeys, &hvals, &r.Timestamp)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return r, false, s.release(ctx, tx, k)
-	}
+	_, err = pgx.ForEachRow(rows, []any{&r.Offset, &r.Value, &hkeys, &hvals, &r.Timestamp}, func() error {
+		r.Topic, r.Partition, r.Key = k.Topic, k.Partition, k.Key
+		r.Headers = joinHeaders(hkeys, hvals)
+		out = append(out, r)
+		r = Rec{}
+		return nil
+	})
 	if err != nil {
-		return r, false, fmt.Errorf("read parked record: %w", err)
+		return nil, fmt.Errorf("read parked records: %w", err)
 	}
-	r.Topic, r.Partition, r.Key = k.Topic, k.Partition, k.Key
-	r.Headers = joinHeaders(hkeys, hvals)
-	return r, true, nil
+	if len(out) == 0 {
+		return nil, s.release(ctx, tx, k)
+	}
+	return out, nil
 }
 
-// AppliedParked records that a parked record was applied: it is deleted, and its key goes on with
-// its next parked record or is no longer held. The caller holds the key's lock (TakeParked).
-func (s *Store) AppliedParked(ctx context.Context, tx pgx.Tx, r Rec) error {
-	if err := s.unpark(ctx, tx, r.Origin); err != nil {
-		return err
+// AppliedParked records that parked records of k were applied: they are deleted, and the key goes
+// on with its next parked record or is no longer held. The caller holds the key's lock
+// (TakeParked).
+func (s *Store) AppliedParked(ctx context.Context, tx pgx.Tx, k Key, recs []Rec) error {
+	offs := make([]int64, len(recs))
+	for i, r := range recs {
+		offs[i] = r.Offset
 	}
-	return s.release(ctx, tx, Key{r.Topic, r.Partition, r.Key})
+	tag, err := tx.Exec(ctx, `DELETE FROM `+s.heldRecords+`
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = ANY($4)`,
+		s.group, k.Topic, k.Partition, offs)
+	if err != nil {
+		return fmt.Errorf("delete %d applied parked records: %w", len(recs), err)
+	}
+	if tag.RowsAffected() != int64(len(recs)) {
+		return fmt.Errorf("deleted %d of %d applied parked records: %w", tag.RowsAffected(), len(recs), ErrStale)
+	}
+	return s.release(ctx, tx, k)
 }
 
 // unpark deletes a parked record, failing if it is not there.

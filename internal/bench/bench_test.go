@@ -104,22 +104,8 @@ func measure(b *testing.B, name string, want int, variant func(*pgxpool.Pool) fu
 	b.Helper()
 	_, url := testenv.Postgres(b)
 	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		b.Fatal(err)
-	}
-	cfg.MaxConns = poolConns
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
+	pool := benchPool(b, url)
 	defer pool.Close()
-	if err := processor.Migrate(ctx, pool, "kafkapg"); err != nil {
-		b.Fatal(err)
-	}
-	if _, err := pool.Exec(ctx, ledger.Schema); err != nil {
-		b.Fatal(err)
-	}
 	run := variant(pool)
 	runCtx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)

@@ -1,0 +1,157 @@
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/processor"
+)
+
+// BenchmarkHeldRecordsDrain measures how fast records parked behind held keys are applied once
+// their keys are released, against the fast path applying the same records straight from the
+// topic, in the same run.
+//
+// Every account's first event is poison and ON_DEAD_LETTER=block, so all its later events are
+// parked in Postgres; the drain is timed from releasing every key to the last event applied.
+// BENCH_DRAIN_EVENTS (default 20000) and BENCH_DRAIN_ACCOUNTS (default 64) set the size.
+func BenchmarkHeldRecordsDrain(b *testing.B) {
+	events := envInt("BENCH_DRAIN_EVENTS", 20_000)
+	accounts := envInt("BENCH_DRAIN_ACCOUNTS", 64)
+	k := brokerFor(b)
+	ctx := context.Background()
+
+	// Produce order: one poison head per account, then the events.
+	var heads, body, same []*kgo.Record
+	blocked := k.CreateTopic(b, partitions)
+	plain := k.CreateTopic(b, partitions)
+	for a := range accounts {
+		ev := ledger.Event{EventID: fmt.Sprintf("h-%d", a), Account: fmt.Sprintf("acct-%d", a), Seq: 0, Poison: true}
+		v, _ := json.Marshal(ev)
+		heads = append(heads, &kgo.Record{Topic: blocked, Key: []byte(ev.Account), Value: v})
+	}
+	for _, it := range ledger.Generate(ledger.GenConfig{Events: events, Accounts: accounts, Seed: 2, Prefix: "d"}) {
+		body = append(body, it.Record(blocked))
+		same = append(same, it.Record(plain))
+	}
+	k.Produce(b, heads...)
+	k.Produce(b, body...)
+	k.Produce(b, same...)
+
+	for b.Loop() {
+		fast := measure(b, "fast path", events, func(pool *pgxpool.Pool) func(context.Context) error {
+			return drainProcessor(b, k, plain, pool, nil)
+		})
+
+		_, url := testenv.Postgres(b)
+		pool := benchPool(b, url)
+		released := make(chan struct{})
+		run := drainProcessor(b, k, blocked, pool, released)
+		runCtx, cancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- run(runCtx) }()
+		waitCount(b, pool, `SELECT count(*) FROM kafkapg.held_records`, events)
+		start := time.Now()
+		close(released)
+		waitCount(b, pool, `SELECT count(*) FROM ledger_entries`, events)
+		drain := float64(events) / time.Since(start).Seconds()
+		cancel()
+		if err := <-done; err != nil {
+			b.Fatal(err)
+		}
+		pool.Close()
+
+		b.ReportMetric(drain, "drain_rec/s")
+		b.ReportMetric(fast, "fast_rec/s")
+		b.ReportMetric(drain/fast, "x_fast")
+		fmt.Printf("\nheld records drain, %s broker, %d events over %d accounts (%d partitions):\n", k.Name, events, accounts, partitions)
+		fmt.Printf("  parked records applied after release  %9.0f records/s\n", drain)
+		fmt.Printf("  same records from the topic           %9.0f records/s\n", fast)
+		fmt.Printf("  drain / fast path = %.2f\n\n", drain/fast)
+	}
+}
+
+// drainProcessor runs the processor with ON_DEAD_LETTER=block; once released is closed, it
+// releases every blocked key.
+func drainProcessor(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.Pool, released <-chan struct{}) func(context.Context) error {
+	group := "drain-" + topic
+	p, err := processor.New(pool, &processor.Config{
+		Brokers:         k.Brokers,
+		Group:           group,
+		Topics:          []string{topic},
+		Handler:         ledger.Handler{},
+		BatchMaxRecords: batchSize,
+		RetryTiers:      []time.Duration{},
+		OnDeadLetter:    processor.OnDeadLetterBlock,
+		Registerer:      prometheus.NewRegistry(),
+		Logger:          slog.New(slog.DiscardHandler),
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return func(ctx context.Context) error {
+		if released != nil {
+			go func() {
+				select {
+				case <-released:
+				case <-ctx.Done():
+					return
+				}
+				for part := range int32(partitions) {
+					if _, err := processor.ReleaseBlockedKeys(ctx, pool, "kafkapg", group, topic, part, nil); err != nil {
+						b.Error(err)
+					}
+				}
+			}()
+		}
+		return p.Run(ctx)
+	}
+}
+
+// benchPool connects to a fresh database with poolConns connections and creates kafkapg's and the
+// ledger's tables.
+func benchPool(b *testing.B, url string) *pgxpool.Pool {
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	cfg.MaxConns = poolConns
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := processor.Migrate(ctx, pool, "kafkapg"); err != nil {
+		b.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, ledger.Schema); err != nil {
+		b.Fatal(err)
+	}
+	return pool
+}
+
+func waitCount(b *testing.B, pool *pgxpool.Pool, query string, want int) {
+	deadline := time.Now().Add(5 * time.Minute)
+	for {
+		var n int
+		if err := pool.QueryRow(context.Background(), query).Scan(&n); err != nil {
+			b.Fatal(err)
+		}
+		if n >= want {
+			return
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("%s: %d, want %d, after 5 minutes", query, n, want)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
