@@ -1,8 +1,11 @@
 // Command devbroker runs a Kafka-protocol broker for local development and tests, built on
-// franz-go's kfake. It keeps all data in memory and is NOT for production: no replication, no
-// durability, no quotas.
+// franz-go's kfake. It keeps all data in memory (or, with -data-dir, in a directory it reloads on
+// restart) and is NOT for production: no replication, no quotas.
 //
-//	devbroker [-listen 127.0.0.1:9092] [-partitions 10]
+//	devbroker [-listen 127.0.0.1:9092] [-partitions 10] [-advertise host:port] [-data-dir DIR]
+//
+// -advertise makes the broker tell clients to connect to another address than the one it
+// listens on, such as a fault-injecting proxy in front of it (make chaos).
 //
 // Topics are created through the normal admin API (CreateTopics), as with a real broker.
 package main
@@ -36,6 +39,8 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready chan<- stri
 	listen := fs.String("listen", "127.0.0.1:9092", "address to listen on (host:port; port 0 picks a free one)")
 	partitions := fs.Int("partitions", 10, "partitions of topics created with the broker default (-1)")
 	autoCreate := fs.Bool("auto-create-topics", false, "create unknown topics on first use, as auto.create.topics.enable does")
+	advertise := fs.String("advertise", "", "address clients are told to connect to (default: the listening address)")
+	dataDir := fs.String("data-dir", "", "keep topics, offsets and groups in this directory and reload them on restart (default: memory only)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -60,17 +65,30 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready chan<- stri
 		l.Close()
 	}
 
+	if *advertise != "" {
+		if _, _, err := net.SplitHostPort(*advertise); err != nil {
+			fmt.Fprintf(stderr, "devbroker: -advertise %q: %v\n", *advertise, err)
+			return 2
+		}
+	}
 	opts := []kfake.Opt{
 		kfake.NumBrokers(1),
 		kfake.Ports(port),
 		kfake.DefaultNumPartitions(*partitions),
 		kfake.ListenFn(func(network, _ string) (net.Listener, error) {
-			return net.Listen(network, net.JoinHostPort(host, strconv.Itoa(port)))
+			ln, err := net.Listen(network, net.JoinHostPort(host, strconv.Itoa(port)))
+			if err != nil || *advertise == "" {
+				return ln, err
+			}
+			return advertised{ln, *advertise}, nil
 		}),
 		kfake.GroupMinSessionTimeout(100 * time.Millisecond), // lets tests use short sessions
 	}
 	if *autoCreate {
 		opts = append(opts, kfake.AllowAutoTopicCreation())
+	}
+	if *dataDir != "" {
+		opts = append(opts, kfake.DataDir(*dataDir))
 	}
 	c, err := kfake.NewCluster(opts...)
 	if err != nil {
@@ -79,9 +97,16 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready chan<- stri
 	}
 	defer c.Close()
 
-	fmt.Fprintln(stderr, "devbroker: WARNING: in-memory Kafka-protocol broker (kfake) for development and tests only;")
-	fmt.Fprintln(stderr, "devbroker: WARNING: all data is lost when it stops. Do not use it in production.")
-	fmt.Fprintf(stderr, "devbroker: listening on %s\n", c.ListenAddrs()[0])
+	fmt.Fprintln(stderr, "devbroker: WARNING: Kafka-protocol broker (kfake) for development and tests only. Do not use it in production.")
+	if *dataDir == "" {
+		fmt.Fprintln(stderr, "devbroker: WARNING: all data is kept in memory and lost when it stops (see -data-dir).")
+	} else {
+		fmt.Fprintf(stderr, "devbroker: data kept in %s\n", *dataDir)
+	}
+	fmt.Fprintf(stderr, "devbroker: listening on %s\n", net.JoinHostPort(host, strconv.Itoa(port)))
+	if *advertise != "" {
+		fmt.Fprintf(stderr, "devbroker: clients are told to connect to %s\n", *advertise)
+	}
 	if ready != nil {
 		ready <- c.ListenAddrs()[0]
 	}
@@ -89,3 +114,17 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready chan<- stri
 	fmt.Fprintln(stderr, "devbroker: stopping")
 	return 0
 }
+
+// advertised is a listener that reports another address than its own, which kfake tells
+// clients to connect to.
+type advertised struct {
+	net.Listener
+	addr string
+}
+
+func (a advertised) Addr() net.Addr { return advertisedAddr(a.addr) }
+
+type advertisedAddr string
+
+func (a advertisedAddr) Network() string { return "tcp" }
+func (a advertisedAddr) String() string  { return string(a) }
