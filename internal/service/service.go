@@ -16,6 +16,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -37,8 +38,15 @@ var handlers = map[string]builtin{
 	"ledger": {
 		handler: ledger.Handler{},
 		setup: func(ctx context.Context, pool *pgxpool.Pool) error {
-			_, err := pool.Exec(ctx, ledger.Schema)
-			return err
+			// Replicas start together: concurrent CREATE TABLE IF NOT EXISTS can fail on
+			// Postgres's catalog (23505 on pg_type), so take turns under an advisory lock.
+			return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('kafkapg.handler-setup:ledger', 0))`); err != nil {
+					return err
+				}
+				_, err := tx.Exec(ctx, ledger.Schema)
+				return err
+			})
 		},
 	},
 }

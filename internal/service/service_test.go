@@ -8,10 +8,13 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kafkapg/kafkapg/internal/testenv"
 )
 
 func TestMainExitCodes(t *testing.T) {
@@ -209,5 +212,30 @@ func TestNewLogger(t *testing.T) {
 				t.Errorf("error not logged: %q", out)
 			}
 		})
+	}
+}
+
+// TestLedgerSetupConcurrently: replicas start at the same time and all set up the handler's
+// tables; none may fail (concurrent CREATE TABLE IF NOT EXISTS races in Postgres's catalog).
+// Found by the chaos suite.
+func TestLedgerSetupConcurrently(t *testing.T) {
+	for round := range 5 {
+		pool, _ := testenv.Postgres(t)
+		var wg sync.WaitGroup
+		errs := make(chan error, 8)
+		for range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs <- handlers["ledger"].setup(context.Background(), pool)
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Fatalf("round %d: concurrent setup failed: %v", round, err)
+			}
+		}
 	}
 }
