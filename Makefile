@@ -29,6 +29,11 @@ demo: build ## Run the ledger demo: dev broker, throwaway Postgres, processor, r
 test: ## Unit and integration tests (real Postgres; kfake, plus real Kafka if KAFKA_BROKERS is set)
 	scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test $(TESTFLAGS) $(PKGS)
 
+.PHONY: chaos
+chaos: build ## Fault-injection suite: kill, stop and cut processors, Postgres and the broker; check exactly-once
+	$(GO) build -o $(BIN)/ ./internal/cmd/chaos
+	scripts/with-postgres.sh DATABASE_URL $(BIN)/chaos $(CHAOS_FLAGS)
+
 .PHONY: bench
 bench: ## End-to-end throughput: kafkapg vs hand-written loops on the same data (durable Postgres)
 	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test -run '^$$' -bench . -benchtime 1x -count 1 -timeout 30m ./internal/bench/

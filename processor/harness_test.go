@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -214,42 +213,11 @@ func (h *harness) retryPathRows() string {
 // be dead-lettered, and no other.
 func (h *harness) checkDeadLetterRows(items []ledger.Item, maxAttempt int) {
 	h.t.Helper()
-	rows, err := h.pool.Query(context.Background(), `SELECT value, attempts, error_class FROM kafkapg.dead_letters WHERE consumer_group = $1`, h.group)
+	n, err := ledger.CheckDeadLetterRows(context.Background(), h.pool, "kafkapg", h.group, items, maxAttempt)
 	if err != nil {
-		h.t.Fatal(err)
+		h.t.Fatalf("dead_letters verification failed:\n%v", err)
 	}
-	got := map[string]int{}
-	var value []byte
-	var attempts int
-	var class string
-	_, err = pgx.ForEachRow(rows, []any{&value, &attempts, &class}, func() error {
-		got[string(value)]++
-		if attempts < 1 || attempts > maxAttempt || class == "" {
-			h.t.Errorf("dead_letters row of %q: attempts %d, class %q", value, attempts, class)
-		}
-		return nil
-	})
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	want := 0
-	for _, it := range items {
-		n := got[string(it.Value)]
-		delete(got, string(it.Value))
-		switch {
-		case it.Dead(maxAttempt) && n != 1:
-			h.t.Errorf("%s record %q has %d dead_letters rows, want 1", it.Kind, it.Value, n)
-		case !it.Dead(maxAttempt) && n != 0:
-			h.t.Errorf("%s record %q has %d dead_letters rows, want none", it.Kind, it.Value, n)
-		}
-		if it.Dead(maxAttempt) {
-			want++
-		}
-	}
-	for v := range got {
-		h.t.Errorf("dead_letters row %q matches no produced record", v)
-	}
-	h.t.Logf("dead_letters: exactly one row for each of the %d dead records", want)
+	h.t.Logf("dead_letters: exactly one row for each of the %d dead records", n)
 }
 
 func (h *harness) dlq() string { return retrytopics.DLQTopic(h.topic, h.group) }

@@ -212,10 +212,6 @@ func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Re
 	p.stopWorkers(p.removeWorkers(nil), drain)
 	p.drainer.stop(drain)
 
-	if err := cl.CommitMarkedOffsets(sctx); err != nil {
-		p.log.Warn("final kafka offset commit failed (advisory only; postgres holds the positions)", "err", err)
-	}
-
 	// Publish what the last transactions put in the outbox, if time allows; anything left is
 	// published by the next processor to run.
 	stopRelay()
@@ -228,6 +224,14 @@ func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Re
 		p.log.Warn("outbox not fully published at shutdown; the next processor will publish the rest", "published", n, "err", err)
 	}
 	fcancel()
+
+	// Kafka's committed offsets are advisory: do not let a commit that waits for a rebalance in
+	// progress (the group is rejoining) eat the time left for leaving the group.
+	cctx, ccancel := context.WithTimeout(sctx, min(time.Second, max(time.Until(deadlineOf(sctx))/4, 0)))
+	if err := cl.CommitMarkedOffsets(cctx); err != nil {
+		p.log.Warn("final kafka offset commit failed (advisory only; postgres holds the positions)", "err", err)
+	}
+	ccancel()
 
 	// Leaving the group and closing the client wait for the group's state machine, which can be
 	// stuck in a join (a member died mid-rebalance). Do not let that hold the shutdown past its

@@ -19,6 +19,9 @@
 #   KAFKA_STATE_DIR        data, log, pid file     (default /tmp/kafkapg-kafka; wiped by start)
 #   KAFKA_PORT             PLAINTEXT listener      (default 9092, on 127.0.0.1)
 #   KAFKA_CONTROLLER_PORT  KRaft controller        (default 9093, on 127.0.0.1)
+#   KAFKA_CHAOS_PORT       second PLAINTEXT listener for `make chaos` (default 9094, on 127.0.0.1);
+#                          it advertises KAFKA_CHAOS_ADVERTISED (default 127.0.0.1:19094), where
+#                          the chaos suite puts a fault-injecting proxy in front of it
 #   KAFKA_START_TIMEOUT    seconds to wait         (default 120)
 #   KAFKA_HEAP_OPTS        JVM heap                (default "-Xms256m -Xmx512m")
 #   JAVA                   java binary             (default: $JAVA_HOME/bin/java or java on PATH; needs 17+)
@@ -42,6 +45,8 @@ MARKER="$LIBS/.complete"
 STATE_DIR="${KAFKA_STATE_DIR:-/tmp/kafkapg-kafka}"
 PORT="${KAFKA_PORT:-9092}"
 CONTROLLER_PORT="${KAFKA_CONTROLLER_PORT:-9093}"
+CHAOS_PORT="${KAFKA_CHAOS_PORT:-9094}"
+CHAOS_ADVERTISED="${KAFKA_CHAOS_ADVERTISED:-127.0.0.1:19094}"
 START_TIMEOUT="${KAFKA_START_TIMEOUT:-120}"
 HEAP_OPTS="${KAFKA_HEAP_OPTS:--Xms256m -Xmx512m}"
 
@@ -156,11 +161,11 @@ write_properties() {
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:$CONTROLLER_PORT
-listeners=PLAINTEXT://127.0.0.1:$PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://127.0.0.1:$PORT
+listeners=PLAINTEXT://127.0.0.1:$PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT,CHAOS://127.0.0.1:$CHAOS_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$PORT,CHAOS://$CHAOS_ADVERTISED
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,CHAOS:PLAINTEXT
 log.dirs=$STATE_DIR/data
 
 num.partitions=1

@@ -198,3 +198,53 @@ func CheckDeadLetters(items []Item, dlq []*kgo.Record, maxAttempt int, allowDupl
 	}
 	return dups, nil
 }
+
+// CheckDeadLetterRows checks kafkapg's dead_letters table (in schema, for group) against items:
+// exactly one row for every item that must be dead-lettered, with attempts between 1 and
+// maxAttempt and an error class, and no other row. It returns how many rows it checked.
+func CheckDeadLetterRows(ctx context.Context, db Querier, schema, group string, items []Item, maxAttempt int) (int, error) {
+	rows, err := db.Query(ctx, `SELECT value, attempts, error_class FROM `+pgx.Identifier{schema, "dead_letters"}.Sanitize()+
+		` WHERE consumer_group = $1`, group)
+	if err != nil {
+		return 0, fmt.Errorf("read dead_letters: %w", err)
+	}
+	var problems []string
+	add := func(format string, args ...any) {
+		if len(problems) < 20 {
+			problems = append(problems, fmt.Sprintf(format, args...))
+		}
+	}
+	got := map[string]int{}
+	total := 0
+	var value []byte
+	var attempts int
+	var class string
+	_, err = pgx.ForEachRow(rows, []any{&value, &attempts, &class}, func() error {
+		total++
+		got[string(value)]++
+		if attempts < 1 || attempts > maxAttempt || class == "" {
+			add("dead_letters row of %q: attempts %d, class %q", value, attempts, class)
+		}
+		return nil
+	})
+	if err != nil {
+		return total, fmt.Errorf("read dead_letters: %w", err)
+	}
+	for _, it := range items {
+		n := got[string(it.Value)]
+		delete(got, string(it.Value))
+		switch {
+		case it.Dead(maxAttempt) && n != 1:
+			add("%s record %q has %d dead_letters rows, want 1", it.Kind, it.Value, n)
+		case !it.Dead(maxAttempt) && n != 0:
+			add("%s record %q has %d dead_letters rows, want none", it.Kind, it.Value, n)
+		}
+	}
+	for v := range got {
+		add("dead_letters row %q matches no produced record", v)
+	}
+	if len(problems) > 0 {
+		return total, errors.New(strings.Join(problems, "\n"))
+	}
+	return total, nil
+}

@@ -1,0 +1,212 @@
+// Command chaos is kafkapg's fault-injection suite (`make chaos`). It runs several processor
+// processes in one group with the ledger handler and short retry tiers, produces a continuous
+// stream of ledger events (flaky, exhausted, poison and malformed ones included), and meanwhile
+// breaks things at random: SIGKILL, SIGTERM and SIGSTOP of processors, dropped, cut and stalled
+// Postgres connections (through a fault proxy), cut broker connections and, on the dev broker, a
+// broker restart. Then it restores everything, waits for the pipeline to settle and checks, from
+// the database and the dead-letter topic, that no record was lost or applied twice, that every
+// account's events were applied in produce order, that the dead letters are exactly the expected
+// ones, and that balances add up. It prints one summary line, with the recovery times it measured.
+//
+// It needs DATABASE_URL (make chaos starts a throwaway Postgres) and the processor and devbroker
+// binaries next to it (make build). With KAFKA_BROKERS set it uses that broker instead of starting
+// the dev broker; broker cuts then need the broker's second listener for the suite
+// (KAFKA_CHAOS_LISTENER, advertised as KAFKA_CHAOS_ADVERTISED; scripts/kafka.sh sets one up).
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/url"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"syscall"
+	"time"
+)
+
+func main() {
+	var c config
+	flag.DurationVar(&c.duration, "duration", 60*time.Second, "how long to inject faults while events flow")
+	flag.Uint64Var(&c.seed, "seed", 0, "random seed (0: pick one and print it)")
+	flag.IntVar(&c.procs, "procs", 3, "processor processes")
+	flag.IntVar(&c.partitions, "partitions", 6, "partitions of the ledger topic")
+	flag.IntVar(&c.events, "events", 30000, "ledger events to produce")
+	flag.DurationVar(&c.settle, "settle", 4*time.Minute, "how long to wait, after the faults stop, for every event to be applied or dead-lettered")
+	flag.BoolVar(&c.keep, "keep", false, "keep the work directory (logs) even if the run passes")
+	flag.Parse()
+	if c.seed == 0 {
+		c.seed = rand.Uint64()
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, c); err != nil {
+		fmt.Fprintf(os.Stderr, "\nchaos: FAILED (seed %d): %v\n", c.seed, err)
+		os.Exit(1)
+	}
+}
+
+type config struct {
+	duration   time.Duration
+	seed       uint64
+	procs      int
+	partitions int
+	events     int
+	settle     time.Duration
+	keep       bool
+}
+
+const (
+	group  = "chaos"
+	topic  = "ledger"
+	schema = "kafkapg_chaos"
+	// tiers are the processors' retry tiers; records get len(tiers)+1 delivery attempts.
+	tiers      = "200ms,500ms,1s"
+	maxAttempt = 4
+	// sessionTimeout is short so that a stopped process loses its partitions quickly.
+	sessionTimeout = 6 * time.Second
+)
+
+func run(ctx context.Context, c config) error {
+	dbURL := os.Getenv("DATABASE_URL")
+	if dbURL == "" {
+		return errors.New("DATABASE_URL is not set: run `make chaos`, which starts a throwaway Postgres")
+	}
+	bin, err := binDir()
+	if err != nil {
+		return err
+	}
+	work, err := os.MkdirTemp("", "kafkapg-chaos-")
+	if err != nil {
+		return err
+	}
+	s := &suite{cfg: c, rng: rand.New(rand.NewPCG(c.seed, c.seed^0x5851f42d4c957f2d)), bin: bin, work: work}
+	defer s.close()
+	fmt.Printf("chaos: seed %d, %d processes, %d events, faults for %v; logs in %s\n", c.seed, c.procs, c.events, c.duration, work)
+
+	if err := s.setupPostgres(ctx, dbURL); err != nil {
+		return err
+	}
+	if err := s.setupKafka(ctx); err != nil {
+		return err
+	}
+	if err := s.createTopic(ctx); err != nil {
+		return err
+	}
+	for i := range c.procs {
+		p, err := s.startProc(i)
+		if err != nil {
+			return err
+		}
+		s.procs = append(s.procs, p)
+	}
+
+	items := generate(c)
+	produced := make(chan error, 1)
+	go func() { produced <- s.produce(ctx, items) }()
+
+	if err := s.inject(ctx); err != nil {
+		return err
+	}
+	if err := <-produced; err != nil {
+		return fmt.Errorf("produce: %w", err)
+	}
+	if err := s.restoreAll(ctx); err != nil {
+		return err
+	}
+	settled := time.Now()
+	if err := s.waitSettled(ctx, items); err != nil {
+		return err
+	}
+	s.stats.settle = time.Since(settled)
+	s.bg.Wait() // recovery measurements
+	if err := s.stopAll(); err != nil {
+		return err
+	}
+	rep, err := s.verify(ctx, items)
+	fmt.Println(s.summary(rep, err))
+	if err != nil {
+		s.cfg.keep = true
+		return err
+	}
+	return nil
+}
+
+// binDir is where the processor and devbroker binaries are: next to this one.
+func binDir() (string, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	dir := filepath.Dir(exe)
+	for _, b := range []string{"devbroker", "processor"} {
+		if _, err := os.Stat(filepath.Join(dir, b)); err != nil {
+			return "", fmt.Errorf("%s not found next to the chaos binary (%s): build with `make build` or run `make chaos`", b, dir)
+		}
+	}
+	return dir, nil
+}
+
+// freeAddr returns a free local TCP address.
+func freeAddr() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer l.Close()
+	return l.Addr().String(), nil
+}
+
+// withHostAndSearchPath rewrites a postgres URL to connect to host (host:port) and use schema.
+func withHostAndSearchPath(raw, host, schema string) (string, error) {
+	u, err := url.Parse(raw)
+	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
+		return "", errors.New("DATABASE_URL must be a postgres:// URL for the chaos suite")
+	}
+	if host != "" {
+		u.Host = host
+	}
+	q := u.Query()
+	q.Set("search_path", schema)
+	u.RawQuery = q.Encode()
+	return u.String(), nil
+}
+
+// command returns a command running one of the sibling binaries with its output in a log file.
+func (s *suite) command(name, logName string, env []string, args ...string) (*exec.Cmd, error) {
+	cmd := exec.Command(filepath.Join(s.bin, name), args...)
+	cmd.Env = append(os.Environ(), env...)
+	f, err := os.OpenFile(filepath.Join(s.work, logName), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	cmd.Stdout, cmd.Stderr = f, f
+	return cmd, nil
+}
+
+// sortedDurations returns a sorted copy.
+func sortedDurations(ds []time.Duration) []time.Duration {
+	out := slices.Clone(ds)
+	slices.Sort(out)
+	return out
+}
+
+func maxDuration(ds []time.Duration) string {
+	if len(ds) == 0 {
+		return "n/a"
+	}
+	return sortedDurations(ds)[len(ds)-1].Round(time.Millisecond).String()
+}
+
+func medianDuration(ds []time.Duration) string {
+	if len(ds) == 0 {
+		return "n/a"
+	}
+	return sortedDurations(ds)[len(ds)/2].Round(time.Millisecond).String()
+}

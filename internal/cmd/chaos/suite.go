@@ -1,0 +1,700 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/faultproxy"
+	"github.com/kafkapg/kafkapg/internal/topicread"
+	"github.com/kafkapg/kafkapg/retrytopics"
+)
+
+// suite is one chaos run.
+type suite struct {
+	cfg  config
+	rng  *rand.Rand
+	bin  string
+	work string
+
+	topic, group string
+
+	pool    *pgxpool.Pool     // direct to Postgres, for the suite's own queries
+	pgProxy *faultproxy.Proxy // what the processors connect to
+	procDB  string            // DATABASE_URL of the processors
+
+	brokerName  string
+	clientSeeds []string          // brokers for the suite's producer and reader
+	procSeeds   []string          // brokers for the processors
+	brokerProxy *faultproxy.Proxy // nil: broker faults are not possible
+	devbroker   *exec.Cmd         // nil with an external broker
+	devListen   string
+
+	procs []*proc
+
+	mu    sync.Mutex
+	stats stats
+	bg    sync.WaitGroup // recovery measurements in flight
+}
+
+// stats counts faults and measures recoveries.
+type stats struct {
+	kills, terms, stops                int
+	pgDrops, pgCuts, pgStalls          int
+	brokerCuts, brokerRestarts         int
+	termExit, killRecovery, pgRecovery []time.Duration
+	unmeasured                         int // recoveries that could not be measured (no traffic left)
+	settle                             time.Duration
+	violations                         []string // problems seen during the run (bad exit codes)
+}
+
+// proc is one processor process.
+type proc struct {
+	idx  int
+	cmd  *exec.Cmd
+	http string
+	done chan struct{}
+}
+
+func generate(c config) []ledger.Item {
+	return ledger.Generate(ledger.GenConfig{
+		Events: c.events, Accounts: 200, Seed: c.seed, Prefix: "chaos",
+		PoisonPerMille: 5, MalformedPerMille: 5, FlakyPerMille: 40, MaxFailAttempts: maxAttempt + 1,
+	})
+}
+
+func (s *suite) setupPostgres(ctx context.Context, dbURL string) error {
+	u, err := url.Parse(dbURL)
+	if err != nil {
+		return fmt.Errorf("DATABASE_URL: %w", err)
+	}
+	pgAddr := u.Host
+	if u.Port() == "" {
+		pgAddr = net.JoinHostPort(u.Hostname(), "5432")
+	}
+	if s.pgProxy, err = faultproxy.Listen("127.0.0.1:0", pgAddr); err != nil {
+		return err
+	}
+	direct, err := withHostAndSearchPath(dbURL, "", schema)
+	if err != nil {
+		return err
+	}
+	if s.procDB, err = withHostAndSearchPath(dbURL, s.pgProxy.Addr(), schema); err != nil {
+		return err
+	}
+	if s.pool, err = pgxpool.New(ctx, direct); err != nil {
+		return err
+	}
+	if _, err := s.pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+schema+` CASCADE; CREATE SCHEMA `+schema); err != nil {
+		return fmt.Errorf("create schema %s: %w", schema, err)
+	}
+	return nil
+}
+
+func (s *suite) setupKafka(ctx context.Context) error {
+	s.topic = fmt.Sprintf("chaos-%d", s.cfg.seed%1_000_000)
+	s.group = s.topic
+	if env := os.Getenv("KAFKA_BROKERS"); env != "" {
+		s.brokerName = "kafka"
+		s.clientSeeds = strings.Split(env, ",")
+		s.procSeeds = s.clientSeeds
+		listener, advertised := os.Getenv("KAFKA_CHAOS_LISTENER"), os.Getenv("KAFKA_CHAOS_ADVERTISED")
+		if listener != "" && advertised != "" {
+			p, err := faultproxy.Listen(advertised, listener)
+			if err != nil {
+				return fmt.Errorf("proxy for the broker's chaos listener: %w", err)
+			}
+			s.brokerProxy = p
+			s.procSeeds = []string{advertised}
+		} else {
+			fmt.Println("chaos: KAFKA_CHAOS_LISTENER/KAFKA_CHAOS_ADVERTISED not set: no broker cuts against this broker")
+		}
+		return nil
+	}
+	s.brokerName = "kfake"
+	var err error
+	if s.devListen, err = freeAddr(); err != nil {
+		return err
+	}
+	if s.brokerProxy, err = faultproxy.Listen("127.0.0.1:0", s.devListen); err != nil {
+		return err
+	}
+	s.clientSeeds = []string{s.brokerProxy.Addr()}
+	s.procSeeds = s.clientSeeds
+	return s.startDevbroker(ctx)
+}
+
+// startDevbroker starts the dev broker behind the broker proxy, keeping its data in the work
+// directory so that a restart keeps the topics.
+func (s *suite) startDevbroker(ctx context.Context) error {
+	cmd, err := s.command("devbroker", "devbroker.log", nil,
+		"-listen", s.devListen, "-advertise", s.brokerProxy.Addr(), "-data-dir", filepath.Join(s.work, "broker"))
+	if err != nil {
+		return err
+	}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start devbroker: %w", err)
+	}
+	s.devbroker = cmd
+	return waitFor(ctx, 30*time.Second, func() error {
+		cl, err := kgo.NewClient(kgo.SeedBrokers(s.devListen))
+		if err != nil {
+			return err
+		}
+		defer cl.Close()
+		_, err = kadm.NewClient(cl).ListBrokers(ctx)
+		return err
+	})
+}
+
+func (s *suite) createTopic(ctx context.Context) error {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(s.clientSeeds...))
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+	resp, err := kadm.NewClient(cl).CreateTopic(ctx, int32(s.cfg.partitions), -1, nil, s.topic)
+	if err == nil {
+		err = resp.Err
+	}
+	if err != nil {
+		return fmt.Errorf("create topic %s: %w", s.topic, err)
+	}
+	return nil
+}
+
+func (s *suite) startProc(idx int) (*proc, error) {
+	addr, err := freeAddr()
+	if err != nil {
+		return nil, err
+	}
+	env := []string{
+		"KAFKA_BROKERS=" + strings.Join(s.procSeeds, ","),
+		"KAFKA_GROUP_ID=" + s.group,
+		"KAFKA_TOPICS=" + s.topic,
+		"DATABASE_URL=" + s.procDB,
+		"DB_SCHEMA=" + schema,
+		"DB_MAX_CONNS=6",
+		"DB_TX_IDLE_TIMEOUT=3s",
+		"HANDLER=ledger",
+		"HTTP_ADDR=" + addr,
+		"RETRY_TIERS=" + tiers,
+		"RETRY_BACKOFF_BASE=20ms",
+		"RETRY_BACKOFF_MAX=500ms",
+		"KAFKA_SESSION_TIMEOUT=" + sessionTimeout.String(),
+		"KAFKA_REBALANCE_TIMEOUT=10s",
+		"SHUTDOWN_TIMEOUT=5s",
+		"LOG_FORMAT=text",
+	}
+	cmd, err := s.command("processor", fmt.Sprintf("processor-%d.log", idx), env)
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start processor %d: %w", idx, err)
+	}
+	p := &proc{idx: idx, cmd: cmd, http: addr, done: make(chan struct{})}
+	go func() {
+		cmd.Wait()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// waitReady waits until the process answers /readyz with 200 (it is in the group and reaches
+// Postgres).
+func (p *proc) waitReady(ctx context.Context, timeout time.Duration) error {
+	return waitFor(ctx, timeout, func() error {
+		select {
+		case <-p.done:
+			return fmt.Errorf("processor %d exited: %v", p.idx, p.cmd.ProcessState)
+		default:
+		}
+		resp, err := http.Get("http://" + p.http + "/readyz")
+		if err != nil {
+			return err
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("/readyz: %s", resp.Status)
+		}
+		return nil
+	})
+}
+
+// produce produces items in chunks spread over the fault period.
+func (s *suite) produce(ctx context.Context, items []ledger.Item) error {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(s.clientSeeds...), kgo.ProducerLinger(5*time.Millisecond))
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+	const chunk = 500
+	chunks := (len(items) + chunk - 1) / chunk
+	pause := s.cfg.duration * 8 / 10 / time.Duration(max(chunks, 1))
+	for i := 0; i < len(items); i += chunk {
+		recs := make([]*kgo.Record, 0, chunk)
+		for _, it := range items[i:min(i+chunk, len(items))] {
+			recs = append(recs, it.Record(s.topic))
+		}
+		pctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		err := cl.ProduceSync(pctx, recs...).FirstErr()
+		cancel()
+		if err != nil {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(pause):
+		}
+	}
+	return nil
+}
+
+// fault is one kind of fault the suite injects.
+type fault struct {
+	name   string
+	weight int
+	run    func(ctx context.Context) error
+}
+
+// inject injects random faults, one at a time, for the configured duration.
+func (s *suite) inject(ctx context.Context) error {
+	faults := []fault{
+		{"kill", 3, s.kill},
+		{"term", 2, s.term},
+		{"stop", 1, s.stop},
+		{"pg-drop", 2, s.pgDrop},
+		{"pg-cut", 2, s.pgCut},
+		{"pg-stall", 1, s.pgStall},
+	}
+	if s.brokerProxy != nil {
+		faults = append(faults, fault{"broker-cut", 2, s.brokerCut})
+	}
+	if s.devbroker != nil {
+		faults = append(faults, fault{"broker-restart", 1, s.brokerRestart})
+	}
+	total := 0
+	for _, f := range faults {
+		total += f.weight
+	}
+	// Let the group form before breaking it.
+	for _, p := range s.procs {
+		if err := p.waitReady(ctx, 60*time.Second); err != nil {
+			return err
+		}
+	}
+	end := time.Now().Add(s.cfg.duration)
+	for time.Now().Before(end) {
+		if err := sleep(ctx, time.Duration(300+s.rng.IntN(1200))*time.Millisecond); err != nil {
+			return err
+		}
+		n := s.rng.IntN(total)
+		for _, f := range faults {
+			if n -= f.weight; n < 0 {
+				if err := f.run(ctx); err != nil {
+					return fmt.Errorf("fault %s: %w", f.name, err)
+				}
+				break
+			}
+		}
+	}
+	return nil
+}
+
+func (s *suite) pick() *proc { return s.procs[s.rng.IntN(len(s.procs))] }
+
+// restart replaces p with a new process. On kfake it waits until the new process is in the group:
+// kfake (2026-09) can lose track of a member that dies while the group is joining, which stalls
+// the group; real Kafka is killed mid-join too.
+func (s *suite) restart(ctx context.Context, p *proc) error {
+	np, err := s.startProc(p.idx)
+	if err != nil {
+		return err
+	}
+	s.procs[p.idx] = np
+	if s.devbroker != nil {
+		return np.waitReady(ctx, 60*time.Second)
+	}
+	return nil
+}
+
+// kill SIGKILLs a processor, restarts it, and measures (in the background) how long its source
+// partitions take to flow again.
+func (s *suite) kill(ctx context.Context) error {
+	p := s.pick()
+	owned, err := s.ownedPartitions(ctx, p.cmd.Process.Pid)
+	if err != nil {
+		return err
+	}
+	killed := time.Now()
+	p.cmd.Process.Signal(syscall.SIGKILL)
+	<-p.done
+	s.count(func(st *stats) { st.kills++ })
+	s.bg.Add(1)
+	go func() {
+		defer s.bg.Done()
+		if s.waitAdvanced(ctx, owned, 30*time.Second) {
+			d := time.Since(killed)
+			s.count(func(st *stats) { st.killRecovery = append(st.killRecovery, d) })
+		} else {
+			s.count(func(st *stats) { st.unmeasured++ })
+		}
+	}()
+	return s.restart(ctx, p)
+}
+
+// term sends SIGTERM, measures the time to exit (the process must exit 0), and restarts it.
+func (s *suite) term(ctx context.Context) error {
+	p := s.pick()
+	start := time.Now()
+	p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+		d := time.Since(start)
+		s.count(func(st *stats) {
+			st.terms++
+			st.termExit = append(st.termExit, d)
+			if code := p.cmd.ProcessState.ExitCode(); code != 0 {
+				st.violations = append(st.violations, fmt.Sprintf("processor %d exited with status %d after SIGTERM", p.idx, code))
+			}
+		})
+	case <-time.After(20 * time.Second):
+		p.cmd.Process.Signal(syscall.SIGKILL)
+		<-p.done
+		s.count(func(st *stats) {
+			st.violations = append(st.violations, fmt.Sprintf("processor %d did not exit within 20s of SIGTERM", p.idx))
+		})
+	}
+	return s.restart(ctx, p)
+}
+
+// stop freezes a processor (SIGSTOP) for longer than the session timeout, so that the group gives
+// its partitions away, then thaws it: it comes back as a zombie.
+func (s *suite) stop(ctx context.Context) error {
+	p := s.pick()
+	p.cmd.Process.Signal(syscall.SIGSTOP)
+	s.count(func(st *stats) { st.stops++ })
+	err := sleep(ctx, sessionTimeout+time.Duration(1000+s.rng.IntN(2000))*time.Millisecond)
+	p.cmd.Process.Signal(syscall.SIGCONT)
+	return err
+}
+
+func (s *suite) pgDrop(context.Context) error {
+	s.pgProxy.Drop()
+	s.count(func(st *stats) { st.pgDrops++ })
+	return nil
+}
+
+// pgCut makes Postgres unreachable for 1-3 s and measures (in the background) how long after it
+// returns the processors commit again.
+func (s *suite) pgCut(ctx context.Context) error {
+	s.pgProxy.Cut()
+	s.count(func(st *stats) { st.pgCuts++ })
+	err := sleep(ctx, time.Duration(1000+s.rng.IntN(2000))*time.Millisecond)
+	s.pgProxy.Restore()
+	back := time.Now()
+	s.bg.Add(1)
+	go func() {
+		defer s.bg.Done()
+		err := waitFor(ctx, 30*time.Second, func() error {
+			var n int
+			if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM offsets WHERE updated_at > $1`, back).Scan(&n); err != nil {
+				return err
+			}
+			if n == 0 {
+				return errors.New("no commit yet")
+			}
+			return nil
+		})
+		s.count(func(st *stats) {
+			if err == nil {
+				st.pgRecovery = append(st.pgRecovery, time.Since(back))
+			} else {
+				st.unmeasured++
+			}
+		})
+	}()
+	return err
+}
+
+func (s *suite) pgStall(ctx context.Context) error {
+	s.pgProxy.Stall()
+	s.count(func(st *stats) { st.pgStalls++ })
+	err := sleep(ctx, time.Duration(1000+s.rng.IntN(2000))*time.Millisecond)
+	s.pgProxy.Restore()
+	return err
+}
+
+func (s *suite) brokerCut(ctx context.Context) error {
+	s.brokerProxy.Cut()
+	s.count(func(st *stats) { st.brokerCuts++ })
+	err := sleep(ctx, time.Duration(1000+s.rng.IntN(2000))*time.Millisecond)
+	s.brokerProxy.Restore()
+	return err
+}
+
+// brokerRestart stops the dev broker and starts it again on its data directory.
+func (s *suite) brokerRestart(ctx context.Context) error {
+	s.devbroker.Process.Signal(syscall.SIGTERM)
+	s.devbroker.Wait()
+	s.count(func(st *stats) { st.brokerRestarts++ })
+	return s.startDevbroker(ctx)
+}
+
+func (s *suite) count(fn func(*stats)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	fn(&s.stats)
+}
+
+// ownedPartitions returns the next offsets of the source partitions a process owns in Postgres.
+func (s *suite) ownedPartitions(ctx context.Context, pid int) (map[int32]int64, error) {
+	rows, err := s.pool.Query(ctx, `SELECT partition, coalesce(next_offset, -1) FROM offsets
+		WHERE consumer_group = $1 AND topic = $2 AND owner LIKE $3`, s.group, s.topic, "%:"+strconv.Itoa(pid)+" member=%")
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	out := map[int32]int64{}
+	for rows.Next() {
+		var part int32
+		var next int64
+		if err := rows.Scan(&part, &next); err != nil {
+			return nil, err
+		}
+		out[part] = next
+	}
+	return out, rows.Err()
+}
+
+// waitAdvanced waits until every partition in from has moved past its offset there; it reports
+// false if that did not happen within timeout (no more records to apply) or from is empty.
+func (s *suite) waitAdvanced(ctx context.Context, from map[int32]int64, timeout time.Duration) bool {
+	if len(from) == 0 {
+		return false
+	}
+	err := waitFor(ctx, timeout, func() error {
+		for part, was := range from {
+			var next int64
+			if err := s.pool.QueryRow(ctx, `SELECT coalesce(next_offset, -1) FROM offsets WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
+				s.group, s.topic, part).Scan(&next); err != nil {
+				return err
+			}
+			if next <= was {
+				return fmt.Errorf("partition %d still at %d", part, next)
+			}
+		}
+		return nil
+	})
+	return err == nil
+}
+
+// restoreAll ends every fault: proxies forward again and every processor runs.
+func (s *suite) restoreAll(ctx context.Context) error {
+	s.pgProxy.Restore()
+	if s.brokerProxy != nil {
+		s.brokerProxy.Restore()
+	}
+	for _, p := range s.procs {
+		p.cmd.Process.Signal(syscall.SIGCONT)
+		select {
+		case <-p.done:
+			if err := s.restart(ctx, p); err != nil {
+				return err
+			}
+		default:
+		}
+	}
+	return nil
+}
+
+// waitSettled waits until every item is applied or dead-lettered and nothing is left in flight.
+func (s *suite) waitSettled(ctx context.Context, items []ledger.Item) error {
+	wantApplied, wantDead := 0, 0
+	for _, it := range items {
+		if it.Dead(maxAttempt) {
+			wantDead++
+		} else {
+			wantApplied++
+		}
+	}
+	var last string
+	err := waitFor(ctx, s.cfg.settle, func() error {
+		var applied, outbox, retries, held int
+		if err := s.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM ledger_entries), (SELECT count(*) FROM outbox),
+			(SELECT count(*) FROM retries), (SELECT count(*) FROM held_records)`).Scan(&applied, &outbox, &retries, &held); err != nil {
+			return err
+		}
+		dlq, err := topicread.All(ctx, s.clientSeeds, retrytopics.DLQTopic(s.topic, s.group))
+		if err != nil {
+			return err
+		}
+		last = fmt.Sprintf("%d of %d applied, %d of %d dead letters published, %d outbox rows, %d records in tiers, %d parked",
+			applied, wantApplied, len(dlq), wantDead, outbox, retries, held)
+		if applied < wantApplied || len(dlq) < wantDead || outbox+retries+held > 0 {
+			return errors.New(last)
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("did not settle within %v: %s", s.cfg.settle, last)
+	}
+	return nil
+}
+
+// stopAll stops every processor with SIGTERM, measuring the time to exit.
+func (s *suite) stopAll() error {
+	for _, p := range s.procs {
+		start := time.Now()
+		p.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-p.done:
+			d := time.Since(start)
+			s.count(func(st *stats) {
+				st.termExit = append(st.termExit, d)
+				if code := p.cmd.ProcessState.ExitCode(); code != 0 {
+					st.violations = append(st.violations, fmt.Sprintf("processor %d exited with status %d after the final SIGTERM", p.idx, code))
+				}
+			})
+		case <-time.After(20 * time.Second):
+			return fmt.Errorf("processor %d did not exit within 20s of SIGTERM", p.idx)
+		}
+	}
+	return nil
+}
+
+// report is what the verification found.
+type report struct {
+	applied, dead, dlq, dups, rows int
+}
+
+// verify checks the ledger, the dead-letter topic and the dead_letters table against items.
+func (s *suite) verify(ctx context.Context, items []ledger.Item) (report, error) {
+	var rep report
+	var errs []error
+	lrep, err := ledger.Verify(ctx, s.pool, items, maxAttempt)
+	rep.applied = lrep.Applied
+	if err != nil {
+		errs = append(errs, fmt.Errorf("ledger:\n%w", err))
+	}
+	for _, it := range items {
+		if it.Dead(maxAttempt) {
+			rep.dead++
+		}
+	}
+	dlq, err := topicread.All(ctx, s.clientSeeds, retrytopics.DLQTopic(s.topic, s.group))
+	if err != nil {
+		return rep, err
+	}
+	rep.dlq = len(dlq)
+	rep.dups, err = ledger.CheckDeadLetters(items, dlq, maxAttempt, true)
+	if err != nil {
+		errs = append(errs, fmt.Errorf("dead-letter topic:\n%w", err))
+	}
+	rep.rows, err = ledger.CheckDeadLetterRows(ctx, s.pool, schema, s.group, items, maxAttempt)
+	if err != nil {
+		errs = append(errs, fmt.Errorf("dead_letters table:\n%w", err))
+	}
+	s.mu.Lock()
+	for _, v := range s.stats.violations {
+		errs = append(errs, errors.New(v))
+	}
+	s.mu.Unlock()
+	return rep, errors.Join(errs...)
+}
+
+// summary is the one line the suite prints.
+func (s *suite) summary(rep report, err error) string {
+	s.mu.Lock()
+	st := s.stats
+	s.mu.Unlock()
+	result := "ok"
+	if err != nil {
+		result = "FAILED"
+	}
+	return fmt.Sprintf("chaos %s seed=%d: %d events: %d applied exactly once in per-account order, %d dead-lettered (%d in the DLQ topic, %d duplicates; %d dead_letters rows)"+
+		" | faults: %d kill, %d term, %d stop, %d pg-drop, %d pg-cut, %d pg-stall, %d broker-cut, %d broker-restart"+
+		" | recovery: SIGTERM->exit max %s (target 5s); kill->partitions flowing median %s max %s (target 10s); postgres back->commits median %s max %s (target 10s); %d not measured"+
+		" | settled in %s | %s",
+		s.brokerName, s.cfg.seed, s.cfg.events, rep.applied, rep.dead, rep.dlq, rep.dups, rep.rows,
+		st.kills, st.terms, st.stops, st.pgDrops, st.pgCuts, st.pgStalls, st.brokerCuts, st.brokerRestarts,
+		maxDuration(st.termExit), medianDuration(st.killRecovery), maxDuration(st.killRecovery),
+		medianDuration(st.pgRecovery), maxDuration(st.pgRecovery), st.unmeasured,
+		st.settle.Round(100*time.Millisecond), result)
+}
+
+// close stops whatever still runs and removes the work directory unless it is kept.
+func (s *suite) close() {
+	for _, p := range s.procs {
+		p.cmd.Process.Signal(syscall.SIGCONT)
+		p.cmd.Process.Signal(syscall.SIGKILL)
+		<-p.done
+	}
+	if s.devbroker != nil && s.devbroker.ProcessState == nil {
+		s.devbroker.Process.Signal(syscall.SIGTERM)
+		s.devbroker.Wait()
+	}
+	if s.pgProxy != nil {
+		s.pgProxy.Close()
+	}
+	if s.brokerProxy != nil {
+		s.brokerProxy.Close()
+	}
+	if s.pool != nil {
+		if !s.cfg.keep {
+			s.pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+schema+` CASCADE`)
+		}
+		s.pool.Close()
+	}
+	if s.cfg.keep {
+		fmt.Printf("chaos: logs kept in %s\n", s.work)
+	} else {
+		os.RemoveAll(s.work)
+	}
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(d):
+		return nil
+	}
+}
+
+// waitFor calls check every 100 ms until it succeeds or timeout passes, and returns its last
+// error then.
+func waitFor(ctx context.Context, timeout time.Duration, check func() error) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		err := check()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return err
+		}
+		if err := sleep(ctx, 100*time.Millisecond); err != nil {
+			return err
+		}
+	}
+}
