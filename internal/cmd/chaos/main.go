@@ -33,11 +33,11 @@ import (
 
 func main() {
 	var c config
-	flag.DurationVar(&c.duration, "duration", 60*time.Second, "how long to inject faults while events flow")
+	flag.DurationVar(&c.duration, "duration", time.Minute, "how long to inject faults while events flow")
 	flag.Uint64Var(&c.seed, "seed", 0, "random seed (0: pick one and print it)")
 	flag.IntVar(&c.procs, "procs", 3, "processor processes")
 	flag.IntVar(&c.partitions, "partitions", 6, "partitions of the ledger topic")
-	flag.IntVar(&c.events, "events", 30000, "ledger events to produce")
+	flag.IntVar(&c.events, "events", 20000, "ledger events to produce")
 	flag.DurationVar(&c.settle, "settle", 4*time.Minute, "how long to wait, after the faults stop, for every event to be applied or dead-lettered")
 	flag.BoolVar(&c.keep, "keep", false, "keep the work directory (logs) even if the run passes")
 	flag.Parse()
