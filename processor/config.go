@@ -79,6 +79,12 @@ type Config struct {
 	// topics; a missing one is then an error at startup. [KAFKA_CREATE_TOPICS=false]
 	DisableTopicCreation bool
 
+	// MaxRecordBytes bounds the key and value of a record, together. A larger record is
+	// dead-lettered at once (ErrRecordTooLarge, class permanent) without reaching the handler;
+	// its copy in the DLQ topic carries no value (header kafkapg-value-omitted gives its size),
+	// and its dead_letters row keeps it whole. Defaults to 1 MiB. [MAX_RECORD_BYTES]
+	MaxRecordBytes int
+
 	// LocalAttempts is how many times a failing record is tried within one delivery, counting
 	// the first try, before it moves on to a retry tier or is dead-lettered. 1 disables local
 	// retries. Defaults to 3. [RETRY_LOCAL_ATTEMPTS]
@@ -153,6 +159,9 @@ func (c *Config) withDefaults() *Config {
 	}
 	if out.OnDeadLetter == "" {
 		out.OnDeadLetter = OnDeadLetterSkip
+	}
+	if out.MaxRecordBytes == 0 {
+		out.MaxRecordBytes = 1 << 20
 	}
 	if out.LocalAttempts == 0 {
 		out.LocalAttempts = 3
@@ -250,6 +259,9 @@ func (c *Config) validate() error {
 	}
 	if c.MaxBufferedBytes < 1 {
 		errs = append(errs, fmt.Errorf("MaxBufferedBytes must be positive, got %d", c.MaxBufferedBytes))
+	}
+	if c.MaxRecordBytes < 1 {
+		errs = append(errs, fmt.Errorf("MaxRecordBytes (MAX_RECORD_BYTES) must be at least 1, got %d", c.MaxRecordBytes))
 	}
 	if c.LocalAttempts < 1 {
 		errs = append(errs, fmt.Errorf("LocalAttempts (RETRY_LOCAL_ATTEMPTS) must be at least 1, got %d", c.LocalAttempts))

@@ -109,6 +109,10 @@ func IsPermanent(err error) bool {
 	return errors.As(err, &p)
 }
 
+// ErrRecordTooLarge is the (permanent) error of a record whose key and value are larger than
+// Config.MaxRecordBytes: it is dead-lettered without being handed to the handler.
+var ErrRecordTooLarge = errors.New("record too large")
+
 // RecordError says which record of a batch failed. See BatchHandler.
 type RecordError struct {
 	Index int

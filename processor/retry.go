@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -149,6 +150,11 @@ func (p *Processor) plan(rec *Record, source string, cause error, class ErrorCla
 		Key:       rec.Key,
 		Value:     rec.Value,
 		Headers:   retrytopics.Headers(rec.Headers, f),
+	}
+	if errors.Is(cause, ErrRecordTooLarge) {
+		// The DLQ topic may not take it either; the dead_letters row keeps the value.
+		m.msg.Value = nil
+		m.msg.Headers = append(m.msg.Headers, kgo.RecordHeader{Key: retrytopics.HeaderValueOmitted, Value: []byte(strconv.Itoa(len(rec.Value)))})
 	}
 	return m
 }

@@ -531,8 +531,15 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 	}
 }
 
-// handle runs the handler over recs inside tx, recovering panics.
+// handle runs the handler over recs inside tx, recovering panics. A record larger than
+// MaxRecordBytes fails, permanently, without reaching the handler.
 func (p *Processor) handle(ctx context.Context, tx pgx.Tx, recs []*Record) error {
+	for i, r := range recs {
+		if n := len(r.Key) + len(r.Value); n > p.cfg.MaxRecordBytes {
+			return &RecordError{Index: i, Err: Permanent(fmt.Errorf("%w: key and value are %d bytes, more than MAX_RECORD_BYTES (%d)",
+				ErrRecordTooLarge, n, p.cfg.MaxRecordBytes))}
+		}
+	}
 	if p.batch != nil {
 		return p.call(func() error { return p.batch.HandleBatch(ctx, tx, recs) })
 	}

@@ -31,6 +31,7 @@ const (
 	HeaderFailedAt          = "kafkapg-failed-at"       // last failure; RFC 3339 with nanoseconds, UTC
 	HeaderFirstFailedAt     = "kafkapg-first-failed-at" // first failure; RFC 3339 with nanoseconds, UTC
 	HeaderDueAt             = "kafkapg-due-at"          // retry records only: not handled before; RFC 3339, UTC
+	HeaderValueOmitted      = "kafkapg-value-omitted"   // dead letters of records too large to handle: the size of the value left out
 )
 
 // MaxErrorMessage bounds the error message carried in a header, in bytes.

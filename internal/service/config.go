@@ -36,6 +36,7 @@ type Env struct {
 	BatchMaxRecords       int           `envconfig:"BATCH_MAX_RECORDS" default:"500"`
 	BatchMaxWait          time.Duration `envconfig:"BATCH_MAX_WAIT" default:"20ms"`
 	RetryLocalAttempts    int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3"`
+	MaxRecordBytes        int           `envconfig:"MAX_RECORD_BYTES" default:"1048576"`
 	RetryBackoffBase      time.Duration `envconfig:"RETRY_BACKOFF_BASE" default:"200ms"`
 	RetryBackoffMax       time.Duration `envconfig:"RETRY_BACKOFF_MAX" default:"5s"`
 	// RetryTiers is parsed by LoadEnv into Tiers. Set but empty means no retry tiers.
@@ -173,6 +174,9 @@ func (e *Env) validate() error {
 	}
 	if e.BatchMaxRecords < 1 {
 		errs = append(errs, fmt.Errorf("BATCH_MAX_RECORDS must be at least 1, got %d", e.BatchMaxRecords))
+	}
+	if e.MaxRecordBytes < 1 {
+		errs = append(errs, fmt.Errorf("MAX_RECORD_BYTES must be at least 1, got %d", e.MaxRecordBytes))
 	}
 	if e.RetryLocalAttempts < 1 {
 		errs = append(errs, fmt.Errorf("RETRY_LOCAL_ATTEMPTS must be at least 1, got %d", e.RetryLocalAttempts))

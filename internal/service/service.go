@@ -228,6 +228,7 @@ func Run(ctx context.Context, env *Env, log *slog.Logger) error {
 		BatchMaxRecords:      env.BatchMaxRecords,
 		BatchMaxWait:         batchWait,
 		LocalAttempts:        env.RetryLocalAttempts,
+		MaxRecordBytes:       env.MaxRecordBytes,
 		RetryTiers:           env.Tiers,
 		OnDeadLetter:         env.OnDeadLetter,
 		DisableTopicCreation: !env.KafkaCreateTopics,
