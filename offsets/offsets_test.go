@@ -10,18 +10,13 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/kafkapg/kafkapg/internal/schema"
 	"github.com/kafkapg/kafkapg/internal/testenv"
 	"github.com/kafkapg/kafkapg/offsets"
 )
 
 func setup(t *testing.T) (*pgxpool.Pool, *offsets.Store) {
 	t.Helper()
-	pool, _ := testenv.Postgres(t)
-	if _, err := schema.Migrate(context.Background(), pool, "kafkapg"); err != nil {
-		t.Fatal(err)
-	}
-	return pool, offsets.NewStore("kafkapg", "g1")
+	return testenv.Migrated(t), offsets.NewStore("kafkapg", "g1")
 }
 
 func advance(t *testing.T, pool *pgxpool.Pool, s *offsets.Store, pos offsets.Position, next int64) error {

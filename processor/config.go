@@ -130,9 +130,6 @@ type Config struct {
 	// KafkaOptions are extra franz-go options (TLS, SASL, ...), applied after kafkapg's own.
 	// Options that change group callbacks, offsets or commits break the guarantees.
 	KafkaOptions []kgo.Opt
-
-	drainInterval time.Duration // how often the drainer looks for keys other processors readied
-	statsInterval time.Duration // how often the retry path's metrics are read from Postgres
 }
 
 func (c *Config) withDefaults() *Config {
@@ -190,12 +187,6 @@ func (c *Config) withDefaults() *Config {
 	if out.InstanceName == "" {
 		host, _ := os.Hostname()
 		out.InstanceName = fmt.Sprintf("%s:%d", host, os.Getpid())
-	}
-	if out.drainInterval == 0 {
-		out.drainInterval = time.Second
-	}
-	if out.statsInterval == 0 {
-		out.statsInterval = 5 * time.Second
 	}
 	if out.Logger == nil {
 		out.Logger = slog.Default()

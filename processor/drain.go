@@ -23,10 +23,9 @@ import (
 // A parked record is applied exactly once because the transaction that applies it also deletes it
 // from held_records, under its key's lock.
 type drainer struct {
-	p        *Processor
-	log      *slog.Logger
-	wake     chan struct{}
-	interval time.Duration
+	p    *Processor
+	log  *slog.Logger
+	wake chan struct{}
 
 	stopping chan struct{} // closed: finish the transaction in flight, start nothing new
 	ctx      context.Context
@@ -40,7 +39,6 @@ func newDrainer(p *Processor) *drainer {
 		p:        p,
 		log:      p.log.With("component", "drainer"),
 		wake:     make(chan struct{}, 1),
-		interval: p.cfg.drainInterval,
 		stopping: make(chan struct{}),
 		ctx:      ctx,
 		cancel:   cancel,
@@ -71,11 +69,14 @@ func (d *drainer) stop(grace time.Duration) {
 const (
 	drainBatch   = 100 // ready keys read at once
 	drainWorkers = 4   // keys drained at once by one processor
+	// drainInterval is how often a drainer looks for keys that other processors made ready; it
+	// is woken at once for the keys its own processor readies.
+	drainInterval = time.Second
 )
 
 func (d *drainer) run() {
 	defer close(d.done)
-	tick := time.NewTicker(d.interval)
+	tick := time.NewTicker(drainInterval)
 	defer tick.Stop()
 	for failures := 1; ; {
 		keys, err := d.p.retry.ReadyKeys(d.ctx, d.p.pool, drainBatch)
@@ -169,11 +170,7 @@ func (d *drainer) applyNext(k retrytopics.Key) (more bool, err error) {
 		if !errors.As(err, &herr) {
 			return false, err // stopped
 		}
-		index, cause := -1, herr.Err
-		var rerr *RecordError
-		if errors.As(herr.Err, &rerr) && rerr.Index >= 0 && rerr.Index < limit {
-			index, cause = rerr.Index, rerr.Err
-		}
+		index, cause := failedRecord(herr.Err, limit)
 		switch {
 		case index > 0:
 			limit = index // apply the records before the failing one
@@ -221,46 +218,31 @@ func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error
 }
 
 // retryFirst handles k's first parked record, rec, whose handler just failed with cause: it is
-// retried alone (Config.LocalAttempts tries in all) unless the error is permanent, then moved to
-// the first retry tier or dead-lettered. more says whether the key goes on with its next record.
+// retried alone (see retryAlone), then moved to the first retry tier or dead-lettered. more says
+// whether the key goes on with its next record.
 func (d *drainer) retryFirst(k retrytopics.Key, rec *Record, cause error) (more bool, err error) {
-	for tries := 1; ; tries++ {
-		class := d.p.classify(cause)
-		d.p.metrics.failures.WithLabelValues(k.Topic, class.String()).Inc()
-		if class != ClassRetryable || tries >= d.p.cfg.LocalAttempts {
-			return d.route(k, rec, cause, class, tries)
-		}
-		if !backoff.Sleep(d.ctx, d.stopping, d.p.backoff.Delay(tries)) {
-			return false, errStopped
-		}
+	f, settled, err := d.p.retryAlone(d.ctx, d.stopping, k.Topic, cause, func() error {
 		_, first, err := d.applyParked(k, 1)
-		if errors.Is(err, retrytopics.ErrStale) {
-			return true, nil
+		if errors.Is(err, retrytopics.ErrStale) || (first != nil && first.Offset != rec.Offset) {
+			more = true // another processor moved the record on meanwhile; look again
+			return nil
 		}
-		var herr *sink.HandlerError
-		failed := errors.As(err, &herr)
-		switch {
-		case err != nil && !failed:
-			return false, err // stopped
-		case first == nil:
-			return false, nil // the key is not ready here any more
-		case first.Offset != rec.Offset:
-			return true, nil // another processor moved the record on meanwhile; look again
-		case !failed:
-			return true, nil // applied
+		if first == nil {
+			return err // the key is not ready here any more, or stopped
 		}
-		cause = herr.Err
-		var rerr *RecordError
-		if errors.As(cause, &rerr) {
-			cause = rerr.Err
-		}
+		more = true
+		return err // nil: applied; *sink.HandlerError: failed again
+	})
+	if settled {
+		return more, err
 	}
+	return d.route(k, rec, f)
 }
 
 // route moves a parked record that keeps failing to the first retry tier or the dead-letter
 // topic. more says whether the key goes on with its next record.
-func (d *drainer) route(k retrytopics.Key, rec *Record, cause error, class ErrorClass, tries int) (more bool, err error) {
-	m := d.p.plan(rec, k.Topic, cause, class, tries)
+func (d *drainer) route(k retrytopics.Key, rec *Record, f failure) (more bool, err error) {
+	m := d.p.plan(rec, k.Topic, f)
 	err = d.transact(func(ctx context.Context, tx pgx.Tx) error {
 		head, err := d.p.retry.TakeParked(ctx, tx, k, 1)
 		if err != nil {
@@ -278,7 +260,7 @@ func (d *drainer) route(k retrytopics.Key, rec *Record, cause error, class Error
 	if err != nil {
 		return false, err
 	}
-	d.p.moved(m, k.Topic, tries, cause)
+	d.p.moved(m, k.Topic, f)
 	return m.tier == 0 && !m.Block, nil
 }
 

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
-	"net/http"
 	"os"
 	"os/exec"
 	"strings"
@@ -19,6 +18,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kafkapg/kafkapg/internal/localrun"
 	"github.com/kafkapg/kafkapg/internal/promscrape"
 	"github.com/kafkapg/kafkapg/internal/service"
 	"github.com/kafkapg/kafkapg/internal/testenv"
@@ -148,18 +148,8 @@ func (c *child) httpAddr(t *testing.T) string {
 // waitReady waits until the child's /readyz answers 200: it is in the group and reaches Postgres.
 func (c *child) waitReady(t *testing.T) {
 	t.Helper()
-	url := "http://" + c.httpAddr(t) + "/readyz"
-	testenv.Eventually(t, 60*time.Second, func() error {
-		resp, err := http.Get(url)
-		if err != nil {
-			return err
-		}
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			return fmt.Errorf("/readyz: %s", resp.Status)
-		}
-		return nil
-	})
+	addr := c.httpAddr(t)
+	testenv.Eventually(t, 60*time.Second, func() error { return localrun.Ready(addr) })
 }
 
 // metric scrapes the child's /metrics and returns the sum of a metric's series.

@@ -330,12 +330,15 @@ func (p *Processor) ensureTopics(ctx context.Context, adm *kadm.Client) error {
 	}
 }
 
+// statsInterval is how often the retry path's group-wide metrics are read from Postgres.
+const statsInterval = 5 * time.Second
+
 // refreshStats publishes the retry path's group-wide state as metrics every statsInterval.
 func (p *Processor) refreshStats(ctx context.Context) {
-	tick := time.NewTicker(p.cfg.statsInterval)
+	tick := time.NewTicker(statsInterval)
 	defer tick.Stop()
 	for {
-		qctx, cancel := context.WithTimeout(ctx, p.cfg.statsInterval)
+		qctx, cancel := context.WithTimeout(ctx, statsInterval)
 		st, err := p.retry.Stats(qctx, p.pool)
 		cancel()
 		if err == nil {

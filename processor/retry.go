@@ -37,8 +37,7 @@ func (w *worker) fromTier(rec *Record) {
 	rec.Topic, rec.Partition, rec.Offset, rec.Timestamp = f.Topic, f.Partition, f.Offset, f.Timestamp
 	rec.Headers = retrytopics.StripHeaders(rec.Headers)
 	rec.Attempt = f.Attempt + 1
-	rec.stage = retrytopics.FromTier
-	rec.firstFailed = f.FirstFailedAt
+	rec.stage = retrytopics.FromTier // its first failure time is read with its retry state
 }
 
 // duePrefix returns how many of recs, from the first, are due at now, and when the first one that
@@ -106,9 +105,10 @@ type move struct {
 	msg  sink.Message
 }
 
-// plan decides where a record that failed with cause goes: the next retry tier if the error is
+// plan decides where a record that failed as f says goes: the next retry tier if the error is
 // retryable and tiers remain, the dead-letter topic otherwise.
-func (p *Processor) plan(rec *Record, source string, cause error, class ErrorClass, tries int) move {
+func (p *Processor) plan(rec *Record, source string, f failure) move {
+	cause, class := f.cause, f.class
 	now := time.Now()
 	first := rec.firstFailed
 	if first.IsZero() {
@@ -124,14 +124,14 @@ func (p *Processor) plan(rec *Record, source string, cause error, class ErrorCla
 		FirstFailedAt: first,
 		Block:         p.cfg.OnDeadLetter == OnDeadLetterBlock,
 	}}
-	f := retrytopics.Failure{
+	hf := retrytopics.Failure{
 		Topic:         rec.Topic,
 		Partition:     rec.Partition,
 		Offset:        rec.Offset,
 		Timestamp:     rec.Timestamp,
 		Group:         p.cfg.Group,
 		Attempt:       rec.Attempt,
-		Tries:         tries,
+		Tries:         f.tries,
 		Class:         class.String(),
 		Message:       cause.Error(),
 		FailedAt:      now,
@@ -141,7 +141,7 @@ func (p *Processor) plan(rec *Record, source string, cause error, class ErrorCla
 	if class == ClassRetryable && rec.Attempt <= len(p.cfg.RetryTiers) {
 		m.tier = rec.Attempt
 		m.DueAt = retrytopics.DueAt(now, p.cfg.RetryTiers[m.tier-1], rand.Float64())
-		f.DueAt = m.DueAt
+		hf.DueAt = m.DueAt
 		topic = retrytopics.TierTopic(source, p.cfg.Group, m.tier)
 	}
 	m.msg = sink.Message{
@@ -149,7 +149,7 @@ func (p *Processor) plan(rec *Record, source string, cause error, class ErrorCla
 		Partition: rec.Partition,
 		Key:       rec.Key,
 		Value:     rec.Value,
-		Headers:   retrytopics.Headers(rec.Headers, f),
+		Headers:   retrytopics.Headers(rec.Headers, hf),
 	}
 	if errors.Is(cause, ErrRecordTooLarge) {
 		// The DLQ topic may not take it either; the dead_letters row keeps the value.
@@ -168,29 +168,29 @@ func (p *Processor) write(ctx context.Context, tx pgx.Tx, m move) error {
 }
 
 // moved counts and logs a committed move.
-func (p *Processor) moved(m move, source string, tries int, cause error) {
+func (p *Processor) moved(m move, source string, f failure) {
 	if m.From != retrytopics.FromSource {
 		p.drainer.notify() // the record's key may have become ready
 	}
 	log := p.log.With("topic", source, "partition", m.Partition, "offset", m.Offset, "key_hash", keyHash(m.Key),
-		"attempt", m.Attempt, "tries", tries, "class", m.Class, "to", m.msg.Topic)
+		"attempt", m.Attempt, "tries", f.tries, "class", m.Class, "to", m.msg.Topic)
 	if m.tier > 0 {
 		p.metrics.routed.WithLabelValues(source, tierLabel(m.tier)).Inc()
-		log.Info("record sent to a retry tier", "due_at", m.DueAt, "err", cause)
+		log.Info("record sent to a retry tier", "due_at", m.DueAt, "err", f.cause)
 		return
 	}
 	p.metrics.deadLettered.WithLabelValues(source, m.Class).Inc()
 	if m.Held && m.Block {
-		log.Warn("record dead-lettered; its key stays held until an operator releases it (ON_DEAD_LETTER=block)", "err", cause)
+		log.Warn("record dead-lettered; its key stays held until an operator releases it (ON_DEAD_LETTER=block)", "err", f.cause)
 		return
 	}
-	log.Warn("record dead-lettered", "err", cause)
+	log.Warn("record dead-lettered", "err", f.cause)
 }
 
 // route moves a failed record off the partition: to the next retry tier or the dead-letter topic,
 // in one transaction with the offset advance that skips it.
-func (w *worker) route(rec *Record, cause error, class ErrorClass, tries int) error {
-	m := w.p.plan(rec, w.source, cause, class, tries)
+func (w *worker) route(rec *Record, f failure) error {
+	m := w.p.plan(rec, w.source, f)
 	err := w.transact([]*Record{rec}, []sink.Message{m.msg}, func(ctx context.Context, tx pgx.Tx) error {
 		return w.p.write(ctx, tx, m)
 	}, false)
@@ -203,7 +203,7 @@ func (w *worker) route(rec *Record, cause error, class ErrorClass, tries int) er
 	if err != nil {
 		return err
 	}
-	w.p.moved(m, w.source, tries, cause)
+	w.p.moved(m, w.source, f)
 	if w.tier == 0 && m.Held && (m.tier > 0 || m.Block) {
 		w.held[string(rec.Key)] = struct{}{}
 	}

@@ -234,6 +234,12 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 			if got := r.gauge("kafkapg_blocked_keys"); got != 2 {
 				return fmt.Errorf("kafkapg_blocked_keys = %v, want 2", got)
 			}
+			if keys, recs, age := r.gauge("kafkapg_held_keys"), r.gauge("kafkapg_held_records"), r.gauge("kafkapg_oldest_held_record_age_seconds"); keys != 2 || recs != 3 || age <= 0 {
+				return fmt.Errorf("held_keys %v, held_records %v, oldest_held_record_age_seconds %v; want 2, 3, > 0", keys, recs, age)
+			}
+			if got := r.gauge("kafkapg_dead_letters_new"); got != 2 {
+				return fmt.Errorf("kafkapg_dead_letters_new = %v, want 2", got)
+			}
 			return nil
 		})
 

@@ -305,13 +305,11 @@ func (w *worker) applyRange(recs []*Record) error {
 	if !errors.As(err, &herr) {
 		return err
 	}
-	var rerr *RecordError
-	if errors.As(herr.Err, &rerr) && rerr.Index >= 0 && rerr.Index < len(recs) {
-		k := rerr.Index
+	if k, cause := failedRecord(herr.Err, len(recs)); k >= 0 {
 		if err := w.applyRange(recs[:k]); err != nil {
 			return err
 		}
-		if err := w.applyFailed(recs[k], rerr.Err); err != nil {
+		if err := w.applyFailed(recs[k], cause); err != nil {
 			return err
 		}
 		return w.applyRange(recs[k+1:])
@@ -434,34 +432,59 @@ func identity(n int) []int {
 	return out
 }
 
-// applyFailed handles a record whose handler just failed with err: it retries it alone
-// (LocalAttempts tries in all, with backoff) unless the error is permanent, then sends it to the
-// next retry tier or dead-letters it.
-func (w *worker) applyFailed(rec *Record, err error) error {
-	tries := 1
-	class := w.p.classify(err)
-	w.p.metrics.failures.WithLabelValues(w.source, class.String()).Inc()
-	for class == ClassRetryable && tries < w.p.cfg.LocalAttempts {
-		d := w.p.backoff.Delay(tries)
-		w.log.Debug("record failed; retrying", "offset", rec.Offset, "key_hash", keyHash(rec.Key), "attempt", rec.Attempt, "try", tries, "retry_in", d, "err", err)
-		if !backoff.Sleep(w.ctx, w.stopping, d) {
-			return errStopped
-		}
-		tries++
-		terr := w.handleAll([]*Record{rec})
-		var herr *sink.HandlerError
-		if !errors.As(terr, &herr) {
-			return terr // applied (or parked, or skipped as a duplicate), stopped or fenced
-		}
-		err = herr.Err
-		var rerr *RecordError
-		if errors.As(err, &rerr) {
-			err = rerr.Err
-		}
-		class = w.p.classify(err)
-		w.p.metrics.failures.WithLabelValues(w.source, class.String()).Inc()
+// applyFailed handles a record whose handler just failed with cause: it is retried alone (see
+// retryAlone), then sent to the next retry tier or dead-lettered.
+func (w *worker) applyFailed(rec *Record, cause error) error {
+	f, settled, err := w.p.retryAlone(w.ctx, w.stopping, w.source, cause, func() error {
+		return w.handleAll([]*Record{rec})
+	})
+	if settled {
+		return err // applied (or parked, or skipped as a duplicate), stopped or fenced
 	}
-	return w.route(rec, err, class, tries)
+	return w.route(rec, f)
+}
+
+// failure is why a record failed for good within its delivery.
+type failure struct {
+	cause error
+	class ErrorClass
+	tries int // handler invocations during the delivery
+}
+
+// failedRecord returns the index of the record a handler error names (RecordFailed) among n
+// records, and the record's own error; -1 and err if it names none.
+func failedRecord(err error, n int) (int, error) {
+	var rerr *RecordError
+	if errors.As(err, &rerr) && rerr.Index >= 0 && rerr.Index < n {
+		return rerr.Index, rerr.Err
+	}
+	return -1, err
+}
+
+// retryAlone retries, alone and with backoff, a record whose handler just failed with cause, for
+// Config.LocalAttempts tries in all, as long as the error is retryable. attempt runs one more
+// try and returns nil (it took effect), a *sink.HandlerError (the handler failed again) or
+// another error (stopped, fenced, ...). If a try ends other than by the handler failing,
+// retryAlone reports settled with that try's error; otherwise it returns how the record failed,
+// for it to move on.
+func (p *Processor) retryAlone(ctx context.Context, stopping <-chan struct{}, topic string, cause error, attempt func() error) (f failure, settled bool, err error) {
+	for tries := 1; ; tries++ {
+		_, cause = failedRecord(cause, 1)
+		class := p.classify(cause)
+		p.metrics.failures.WithLabelValues(topic, class.String()).Inc()
+		if class != ClassRetryable || tries >= p.cfg.LocalAttempts {
+			return failure{cause: cause, class: class, tries: tries}, false, nil
+		}
+		if !backoff.Sleep(ctx, stopping, p.backoff.Delay(tries)) {
+			return f, true, errStopped
+		}
+		err := attempt()
+		var herr *sink.HandlerError
+		if !errors.As(err, &herr) {
+			return f, true, err
+		}
+		cause = herr.Err
+	}
 }
 
 // transact commits recs (running apply, if not nil) and msgs in one transaction that advances the

@@ -12,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/kafkapg/kafkapg/internal/schema"
 	"github.com/kafkapg/kafkapg/internal/testenv"
 	"github.com/kafkapg/kafkapg/offsets"
 	"github.com/kafkapg/kafkapg/sink"
@@ -20,11 +19,8 @@ import (
 
 func setup(t *testing.T) (*pgxpool.Pool, *sink.Sink, offsets.Position) {
 	t.Helper()
-	pool, _ := testenv.Postgres(t)
+	pool := testenv.Migrated(t)
 	ctx := context.Background()
-	if _, err := schema.Migrate(ctx, pool, "kafkapg"); err != nil {
-		t.Fatal(err)
-	}
 	if _, err := pool.Exec(ctx, `CREATE TABLE effects (id int PRIMARY KEY)`); err != nil {
 		t.Fatal(err)
 	}

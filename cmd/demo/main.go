@@ -13,7 +13,6 @@ import (
 	"flag"
 	"fmt"
 	"net"
-	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -25,6 +24,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/localrun"
 	"github.com/kafkapg/kafkapg/internal/promscrape"
 	"github.com/kafkapg/kafkapg/internal/topicread"
 	"github.com/kafkapg/kafkapg/retrytopics"
@@ -57,7 +57,7 @@ func run(events int, partitions int32, keep bool) error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	bin, err := binDir()
+	bin, err := localrun.BinDir("demo")
 	if err != nil {
 		return err
 	}
@@ -75,7 +75,7 @@ func run(events int, partitions int32, keep bool) error {
 	}()
 
 	// Postgres: a clean schema of our own; the processor finds its tables and the ledger's there.
-	demoURL, err := withSearchPath(dbURL, schema)
+	demoURL, err := localrun.PostgresURL(dbURL, "", schema)
 	if err != nil {
 		return err
 	}
@@ -92,7 +92,10 @@ func run(events int, partitions int32, keep bool) error {
 	}
 
 	// The dev broker, as a separate process like a real one.
-	brokerAddr := freeAddr()
+	brokerAddr, err := localrun.FreeAddr()
+	if err != nil {
+		return err
+	}
 	broker := exec.Command(filepath.Join(bin, "devbroker"), "-listen", brokerAddr)
 	broker.Stdout, broker.Stderr = logFile(work, "devbroker.log")
 	if err := broker.Start(); err != nil {
@@ -105,7 +108,7 @@ func run(events int, partitions int32, keep bool) error {
 	}
 	defer cl.Close()
 	adm := kadm.NewClient(cl)
-	if err := waitFor(ctx, 20*time.Second, func() error {
+	if err := localrun.WaitFor(ctx, 20*time.Second, func() error {
 		_, err := adm.ListBrokers(ctx)
 		return err
 	}); err != nil {
@@ -139,7 +142,9 @@ func run(events int, partitions int32, keep bool) error {
 	// The processor, configured only by environment variables, as in production.
 	httpAddr := "127.0.0.1:9090"
 	if l, err := net.Listen("tcp", httpAddr); err != nil {
-		httpAddr = freeAddr()
+		if httpAddr, err = localrun.FreeAddr(); err != nil {
+			return err
+		}
 	} else {
 		l.Close()
 	}
@@ -181,7 +186,7 @@ func run(events int, partitions int32, keep bool) error {
 	var applied, dead, waiting int
 	fi, _ := os.Stdout.Stat()
 	tty := fi != nil && fi.Mode()&os.ModeCharDevice != 0
-	err = waitFor(ctx, 2*time.Minute, func() error {
+	err = localrun.WaitFor(ctx, 2*time.Minute, func() error {
 		select {
 		case err := <-exited:
 			return fmt.Errorf("processor exited early (%v); see %s", err, filepath.Join(work, "processor.log"))
@@ -267,41 +272,6 @@ func run(events int, partitions int32, keep bool) error {
 	return nil
 }
 
-// binDir is where the demo's sibling binaries (devbroker, processor) are.
-func binDir() (string, error) {
-	exe, err := os.Executable()
-	if err != nil {
-		return "", err
-	}
-	dir := filepath.Dir(exe)
-	for _, b := range []string{"devbroker", "processor"} {
-		if _, err := os.Stat(filepath.Join(dir, b)); err != nil {
-			return "", fmt.Errorf("%s not found next to the demo binary (%s): build with `make build` or run `make demo`", b, dir)
-		}
-	}
-	return dir, nil
-}
-
-func withSearchPath(raw, schema string) (string, error) {
-	u, err := url.Parse(raw)
-	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
-		return "", errors.New("DATABASE_URL must be a postgres:// URL for the demo")
-	}
-	q := u.Query()
-	q.Set("search_path", schema)
-	u.RawQuery = q.Encode()
-	return u.String(), nil
-}
-
-func freeAddr() string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		panic(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
-
 func logFile(dir, name string) (*os.File, *os.File) {
 	f, err := os.Create(filepath.Join(dir, name))
 	if err != nil {
@@ -318,20 +288,6 @@ func stop(cmd *exec.Cmd, grace time.Duration) {
 	case <-done:
 	case <-time.After(grace):
 		cmd.Process.Kill()
-	}
-}
-
-func waitFor(ctx context.Context, timeout time.Duration, cond func() error) error {
-	deadline := time.Now().Add(timeout)
-	for {
-		err := cond()
-		if err == nil {
-			return nil
-		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			return err
-		}
-		time.Sleep(200 * time.Millisecond)
 	}
 }
 

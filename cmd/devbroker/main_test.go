@@ -6,6 +6,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -17,19 +18,8 @@ import (
 )
 
 func TestDevbrokerServesKafkaProtocol(t *testing.T) {
-	ctx, cancel := context.WithCancel(context.Background())
-	var stderr bytes.Buffer
-	ready := make(chan string, 1)
-	done := make(chan int, 1)
-	go func() { done <- run(ctx, []string{"-listen", "127.0.0.1:0", "-partitions", "3"}, &stderr, ready) }()
-	var addr string
-	select {
-	case addr = <-ready:
-	case code := <-done:
-		t.Fatalf("devbroker exited with %d: %s", code, stderr.String())
-	case <-time.After(10 * time.Second):
-		t.Fatal("devbroker did not start")
-	}
+	ctx := context.Background()
+	addr, stop := startBroker(t, "-listen", "127.0.0.1:0", "-partitions", "3")
 
 	cl, err := kgo.NewClient(kgo.SeedBrokers(addr))
 	if err != nil {
@@ -50,12 +40,12 @@ func TestDevbrokerServesKafkaProtocol(t *testing.T) {
 		t.Fatalf("topic t: %+v, %v; want 3 partitions", details["t"], err)
 	}
 
-	cancel()
-	if code := <-done; code != 0 {
+	code, stderr := stop()
+	if code != 0 {
 		t.Fatalf("exit status %d", code)
 	}
-	if !strings.Contains(stderr.String(), "Do not use it in production") {
-		t.Fatalf("no production warning in %q", stderr.String())
+	if !strings.Contains(stderr, "Do not use it in production") {
+		t.Fatalf("no production warning in %q", stderr)
 	}
 }
 
@@ -69,8 +59,9 @@ func TestDevbrokerRejectsBadListen(t *testing.T) {
 	}
 }
 
-// startBroker runs devbroker with args until the test ends and returns the address it reports.
-func startBroker(t *testing.T, args ...string) (addr string, stop func()) {
+// startBroker runs devbroker with args until the test ends and returns the address it reports;
+// stop stops it and returns its exit status and what it wrote to stderr.
+func startBroker(t *testing.T, args ...string) (addr string, stop func() (int, string)) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	var stderr bytes.Buffer
@@ -84,15 +75,16 @@ func startBroker(t *testing.T, args ...string) (addr string, stop func()) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("devbroker did not start")
 	}
-	stopped := false
-	stop = func() {
-		if !stopped {
-			stopped = true
+	var once sync.Once
+	var code int
+	stop = func() (int, string) {
+		once.Do(func() {
 			cancel()
-			<-done
-		}
+			code = <-done
+		})
+		return code, stderr.String()
 	}
-	t.Cleanup(stop)
+	t.Cleanup(func() { stop() })
 	return addr, stop
 }
 

@@ -19,6 +19,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/kafkapg/kafkapg/internal/schema"
 )
 
 // Postgres creates an empty database for the test, dropped when the test ends, and returns a
@@ -105,4 +107,14 @@ func Eventually(t testing.TB, timeout time.Duration, cond func() error) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// Migrated is Postgres with kafkapg's tables created in schema "kafkapg".
+func Migrated(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	pool, _ := Postgres(t)
+	if _, err := schema.Migrate(context.Background(), pool, "kafkapg"); err != nil {
+		t.Fatal(err)
+	}
+	return pool
 }

@@ -20,8 +20,6 @@ import (
 	"flag"
 	"fmt"
 	"math/rand/v2"
-	"net"
-	"net/url"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -29,6 +27,8 @@ import (
 	"slices"
 	"syscall"
 	"time"
+
+	"github.com/kafkapg/kafkapg/internal/localrun"
 )
 
 func main() {
@@ -78,7 +78,7 @@ func run(ctx context.Context, c config) error {
 	if dbURL == "" {
 		return errors.New("DATABASE_URL is not set: run `make chaos`, which starts a throwaway Postgres")
 	}
-	bin, err := binDir()
+	bin, err := localrun.BinDir("chaos")
 	if err != nil {
 		return err
 	}
@@ -126,9 +126,7 @@ func run(ctx context.Context, c config) error {
 	}
 	s.stats.settle = time.Since(settled)
 	s.bg.Wait() // recovery measurements
-	if err := s.stopAll(); err != nil {
-		return err
-	}
+	s.stopAll()
 	rep, err := s.verify(ctx, items)
 	fmt.Println(s.summary(rep, err))
 	if err != nil {
@@ -136,46 +134,6 @@ func run(ctx context.Context, c config) error {
 		return err
 	}
 	return nil
-}
-
-// binDir is where the processor and devbroker binaries are: next to this one.
-func binDir() (string, error) {
-	exe, err := os.Executable()
-	if err != nil {
-		return "", err
-	}
-	dir := filepath.Dir(exe)
-	for _, b := range []string{"devbroker", "processor"} {
-		if _, err := os.Stat(filepath.Join(dir, b)); err != nil {
-			return "", fmt.Errorf("%s not found next to the chaos binary (%s): build with `make build` or run `make chaos`", b, dir)
-		}
-	}
-	return dir, nil
-}
-
-// freeAddr returns a free local TCP address.
-func freeAddr() (string, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", err
-	}
-	defer l.Close()
-	return l.Addr().String(), nil
-}
-
-// withHostAndSearchPath rewrites a postgres URL to connect to host (host:port) and use schema.
-func withHostAndSearchPath(raw, host, schema string) (string, error) {
-	u, err := url.Parse(raw)
-	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
-		return "", errors.New("DATABASE_URL must be a postgres:// URL for the chaos suite")
-	}
-	if host != "" {
-		u.Host = host
-	}
-	q := u.Query()
-	q.Set("search_path", schema)
-	u.RawQuery = q.Encode()
-	return u.String(), nil
 }
 
 // command returns a command running one of the sibling binaries with its output in a log file.

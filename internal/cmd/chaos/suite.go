@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
-	"net/http"
 	"net/url"
 	"os"
 	"os/exec"
@@ -23,6 +22,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/faultproxy"
+	"github.com/kafkapg/kafkapg/internal/localrun"
 	"github.com/kafkapg/kafkapg/internal/topicread"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -92,11 +92,11 @@ func (s *suite) setupPostgres(ctx context.Context, dbURL string) error {
 	if s.pgProxy, err = faultproxy.Listen("127.0.0.1:0", pgAddr); err != nil {
 		return err
 	}
-	direct, err := withHostAndSearchPath(dbURL, "", schema)
+	direct, err := localrun.PostgresURL(dbURL, "", schema)
 	if err != nil {
 		return err
 	}
-	if s.procDB, err = withHostAndSearchPath(dbURL, s.pgProxy.Addr(), schema); err != nil {
+	if s.procDB, err = localrun.PostgresURL(dbURL, s.pgProxy.Addr(), schema); err != nil {
 		return err
 	}
 	if s.pool, err = pgxpool.New(ctx, direct); err != nil {
@@ -130,7 +130,7 @@ func (s *suite) setupKafka(ctx context.Context) error {
 	}
 	s.brokerName = "kfake"
 	var err error
-	if s.devListen, err = freeAddr(); err != nil {
+	if s.devListen, err = localrun.FreeAddr(); err != nil {
 		return err
 	}
 	if s.brokerProxy, err = faultproxy.Listen("127.0.0.1:0", s.devListen); err != nil {
@@ -153,7 +153,7 @@ func (s *suite) startDevbroker(ctx context.Context) error {
 		return fmt.Errorf("start devbroker: %w", err)
 	}
 	s.devbroker = cmd
-	return waitFor(ctx, 30*time.Second, func() error {
+	return localrun.WaitFor(ctx, 30*time.Second, func() error {
 		cl, err := kgo.NewClient(kgo.SeedBrokers(s.devListen))
 		if err != nil {
 			return err
@@ -181,7 +181,7 @@ func (s *suite) createTopic(ctx context.Context) error {
 }
 
 func (s *suite) startProc(idx int) (*proc, error) {
-	addr, err := freeAddr()
+	addr, err := localrun.FreeAddr()
 	if err != nil {
 		return nil, err
 	}
@@ -221,21 +221,13 @@ func (s *suite) startProc(idx int) (*proc, error) {
 // waitReady waits until the process answers /readyz with 200 (it is in the group and reaches
 // Postgres).
 func (p *proc) waitReady(ctx context.Context, timeout time.Duration) error {
-	return waitFor(ctx, timeout, func() error {
+	return localrun.WaitFor(ctx, timeout, func() error {
 		select {
 		case <-p.done:
 			return fmt.Errorf("processor %d exited: %v", p.idx, p.cmd.ProcessState)
 		default:
 		}
-		resp, err := http.Get("http://" + p.http + "/readyz")
-		if err != nil {
-			return err
-		}
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			return fmt.Errorf("/readyz: %s", resp.Status)
-		}
-		return nil
+		return localrun.Ready(p.http)
 	})
 }
 
@@ -365,13 +357,20 @@ func (s *suite) kill(ctx context.Context) error {
 // term sends SIGTERM, measures the time to exit (the process must exit 0), and restarts it.
 func (s *suite) term(ctx context.Context) error {
 	p := s.pick()
+	s.terminate(p)
+	s.count(func(st *stats) { st.terms++ })
+	return s.restart(ctx, p)
+}
+
+// terminate sends p SIGTERM and records how long it took to exit; exiting with a non-zero status,
+// or not within 20 s (it is then killed), is a violation.
+func (s *suite) terminate(p *proc) {
 	start := time.Now()
 	p.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-p.done:
 		d := time.Since(start)
 		s.count(func(st *stats) {
-			st.terms++
 			st.termExit = append(st.termExit, d)
 			if code := p.cmd.ProcessState.ExitCode(); code != 0 {
 				st.violations = append(st.violations, fmt.Sprintf("processor %d exited with status %d after SIGTERM", p.idx, code))
@@ -384,7 +383,6 @@ func (s *suite) term(ctx context.Context) error {
 			st.violations = append(st.violations, fmt.Sprintf("processor %d did not exit within 20s of SIGTERM", p.idx))
 		})
 	}
-	return s.restart(ctx, p)
 }
 
 // stop freezes a processor (SIGSTOP) for longer than the session timeout, so that the group gives
@@ -415,7 +413,7 @@ func (s *suite) pgCut(ctx context.Context) error {
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
-		err := waitFor(ctx, 30*time.Second, func() error {
+		err := localrun.WaitFor(ctx, 30*time.Second, func() error {
 			var n int
 			if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM offsets WHERE updated_at > $1`, back).Scan(&n); err != nil {
 				return err
@@ -492,7 +490,7 @@ func (s *suite) waitAdvanced(ctx context.Context, from map[int32]int64, timeout 
 	if len(from) == 0 {
 		return false
 	}
-	err := waitFor(ctx, timeout, func() error {
+	err := localrun.WaitFor(ctx, timeout, func() error {
 		for part, was := range from {
 			var next int64
 			if err := s.pool.QueryRow(ctx, `SELECT coalesce(next_offset, -1) FROM offsets WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
@@ -538,7 +536,7 @@ func (s *suite) waitSettled(ctx context.Context, items []ledger.Item) error {
 		}
 	}
 	var last string
-	err := waitFor(ctx, s.cfg.settle, func() error {
+	err := localrun.WaitFor(ctx, s.cfg.settle, func() error {
 		var applied, outbox, retries, held int
 		if err := s.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM ledger_entries), (SELECT count(*) FROM outbox),
 			(SELECT count(*) FROM retries), (SELECT count(*) FROM held_records)`).Scan(&applied, &outbox, &retries, &held); err != nil {
@@ -562,24 +560,10 @@ func (s *suite) waitSettled(ctx context.Context, items []ledger.Item) error {
 }
 
 // stopAll stops every processor with SIGTERM, measuring the time to exit.
-func (s *suite) stopAll() error {
+func (s *suite) stopAll() {
 	for _, p := range s.procs {
-		start := time.Now()
-		p.cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-p.done:
-			d := time.Since(start)
-			s.count(func(st *stats) {
-				st.termExit = append(st.termExit, d)
-				if code := p.cmd.ProcessState.ExitCode(); code != 0 {
-					st.violations = append(st.violations, fmt.Sprintf("processor %d exited with status %d after the final SIGTERM", p.idx, code))
-				}
-			})
-		case <-time.After(20 * time.Second):
-			return fmt.Errorf("processor %d did not exit within 20s of SIGTERM", p.idx)
-		}
+		s.terminate(p)
 	}
-	return nil
 }
 
 // report is what the verification found.
@@ -678,23 +662,5 @@ func sleep(ctx context.Context, d time.Duration) error {
 		return ctx.Err()
 	case <-time.After(d):
 		return nil
-	}
-}
-
-// waitFor calls check every 100 ms until it succeeds or timeout passes, and returns its last
-// error then.
-func waitFor(ctx context.Context, timeout time.Duration, check func() error) error {
-	deadline := time.Now().Add(timeout)
-	for {
-		err := check()
-		if err == nil {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return err
-		}
-		if err := sleep(ctx, 100*time.Millisecond); err != nil {
-			return err
-		}
 	}
 }

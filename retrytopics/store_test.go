@@ -1,0 +1,130 @@
+package retrytopics_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/retrytopics"
+)
+
+func newStore(t *testing.T) (*retrytopics.Store, *pgxpool.Pool) {
+	t.Helper()
+	return retrytopics.NewStore("kafkapg", "g"), testenv.Migrated(t)
+}
+
+// inTx runs fn in a committed transaction.
+func inTx(t *testing.T, pool *pgxpool.Pool, fn func(ctx context.Context, tx pgx.Tx) error) {
+	t.Helper()
+	ctx := context.Background()
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return fn(ctx, tx) }); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func stats(t *testing.T, s *retrytopics.Store, pool *pgxpool.Pool) retrytopics.Stats {
+	t.Helper()
+	st, err := s.Stats(context.Background(), pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+// TestStoreKeyHandOver walks one key through the retry path at the Store level: its head goes
+// to a tier, a later record parks behind it, the head is applied (the key becomes ready), the
+// parked record is applied (the key is no longer held). Stats, which the metrics publish, follow.
+func TestStoreKeyHandOver(t *testing.T) {
+	s, pool := newStore(t)
+	key := []byte{0xff, 'k'}
+	head := retrytopics.Rec{Origin: retrytopics.Origin{Topic: "orders", Partition: 2, Offset: 10}, Key: key, Value: []byte("v10"), Timestamp: time.Now()}
+	later := retrytopics.Rec{Origin: retrytopics.Origin{Topic: "orders", Partition: 2, Offset: 11}, Key: key, Value: []byte("v11"), Timestamp: time.Now()}
+	failedAt := time.Now().Add(-time.Minute)
+
+	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
+		return s.ToTier(ctx, tx, retrytopics.Move{Rec: head, Held: true, From: retrytopics.FromSource, Attempt: 1,
+			Class: "retryable", Message: "boom", FirstFailedAt: failedAt, DueAt: failedAt.Add(time.Second)})
+	})
+	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
+		held, err := s.LockHeldKeys(ctx, tx, "orders", 2, [][]byte{key, []byte("other")})
+		if err != nil {
+			return err
+		}
+		if !held[string(key)] || held["other"] {
+			t.Errorf("LockHeldKeys = %v, want only the head's key held", held)
+		}
+		return s.Park(ctx, tx, []retrytopics.Rec{later})
+	})
+	st := stats(t, s, pool)
+	if st.HeldKeys != 1 || st.HeldRecords != 1 || st.OldestHeld <= 0 || st.Tiers[1].Records != 1 || st.Tiers[1].Overdue < 50*time.Second {
+		t.Errorf("stats with the head in tier 1 and one record parked: %+v", st)
+	}
+	if keys, err := s.ReadyKeys(context.Background(), pool, 10); err != nil || len(keys) != 0 {
+		t.Errorf("ReadyKeys = %v, %v; want none while the head is in its tier", keys, err)
+	}
+
+	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
+		states, err := s.LockRetries(ctx, tx, []retrytopics.Origin{head.Origin})
+		if err != nil {
+			return err
+		}
+		if states[head.Origin].Attempt != 2 || !states[head.Origin].FirstFailedAt.Equal(failedAt.Truncate(time.Microsecond)) {
+			t.Errorf("retry state %+v, want attempt 2 and the first failure time", states[head.Origin])
+		}
+		return s.Applied(ctx, tx, head, true)
+	})
+	keys, err := s.ReadyKeys(context.Background(), pool, 10)
+	if err != nil || len(keys) != 1 || string(keys[0].Key) != string(key) {
+		t.Fatalf("ReadyKeys = %v, %v; want the key, ready for its parked record", keys, err)
+	}
+	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
+		recs, err := s.TakeParked(ctx, tx, keys[0], 10)
+		if err != nil {
+			return err
+		}
+		if len(recs) != 1 || recs[0].Offset != 11 || string(recs[0].Value) != "v11" {
+			t.Errorf("TakeParked = %+v, want the record at offset 11", recs)
+		}
+		return s.AppliedParked(ctx, tx, keys[0], recs)
+	})
+	if st := stats(t, s, pool); st.HeldKeys != 0 || st.HeldRecords != 0 || len(st.Tiers) != 0 {
+		t.Errorf("stats after the hand-over: %+v, want an empty retry path", st)
+	}
+}
+
+// TestStoreBlockAndRelease: a head dead-lettered with Block keeps its key held (blocked) until
+// Unblock; a copy of the head at a stale attempt is refused with ErrStale.
+func TestStoreBlockAndRelease(t *testing.T) {
+	s, pool := newStore(t)
+	head := retrytopics.Rec{Origin: retrytopics.Origin{Topic: "orders", Partition: 0, Offset: 5}, Key: []byte("k"), Value: []byte("v"), Timestamp: time.Now()}
+	move := retrytopics.Move{Rec: head, Held: true, From: retrytopics.FromSource, Attempt: 1, Class: "retryable", Message: "boom",
+		FirstFailedAt: time.Now(), DueAt: time.Now()}
+	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error { return s.ToTier(ctx, tx, move) })
+
+	stale := move
+	stale.From, stale.Attempt, stale.Block = retrytopics.FromTier, 5, true
+	err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) error { return s.DeadLetter(context.Background(), tx, stale) })
+	if !errors.Is(err, retrytopics.ErrStale) {
+		t.Fatalf("dead-lettering a stale copy: %v, want ErrStale", err)
+	}
+
+	dead := move
+	dead.From, dead.Attempt, dead.Block = retrytopics.FromTier, 2, true
+	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error { return s.DeadLetter(ctx, tx, dead) })
+	st := stats(t, s, pool)
+	if st.HeldKeys != 1 || st.BlockedKeys != 1 || st.DeadLettersDB != 1 || len(st.Tiers) != 0 {
+		t.Errorf("stats after a blocking dead letter: %+v", st)
+	}
+	n, err := s.Unblock(context.Background(), pool, "orders", 0, nil)
+	if err != nil || n != 1 {
+		t.Fatalf("Unblock = %d, %v; want 1 key released", n, err)
+	}
+	if st := stats(t, s, pool); st.BlockedKeys != 0 {
+		t.Errorf("blocked keys after Unblock: %+v", st)
+	}
+}
