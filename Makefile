@@ -39,7 +39,8 @@ bench: ## End-to-end throughput: kafkapg vs hand-written loops on the same data 
 	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test -run '^$$' -bench . -benchtime 1x -count 1 -timeout 30m ./internal/bench/
 
 .PHONY: lint
-lint: ## gofmt check and go vet (staticcheck too if installed)
+lint: ## gofmt check, go.mod tidy check and go vet (staticcheck too if installed)
+	$(GO) mod tidy -diff
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
 	@if command -v staticcheck >/dev/null; then staticcheck $(PKGS); else echo "staticcheck not installed; skipped"; fi
