@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -44,6 +45,8 @@ type Processor struct {
 	relay   atomic.Pointer[sink.Relay]
 	joined  atomic.Bool
 	running atomic.Bool
+	// waiting says what startup is waiting for (Kafka, a source topic), for Ready.
+	waiting atomic.Pointer[string]
 
 	// fail stops Run with an error: something that must not happen did (see worker.run).
 	failOnce sync.Once
@@ -316,14 +319,19 @@ func (p *Processor) ensureTopics(ctx context.Context, adm *kadm.Client) error {
 			return fmt.Errorf("processor: %w; create them, or let the processor create them (KAFKA_CREATE_TOPICS=true)", err)
 		}
 		if err == nil && len(missing) == 0 {
+			p.waiting.Store(nil)
 			return nil
 		}
 		d := p.backoff.Delay(failures)
+		var why string
 		if err != nil {
-			p.log.Warn("cannot prepare retry and dead-letter topics yet; retrying", "err", err, "retry_in", d)
+			why = fmt.Sprintf("waiting for kafka (brokers %s): %v", strings.Join(p.cfg.Brokers, ","), err)
+			p.log.Warn("cannot check the topics on kafka yet (is it reachable?); retrying", "brokers", p.cfg.Brokers, "err", err, "retry_in", d)
 		} else {
+			why = fmt.Sprintf("waiting for source topics to exist: %s", strings.Join(missing, ", "))
 			p.log.Warn("waiting for source topics to exist", "missing", missing, "retry_in", d)
 		}
+		p.waiting.Store(&why)
 		if !backoff.Sleep(ctx, nil, d) {
 			return ctx.Err()
 		}
@@ -540,6 +548,9 @@ func (p *Processor) stopWorkers(ws []*worker, grace time.Duration) {
 // Ready reports whether the processor has joined its group and Postgres answers.
 func (p *Processor) Ready(ctx context.Context) error {
 	if !p.joined.Load() {
+		if why := p.waiting.Load(); why != nil {
+			return fmt.Errorf("not a member of the consumer group yet: %s", *why)
+		}
 		return errors.New("not a member of the consumer group yet")
 	}
 	if err := p.pool.Ping(ctx); err != nil {

@@ -162,6 +162,14 @@ func maxDuration(ds []time.Duration) string {
 	return sortedDurations(ds)[len(ds)-1].Round(time.Millisecond).String()
 }
 
+// measured formats a measurement ("n/a" if it could not be taken).
+func measured(d time.Duration) string {
+	if d == 0 {
+		return "n/a"
+	}
+	return d.Round(time.Millisecond).String()
+}
+
 func medianDuration(ds []time.Duration) string {
 	if len(ds) == 0 {
 		return "n/a"

@@ -1,0 +1,94 @@
+package processor_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/testenv"
+)
+
+// TestShutdownDuringStuckRebalanceLeavesTheGroup stops processor A while its group is stuck in a
+// rebalance: member C went silent (cut off from Kafka), B has just joined, and the join waits
+// for C until C's session times out. A must still leave the group cleanly once the join lets it
+// (its final Kafka commit must not eat the shutdown timeout, and it must not just walk away): B
+// then gets A's partitions at once, long before A's own 30 s session timeout would hand them
+// over. Exiting without leaving would stall A's partitions for those 30 s.
+func TestShutdownDuringStuckRebalanceLeavesTheGroup(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 4)
+		items := ledger.Generate(ledger.GenConfig{Events: 400, Accounts: 20, Seed: 31, Prefix: "sd"})
+		first, second := items[:200], items[200:]
+
+		cfgA := h.config(ledger.Handler{})
+		cfgA.SessionTimeout = 30 * time.Second
+		cfgA.RebalanceTimeout = 40 * time.Second
+		cfgA.ShutdownTimeout = 10 * time.Second
+		a := h.start(cfgA)
+
+		net := testenv.NewNetFault()
+		cfgC := h.config(ledger.Handler{})
+		cfgC.SessionTimeout = 8 * time.Second
+		cfgC.ShutdownTimeout = 3 * time.Second
+		cfgC.KafkaOptions = append(slices.Clone(cfgC.KafkaOptions), kgo.Dialer(net.Dial))
+		c := h.start(cfgC)
+
+		h.produce(first)
+		h.waitApplied(len(first), 60*time.Second)
+
+		// C goes silent; B's join starts a rebalance that waits for C until its session expires.
+		net.Cut()
+		cut := time.Now()
+		b := h.start(h.config(ledger.Handler{}))
+		time.Sleep(4 * time.Second) // A learns of the rebalance at its next heartbeat (<= 3 s) and rejoins
+
+		stopStart := time.Now()
+		a.cancel()
+		select {
+		case <-a.done:
+		case <-time.After(cfgA.ShutdownTimeout + 5*time.Second):
+			t.Fatalf("A did not stop within its shutdown timeout %v", cfgA.ShutdownTimeout)
+		}
+		if a.err != nil {
+			t.Errorf("A's Run returned %v", a.err)
+		}
+		stopped := time.Now()
+		t.Logf("A stopped %v after SIGTERM (C cut %v before)", stopped.Sub(stopStart).Round(time.Millisecond), stopStart.Sub(cut).Round(time.Millisecond))
+
+		// Everything, A's old partitions included, must now flow through B well within A's
+		// session timeout.
+		h.produce(second)
+		deadline := stopped.Add(cfgA.SessionTimeout / 2)
+		var last error
+		for time.Now().Before(deadline) {
+			if got := h.applied(); got == len(first)+len(second) {
+				last = nil
+				break
+			} else {
+				last = fmt.Errorf("%d of %d events applied", got, len(first)+len(second))
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		if last != nil {
+			t.Fatalf("A's partitions did not move to B within %v of A stopping (A did not leave the group?): %v",
+				cfgA.SessionTimeout/2, last)
+		}
+		t.Logf("all events applied %v after A stopped", time.Since(stopped).Round(time.Millisecond))
+
+		net.Restore()
+		c.cancel()
+		<-c.done
+		if c.err != nil && !errors.Is(c.err, context.Canceled) {
+			t.Logf("zombie C's Run returned %v", c.err)
+		}
+		b.stop(t)
+		h.verify(items, 1, false)
+	})
+}
