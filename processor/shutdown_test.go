@@ -18,8 +18,8 @@ import (
 // rebalance: member C went silent (cut off from Kafka), B has just joined, and the join waits
 // for C until C's session times out. A must still leave the group cleanly once the join lets it
 // (its final Kafka commit must not eat the shutdown timeout, and it must not just walk away): B
-// then gets A's partitions at once, long before A's own 30 s session timeout would hand them
-// over. Exiting without leaving would stall A's partitions for those 30 s.
+// then gets A's partitions at once, long before A's own 60 s session timeout would hand them
+// over. Exiting without leaving would stall A's partitions for those 60 s.
 func TestShutdownDuringStuckRebalanceLeavesTheGroup(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
@@ -28,9 +28,9 @@ func TestShutdownDuringStuckRebalanceLeavesTheGroup(t *testing.T) {
 		first, second := items[:200], items[200:]
 
 		cfgA := h.config(ledger.Handler{})
-		cfgA.SessionTimeout = 30 * time.Second
+		cfgA.SessionTimeout = 60 * time.Second
 		cfgA.RebalanceTimeout = 40 * time.Second
-		cfgA.ShutdownTimeout = 10 * time.Second
+		cfgA.ShutdownTimeout = 30 * time.Second // long enough for a slow broker to end the join
 		a := h.start(cfgA)
 
 		net := testenv.NewNetFault()
