@@ -51,6 +51,7 @@ type Store struct {
 	claimSQL   string
 	advanceSQL string
 	readSQL    string
+	listSQL    string
 }
 
 // Querier runs queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
@@ -76,6 +77,8 @@ func NewStore(schema, group string) *Store {
 			AND owner_token = $4 AND next_offset IS NOT DISTINCT FROM $6`,
 		readSQL: `SELECT owner_token, next_offset FROM ` + t + `
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
+		listSQL: `SELECT topic, partition, next_offset FROM ` + t + `
+			WHERE consumer_group = $1 AND topic = ANY($2) AND next_offset IS NOT NULL`,
 	}
 }
 
@@ -192,6 +195,26 @@ func (s *Store) Load(ctx context.Context, q Querier, p Partition) (Position, err
 		pos.Next, pos.Known = *next, true
 	}
 	return pos, nil
+}
+
+// Positions returns the stored next offsets of topics' partitions; partitions that never
+// advanced are absent. Lag metrics compare them with the brokers' end offsets.
+func (s *Store) Positions(ctx context.Context, q Querier, topics []string) (map[Partition]int64, error) {
+	rows, err := q.Query(ctx, s.listSQL, s.group, topics)
+	if err != nil {
+		return nil, fmt.Errorf("read positions: %w", err)
+	}
+	out := map[Partition]int64{}
+	var tp Partition
+	var next int64
+	_, err = pgx.ForEachRow(rows, []any{&tp.Topic, &tp.Partition, &next}, func() error {
+		out[tp] = next
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read positions: %w", err)
+	}
+	return out, nil
 }
 
 // SortPartitions sorts ps by topic, then partition.

@@ -114,6 +114,9 @@ func (r *running) counter(name string) float64 { return r.sum(name) }
 // gauge returns the sum of a gauge metric's series.
 func (r *running) gauge(name string) float64 { return r.sum(name) }
 
+// observations returns the number of observations of a histogram metric.
+func (r *running) observations(name string) float64 { return r.sum(name) }
+
 func (r *running) sum(name string) float64 {
 	mfs, err := r.reg.Gather()
 	if err != nil {
@@ -125,7 +128,7 @@ func (r *running) sum(name string) float64 {
 			continue
 		}
 		for _, m := range mf.GetMetric() {
-			total += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+			total += m.GetCounter().GetValue() + m.GetGauge().GetValue() + float64(m.GetHistogram().GetSampleCount())
 		}
 	}
 	return total

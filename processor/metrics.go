@@ -11,17 +11,19 @@ import (
 // metrics are the processor's Prometheus metrics. Labels are bounded: topic names and error
 // classes, never keys or offsets.
 type metrics struct {
-	applied       *prometheus.CounterVec
-	failures      *prometheus.CounterVec
-	deadLettered  *prometheus.CounterVec
-	published     *prometheus.CounterVec
-	infraRetries  prometheus.Counter
-	fenced        prometheus.Counter
-	txDuration    prometheus.Histogram
-	batchRecords  prometheus.Histogram
-	assigned      prometheus.Gauge
-	rebalances    *prometheus.CounterVec
-	handlerPanics prometheus.Counter
+	consumed        *prometheus.CounterVec
+	handlerDuration prometheus.Histogram
+	applied         *prometheus.CounterVec
+	failures        *prometheus.CounterVec
+	deadLettered    *prometheus.CounterVec
+	published       *prometheus.CounterVec
+	infraRetries    prometheus.Counter
+	fenced          prometheus.Counter
+	txDuration      prometheus.Histogram
+	batchRecords    prometheus.Histogram
+	assigned        prometheus.Gauge
+	rebalances      *prometheus.CounterVec
+	handlerPanics   prometheus.Counter
 
 	routed     *prometheus.CounterVec
 	parked     *prometheus.CounterVec
@@ -35,6 +37,9 @@ type metrics struct {
 	tierRecords  *prometheus.GaugeVec
 	tierOverdue  *prometheus.GaugeVec
 	deadLetterDB prometheus.Gauge
+
+	// Group-wide consumer lag: broker end offsets against the offsets stored in Postgres.
+	lag *prometheus.GaugeVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -63,6 +68,15 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		fenced: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "fenced_transactions_total",
 			Help: "Transactions rolled back because another owner had claimed the partition.",
+		}),
+		consumed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "records_consumed_total",
+			Help: "Records fetched from Kafka and handed to a partition worker, by topic (source and retry tier topics).",
+		}, []string{"topic"}),
+		handlerDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: ns, Name: "handler_duration_seconds",
+			Help:    "Time spent in the handler per call of the batch (all of a transaction's records), failed calls included.",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18),
 		}),
 		txDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Namespace: ns, Name: "transaction_duration_seconds",
@@ -126,8 +140,12 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "dead_letters_new",
 			Help: "Rows in the dead_letters table with status new (group-wide, from Postgres).",
 		}),
+		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Name: "consumer_lag_records",
+			Help: "Records of each source partition not yet applied: the broker's end offset minus the next offset stored in Postgres (group-wide).",
+		}, []string{"topic", "partition"}),
 	}
-	for _, c := range []prometheus.Collector{m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
+	for _, c := range []prometheus.Collector{m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
 		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.parked, m.duplicates, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB} {

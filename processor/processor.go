@@ -341,7 +341,8 @@ func (p *Processor) ensureTopics(ctx context.Context, adm *kadm.Client) error {
 // statsInterval is how often the retry path's group-wide metrics are read from Postgres.
 const statsInterval = 5 * time.Second
 
-// refreshStats publishes the retry path's group-wide state as metrics every statsInterval.
+// refreshStats publishes the retry path's group-wide state and the consumer lag as metrics every
+// statsInterval.
 func (p *Processor) refreshStats(ctx context.Context) {
 	tick := time.NewTicker(statsInterval)
 	defer tick.Stop()
@@ -353,6 +354,14 @@ func (p *Processor) refreshStats(ctx context.Context) {
 			p.metrics.setRetryStats(st, len(p.cfg.RetryTiers))
 		} else if ctx.Err() == nil {
 			p.log.Debug("cannot read retry path stats", "err", err)
+		}
+		if cl := p.client.Load(); cl != nil {
+			qctx, cancel := context.WithTimeout(ctx, statsInterval)
+			err := p.refreshLag(qctx, kadm.NewClient(cl))
+			cancel()
+			if err != nil && ctx.Err() == nil {
+				p.log.Debug("cannot compute consumer lag", "err", err)
+			}
 		}
 		select {
 		case <-ctx.Done():
@@ -378,6 +387,7 @@ func (p *Processor) poll(ctx context.Context, cl *kgo.Client) {
 			if len(ftp.Records) == 0 {
 				return
 			}
+			p.metrics.consumed.WithLabelValues(ftp.Topic).Add(float64(len(ftp.Records)))
 			if w := p.worker(offsets.Partition{Topic: ftp.Topic, Partition: ftp.Partition}); w != nil {
 				w.push(ftp.Records)
 			}

@@ -563,6 +563,8 @@ func (p *Processor) handle(ctx context.Context, tx pgx.Tx, recs []*Record) error
 				ErrRecordTooLarge, n, p.cfg.MaxRecordBytes))}
 		}
 	}
+	start := time.Now()
+	defer func() { p.metrics.handlerDuration.Observe(time.Since(start).Seconds()) }()
 	if p.batch != nil {
 		return p.call(func() error { return p.batch.HandleBatch(ctx, tx, recs) })
 	}
