@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kelseyhightower/envconfig"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -25,6 +26,7 @@ type DBEnv struct {
 // Env is the whole configuration of `processor run`.
 type Env struct {
 	DBEnv
+	KafkaSecurityEnv
 	KafkaBrokers          []string      `envconfig:"KAFKA_BROKERS" required:"true"`
 	KafkaGroupID          string        `envconfig:"KAFKA_GROUP_ID" required:"true"`
 	KafkaTopics           []string      `envconfig:"KAFKA_TOPICS" required:"true"`
@@ -48,7 +50,8 @@ type Env struct {
 	LogLevel          string        `envconfig:"LOG_LEVEL" default:"info"`
 	LogFormat         string        `envconfig:"LOG_FORMAT" default:"json"`
 
-	Tiers []time.Duration `ignored:"true"` // RETRY_TIERS, parsed
+	Tiers     []time.Duration `ignored:"true"` // RETRY_TIERS, parsed
+	KafkaOpts []kgo.Opt       `ignored:"true"` // KAFKA_TLS_*, KAFKA_SASL_*, parsed
 }
 
 // ConfigError is a missing or malformed setting; cmd/processor exits with status 2 on it.
@@ -192,6 +195,11 @@ func (e *Env) validate() error {
 	if e.OnDeadLetter != "skip" && e.OnDeadLetter != "block" {
 		errs = append(errs, fmt.Errorf("ON_DEAD_LETTER must be skip or block, got %q", e.OnDeadLetter))
 	}
+	opts, err := e.KafkaSecurityEnv.options()
+	if err != nil {
+		errs = append(errs, err)
+	}
+	e.KafkaOpts = opts
 	if e.LogFormat != "json" && e.LogFormat != "text" {
 		errs = append(errs, fmt.Errorf("LOG_FORMAT must be json or text, got %q", e.LogFormat))
 	}

@@ -234,6 +234,16 @@ func TestLoadEnvErrors(t *testing.T) {
 		{name: "empty schema", vars: with("DB_SCHEMA", ""), want: []string{"DB_SCHEMA must not be empty"}},
 		{name: "bad log level", vars: with("LOG_LEVEL", "loud"), want: []string{"LOG_LEVEL", `"loud"`}},
 		{name: "bad log format", vars: with("LOG_FORMAT", "xml"), want: []string{"LOG_FORMAT must be json or text", `"xml"`}},
+		{name: "unknown SASL mechanism", vars: with("KAFKA_SASL_MECHANISM", "GSSAPI", "KAFKA_SASL_USERNAME", "u", "KAFKA_SASL_PASSWORD", "p"),
+			want: []string{"KAFKA_SASL_MECHANISM must be one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512", `"GSSAPI"`}},
+		{name: "SASL without password", vars: with("KAFKA_SASL_MECHANISM", "PLAIN", "KAFKA_SASL_USERNAME", "u"),
+			want: []string{"KAFKA_SASL_MECHANISM=PLAIN needs KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD"}},
+		{name: "SASL credentials without mechanism", vars: with("KAFKA_SASL_USERNAME", "u", "KAFKA_SASL_PASSWORD", "p"),
+			want: []string{"KAFKA_SASL_MECHANISM is not"}},
+		{name: "TLS CA file missing", vars: with("KAFKA_TLS_CA_FILE", "/nonexistent/ca.pem"), want: []string{"KAFKA_TLS_CA_FILE", "/nonexistent/ca.pem"}},
+		{name: "TLS client cert without key", vars: with("KAFKA_TLS_CERT_FILE", "/x/cert.pem"), want: []string{"KAFKA_TLS_CERT_FILE and KAFKA_TLS_KEY_FILE must be set together"}},
+		{name: "TLS skip-verify without TLS", vars: with("KAFKA_TLS_INSECURE_SKIP_VERIFY", "true"), want: []string{"set KAFKA_TLS=true"}},
+		{name: "TLS not a boolean", vars: with("KAFKA_TLS", "yes please"), want: []string{"KAFKA_TLS", "boolean"}},
 		{name: "several problems are all reported", vars: with("HANDLER", "nope", "LOG_FORMAT", "xml", "BATCH_MAX_RECORDS", "0"),
 			want: []string{"HANDLER", "LOG_FORMAT", "BATCH_MAX_RECORDS"}},
 	}
@@ -327,6 +337,20 @@ func TestHandlerNames(t *testing.T) {
 	for _, n := range got {
 		if handlers[n].handler == nil || handlers[n].setup == nil {
 			t.Errorf("built-in handler %s lacks a handler or a setup", n)
+		}
+	}
+}
+
+// TestReadmeDocumentsEveryVariable keeps the README's configuration table complete.
+func TestReadmeDocumentsEveryVariable(t *testing.T) {
+	t.Parallel()
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range envNames() {
+		if !strings.Contains(string(readme), "| `"+n+"`") && !strings.Contains(string(readme), "/ `"+n+"`") {
+			t.Errorf("README.md has no configuration row for %s", n)
 		}
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"net/url"
@@ -77,64 +78,100 @@ func TestRunWaitsForKafka(t *testing.T) {
 func waitThenRecover(t *testing.T, pool *pgxpool.Pool, k *testenv.Kafka, dbURL, broker string, proxy *faultproxy.Proxy, readyzWaiting, logLine string) {
 	t.Helper()
 	topic := k.CreateTopic(t, 2)
-	httpAddr := freeAddr(t)
-	setEnv(t, map[string]string{
-		"DATABASE_URL":       dbURL,
-		"KAFKA_BROKERS":      broker,
+	svc := startService(t, map[string]string{
+		"DATABASE_URL":  dbURL,
+		"KAFKA_BROKERS": broker,
+		"KAFKA_TOPICS":  topic,
+	})
+	svc.waitNotReady(readyzWaiting)
+	time.Sleep(time.Second) // several retries while the service stays away
+	svc.waitNotReady(readyzWaiting)
+	if code, _, err := get("http://" + svc.httpAddr + "/healthz"); err != nil || code != http.StatusOK {
+		t.Fatalf("/healthz = %d, %v; want 200 while waiting", code, err)
+	}
+	if !strings.Contains(svc.logs.String(), logLine) {
+		t.Errorf("no log line %q; logs:\n%s", logLine, svc.logs.String())
+	}
+
+	proxy.Restore()
+	svc.waitReady()
+	svc.applyOne(pool, k, topic)
+	svc.stop()
+}
+
+// service is cmd/processor's Run, running in the test.
+type service struct {
+	t        *testing.T
+	httpAddr string
+	logs     *syncBuffer
+	cancel   context.CancelFunc
+	done     chan error
+}
+
+// startService runs the service with the ledger handler, short backoffs and vars (which must
+// include DATABASE_URL, KAFKA_BROKERS and KAFKA_TOPICS). It logs as text into svc.logs.
+func startService(t *testing.T, vars map[string]string) *service {
+	t.Helper()
+	svc := &service{t: t, httpAddr: freeAddr(t), logs: &syncBuffer{}, done: make(chan error, 1)}
+	all := map[string]string{
 		"KAFKA_GROUP_ID":     "g",
-		"KAFKA_TOPICS":       topic,
 		"HANDLER":            "ledger",
-		"HTTP_ADDR":          httpAddr,
+		"HTTP_ADDR":          svc.httpAddr,
 		"RETRY_BACKOFF_BASE": "20ms",
 		"RETRY_BACKOFF_MAX":  "200ms",
-	})
+	}
+	maps.Copy(all, vars)
+	setEnv(t, all)
 	env, err := LoadEnv()
 	if err != nil {
 		t.Fatal(err)
 	}
-	var logs syncBuffer
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- Run(ctx, env, slog.New(slog.NewTextHandler(&logs, nil))) }()
+	var ctx context.Context
+	ctx, svc.cancel = context.WithCancel(context.Background())
+	go func() { svc.done <- Run(ctx, env, slog.New(slog.NewTextHandler(svc.logs, nil))) }()
+	t.Cleanup(svc.cancel)
+	return svc
+}
 
-	readyz := "http://" + httpAddr + "/readyz"
-	testenv.Eventually(t, 20*time.Second, func() error {
-		code, body, err := get(readyz)
+// waitNotReady waits until /readyz answers 503 with a body containing want, and checks that Run
+// has not given up.
+func (s *service) waitNotReady(want string) {
+	s.t.Helper()
+	testenv.Eventually(s.t, 20*time.Second, func() error {
+		code, body, err := get("http://" + s.httpAddr + "/readyz")
 		if err != nil {
 			return err
 		}
-		if code != http.StatusServiceUnavailable || !strings.Contains(body, readyzWaiting) {
-			return fmt.Errorf("/readyz = %d %q, want 503 %s", code, body, readyzWaiting)
+		if code != http.StatusServiceUnavailable || !strings.Contains(body, want) {
+			return fmt.Errorf("/readyz = %d %q, want 503 %s", code, body, want)
 		}
 		return nil
 	})
-	time.Sleep(time.Second) // several retries while the service stays away
-	if code, body, _ := get(readyz); code != http.StatusServiceUnavailable {
-		t.Fatalf("/readyz = %d %q while the service is unreachable", code, body)
-	}
-	if code, _, err := get("http://" + httpAddr + "/healthz"); err != nil || code != http.StatusOK {
-		t.Fatalf("/healthz = %d, %v; want 200 while waiting", code, err)
-	}
-	if !strings.Contains(logs.String(), logLine) {
-		t.Errorf("no log line %q; logs:\n%s", logLine, logs.String())
-	}
 	select {
-	case err := <-done:
-		t.Fatalf("Run gave up while the service was unreachable: %v", err)
+	case err := <-s.done:
+		s.t.Fatalf("Run gave up while waiting: %v", err)
 	default:
 	}
+}
 
-	proxy.Restore()
-	testenv.Eventually(t, 30*time.Second, func() error {
-		if code, body, err := get(readyz); err != nil || code != http.StatusOK {
+// waitReady waits until /readyz answers 200.
+func (s *service) waitReady() {
+	s.t.Helper()
+	testenv.Eventually(s.t, 30*time.Second, func() error {
+		if code, body, err := get("http://" + s.httpAddr + "/readyz"); err != nil || code != http.StatusOK {
 			return fmt.Errorf("/readyz = %d %q %v", code, body, err)
 		}
 		return nil
 	})
-	k.Produce(t, &kgo.Record{Topic: topic, Key: []byte("a"), Value: []byte(`{"event_id":"e1","account":"a","amount":5,"seq":1}`)})
-	testenv.Eventually(t, 30*time.Second, func() error {
+}
+
+// applyOne produces one ledger event to topic and waits until the service has applied it.
+func (s *service) applyOne(pool *pgxpool.Pool, k *testenv.Kafka, topic string) {
+	s.t.Helper()
+	k.Produce(s.t, &kgo.Record{Topic: topic, Key: []byte("a"), Value: []byte(`{"event_id":"e1","account":"a","amount":5,"seq":1}`)})
+	testenv.Eventually(s.t, 30*time.Second, func() error {
 		var n int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM ledger_entries`).Scan(&n); err != nil {
+		if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM ledger_entries`).Scan(&n); err != nil {
 			return err
 		}
 		if n != 1 {
@@ -142,9 +179,14 @@ func waitThenRecover(t *testing.T, pool *pgxpool.Pool, k *testenv.Kafka, dbURL, 
 		}
 		return nil
 	})
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatalf("Run: %v", err)
+}
+
+// stop cancels Run, which must return nil.
+func (s *service) stop() {
+	s.t.Helper()
+	s.cancel()
+	if err := <-s.done; err != nil {
+		s.t.Fatalf("Run: %v", err)
 	}
 }
 

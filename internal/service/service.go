@@ -238,6 +238,7 @@ func Run(ctx context.Context, env *Env, log *slog.Logger) error {
 		RebalanceTimeout:     env.KafkaRebalanceTimeout,
 		ShutdownTimeout:      env.ShutdownTimeout,
 		TxIdleTimeout:        env.DBTxIdleTimeout,
+		KafkaOptions:         env.KafkaOpts,
 		Logger:               log,
 		Registerer:           reg,
 	})

@@ -3,6 +3,7 @@ package testenv
 import (
 	"context"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -21,6 +22,8 @@ type Kafka struct {
 	Brokers []string
 	// Cluster is the in-process kfake cluster, nil for real Kafka.
 	Cluster *kfake.Cluster
+	// ClientOpts are options every client of the test needs (SASL, TLS).
+	ClientOpts []kgo.Opt
 }
 
 // Real reports whether this is a real Apache Kafka broker.
@@ -58,7 +61,7 @@ func NewKfake(t testing.TB, opts ...kfake.Opt) *Kafka {
 // Client returns a plain client (producer, admin) closed when the test ends.
 func (k *Kafka) Client(t testing.TB, opts ...kgo.Opt) *kgo.Client {
 	t.Helper()
-	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, opts...)...)
+	cl, err := kgo.NewClient(slices.Concat([]kgo.Opt{kgo.SeedBrokers(k.Brokers...)}, k.ClientOpts, opts)...)
 	if err != nil {
 		t.Fatal(err)
 	}

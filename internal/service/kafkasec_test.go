@@ -1,0 +1,182 @@
+package service
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"math/big"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/sasl/plain"
+	"github.com/twmb/franz-go/pkg/sasl/scram"
+
+	"github.com/kafkapg/kafkapg/internal/testenv"
+)
+
+const (
+	saslUser     = "kafkapg"
+	saslPassword = "correct-horse-battery-staple"
+)
+
+// saslKfake starts a kfake cluster that requires SASL with mechanism, with the test's own
+// clients authenticated; extra options (TLS) are added to the cluster and the clients.
+func saslKfake(t *testing.T, mechanism string, cluster []kfake.Opt, client []kgo.Opt) *testenv.Kafka {
+	t.Helper()
+	k := testenv.NewKfake(t, append([]kfake.Opt{kfake.EnableSASL(), kfake.Superuser(mechanism, saslUser, saslPassword)}, cluster...)...)
+	var mech kgo.Opt
+	switch mechanism {
+	case "PLAIN":
+		mech = kgo.SASL(plain.Auth{User: saslUser, Pass: saslPassword}.AsMechanism())
+	case "SCRAM-SHA-256":
+		mech = kgo.SASL(scram.Auth{User: saslUser, Pass: saslPassword}.AsSha256Mechanism())
+	case "SCRAM-SHA-512":
+		mech = kgo.SASL(scram.Auth{User: saslUser, Pass: saslPassword}.AsSha512Mechanism())
+	}
+	k.ClientOpts = append([]kgo.Opt{mech}, client...)
+	return k
+}
+
+// TestKafkaSASL runs the service against a broker that requires each SASL mechanism: with the
+// right credentials it processes records; with a wrong password it waits, says why on /readyz,
+// and never logs or shows the password.
+func TestKafkaSASL(t *testing.T) {
+	for _, mech := range saslMechanisms {
+		t.Run(mech, func(t *testing.T) {
+			pool, dbURL := testenv.Postgres(t)
+			k := saslKfake(t, mech, nil, nil)
+			topic := k.CreateTopic(t, 2)
+			svc := startService(t, map[string]string{
+				"DATABASE_URL":         dbURL,
+				"KAFKA_BROKERS":        k.Brokers[0],
+				"KAFKA_TOPICS":         topic,
+				"KAFKA_SASL_MECHANISM": mech,
+				"KAFKA_SASL_USERNAME":  saslUser,
+				"KAFKA_SASL_PASSWORD":  saslPassword,
+			})
+			svc.waitReady()
+			svc.applyOne(pool, k, topic)
+			svc.stop()
+			if strings.Contains(svc.logs.String(), saslPassword) {
+				t.Errorf("the logs contain the SASL password:\n%s", svc.logs.String())
+			}
+		})
+	}
+	t.Run("wrong password", func(t *testing.T) {
+		_, dbURL := testenv.Postgres(t)
+		k := saslKfake(t, "SCRAM-SHA-256", nil, nil)
+		topic := k.CreateTopic(t, 1)
+		const wrong = "not-the-password-123"
+		svc := startService(t, map[string]string{
+			"DATABASE_URL":         dbURL,
+			"KAFKA_BROKERS":        k.Brokers[0],
+			"KAFKA_TOPICS":         topic,
+			"KAFKA_SASL_MECHANISM": "SCRAM-SHA-256",
+			"KAFKA_SASL_USERNAME":  saslUser,
+			"KAFKA_SASL_PASSWORD":  wrong,
+		})
+		svc.waitNotReady("waiting for kafka")
+		_, body, _ := get("http://" + svc.httpAddr + "/readyz")
+		t.Logf("/readyz: %s", strings.TrimSpace(body))
+		svc.stop()
+		for what, text := range map[string]string{"logs": svc.logs.String(), "/readyz": body} {
+			if strings.Contains(text, wrong) {
+				t.Errorf("the %s contain the SASL password:\n%s", what, text)
+			}
+		}
+	})
+}
+
+// TestKafkaTLS runs the service against a broker that requires TLS (with a CA made for the test)
+// and SASL on top.
+func TestKafkaTLS(t *testing.T) {
+	pool, dbURL := testenv.Postgres(t)
+	dir := t.TempDir()
+	serverCfg, caFile := testCA(t, dir)
+	clientTLS := &tls.Config{RootCAs: x509.NewCertPool(), MinVersion: tls.VersionTLS12}
+	caPEM, err := os.ReadFile(caFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clientTLS.RootCAs.AppendCertsFromPEM(caPEM)
+	k := saslKfake(t, "SCRAM-SHA-512", []kfake.Opt{kfake.TLS(serverCfg)}, []kgo.Opt{kgo.DialTLSConfig(clientTLS)})
+	topic := k.CreateTopic(t, 2)
+
+	svc := startService(t, map[string]string{
+		"DATABASE_URL":         dbURL,
+		"KAFKA_BROKERS":        k.Brokers[0],
+		"KAFKA_TOPICS":         topic,
+		"KAFKA_TLS_CA_FILE":    caFile,
+		"KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+		"KAFKA_SASL_USERNAME":  saslUser,
+		"KAFKA_SASL_PASSWORD":  saslPassword,
+	})
+	svc.waitReady()
+	svc.applyOne(pool, k, topic)
+	svc.stop()
+
+	// Without the CA the broker's certificate is not trusted: the service waits and says so.
+	svc = startService(t, map[string]string{
+		"DATABASE_URL":         dbURL,
+		"KAFKA_BROKERS":        k.Brokers[0],
+		"KAFKA_TOPICS":         topic,
+		"KAFKA_TLS":            "true",
+		"KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+		"KAFKA_SASL_USERNAME":  saslUser,
+		"KAFKA_SASL_PASSWORD":  saslPassword,
+	})
+	svc.waitNotReady("certificate")
+	svc.stop()
+}
+
+// testCA makes a CA and a server certificate for 127.0.0.1 signed by it; it returns the
+// server's TLS config and the CA's PEM file.
+func testCA(t *testing.T, dir string) (*tls.Config, string) {
+	t.Helper()
+	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca := &x509.Certificate{
+		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "kafkapg test CA"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
+	}
+	caDER, err := x509.CreateCertificate(rand.Reader, ca, ca, &caKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srvKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &x509.Certificate{
+		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "127.0.0.1"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
+		KeyUsage:    x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	caCert, err := x509.ParseCertificate(caDER)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srvDER, err := x509.CreateCertificate(rand.Reader, srv, caCert, &srvKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	caFile := filepath.Join(dir, "ca.pem")
+	if err := os.WriteFile(caFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return &tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{srvDER}, PrivateKey: srvKey}}, MinVersion: tls.VersionTLS12}, caFile
+}
