@@ -119,6 +119,24 @@ type Config struct {
 	// group. Defaults to 10s. [SHUTDOWN_TIMEOUT]
 	ShutdownTimeout time.Duration
 
+	// BreakerThreshold opens the circuit breaker when at least this share of the records seen in
+	// the last BreakerWindow failed with retryable errors after their local tries (and at least
+	// BreakerMinRecords records were seen): that looks like a downstream outage, not bad records.
+	// While it is open, such records are held in place instead of going to the retry tiers; one
+	// at a time is retried as a probe, every BreakerProbeInterval at first, doubling up to
+	// BreakerProbeMax; the first probe that succeeds closes it. Defaults to 0.5; negative
+	// disables the breaker. [BREAKER_THRESHOLD, where 0 disables it]
+	BreakerThreshold float64
+	// BreakerWindow is how far back the breaker looks. Defaults to 30s. [BREAKER_WINDOW]
+	BreakerWindow time.Duration
+	// BreakerMinRecords is how many records the window must hold before the breaker may open.
+	// Defaults to 20. [BREAKER_MIN_RECORDS]
+	BreakerMinRecords int
+	// BreakerProbeInterval and BreakerProbeMax space the probes of an open breaker. Default to 1s
+	// and 30s. [BREAKER_PROBE_INTERVAL, BREAKER_PROBE_MAX]
+	BreakerProbeInterval time.Duration
+	BreakerProbeMax      time.Duration
+
 	// InstanceName labels this process in the offsets table's owner column and in logs. Defaults
 	// to hostname:pid.
 	InstanceName string
@@ -183,6 +201,21 @@ func (c *Config) withDefaults() *Config {
 	}
 	if out.ShutdownTimeout == 0 {
 		out.ShutdownTimeout = 10 * time.Second
+	}
+	if out.BreakerThreshold == 0 {
+		out.BreakerThreshold = 0.5
+	}
+	if out.BreakerWindow == 0 {
+		out.BreakerWindow = 30 * time.Second
+	}
+	if out.BreakerMinRecords == 0 {
+		out.BreakerMinRecords = 20
+	}
+	if out.BreakerProbeInterval == 0 {
+		out.BreakerProbeInterval = time.Second
+	}
+	if out.BreakerProbeMax == 0 {
+		out.BreakerProbeMax = max(30*time.Second, out.BreakerProbeInterval)
 	}
 	if out.InstanceName == "" {
 		host, _ := os.Hostname()
@@ -266,10 +299,21 @@ func (c *Config) validate() error {
 	if c.RebalanceTimeout <= c.DrainTimeout {
 		errs = append(errs, fmt.Errorf("RebalanceTimeout (KAFKA_REBALANCE_TIMEOUT) %v must be longer than DrainTimeout %v: revoking a partition may take that long", c.RebalanceTimeout, c.DrainTimeout))
 	}
+	if c.BreakerThreshold > 1 {
+		errs = append(errs, fmt.Errorf("BreakerThreshold (BREAKER_THRESHOLD) is a share of records, at most 1, got %v", c.BreakerThreshold))
+	}
+	if c.BreakerMinRecords < 1 {
+		errs = append(errs, fmt.Errorf("BreakerMinRecords (BREAKER_MIN_RECORDS) must be at least 1, got %d", c.BreakerMinRecords))
+	}
+	if c.BreakerProbeMax < c.BreakerProbeInterval {
+		errs = append(errs, fmt.Errorf("BreakerProbeMax (BREAKER_PROBE_MAX) %v is less than BreakerProbeInterval (BREAKER_PROBE_INTERVAL) %v", c.BreakerProbeMax, c.BreakerProbeInterval))
+	}
 	for _, d := range []struct {
 		name string
 		v    time.Duration
 	}{
+		{"BreakerWindow (BREAKER_WINDOW)", c.BreakerWindow},
+		{"BreakerProbeInterval (BREAKER_PROBE_INTERVAL)", c.BreakerProbeInterval},
 		{"SessionTimeout (KAFKA_SESSION_TIMEOUT)", c.SessionTimeout},
 		{"DrainTimeout", c.DrainTimeout},
 		{"TxIdleTimeout (DB_TX_IDLE_TIMEOUT)", c.TxIdleTimeout},

@@ -213,6 +213,7 @@ func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error
 	}
 	if len(recs) > 0 {
 		d.p.metrics.applied.WithLabelValues(k.Topic).Add(float64(len(recs)))
+		d.p.breaker.succeeded(len(recs))
 	}
 	return len(recs), first, nil
 }
@@ -221,7 +222,7 @@ func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error
 // retried alone (see retryAlone), then moved to the first retry tier or dead-lettered. more says
 // whether the key goes on with its next record.
 func (d *drainer) retryFirst(k retrytopics.Key, rec *Record, cause error) (more bool, err error) {
-	f, settled, err := d.p.retryAlone(d.ctx, d.stopping, k.Topic, cause, func() error {
+	f, settled, err := d.p.retryAlone(d.ctx, d.stopping, k.Topic, true, cause, func() error {
 		_, first, err := d.applyParked(k, 1)
 		if errors.Is(err, retrytopics.ErrStale) || (first != nil && first.Offset != rec.Offset) {
 			more = true // another processor moved the record on meanwhile; look again

@@ -38,6 +38,11 @@ type metrics struct {
 	tierOverdue  *prometheus.GaugeVec
 	deadLetterDB prometheus.Gauge
 
+	// The circuit breaker (per process).
+	breakerOpen   prometheus.Gauge
+	breakerOpened prometheus.Counter
+	breakerHeld   prometheus.Gauge
+
 	// Group-wide consumer lag: broker end offsets against the offsets stored in Postgres.
 	lag *prometheus.GaugeVec
 }
@@ -140,12 +145,24 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "dead_letters_new",
 			Help: "Rows in the dead_letters table with status new (group-wide, from Postgres).",
 		}),
+		breakerOpen: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "circuit_breaker_open",
+			Help: "1 while this process's circuit breaker is open (failing records held in place, probing), else 0.",
+		}),
+		breakerOpened: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: ns, Name: "circuit_breaker_opened_total",
+			Help: "Times the circuit breaker opened because most records failed with retryable errors.",
+		}),
+		breakerHeld: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "circuit_breaker_held_records",
+			Help: "Records held in place by the open circuit breaker (one per partition at most).",
+		}),
 		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Name: "consumer_lag_records",
 			Help: "Records of each source partition not yet applied: the broker's end offset minus the next offset stored in Postgres (group-wide).",
 		}, []string{"topic", "partition"}),
 	}
-	for _, c := range []prometheus.Collector{m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
+	for _, c := range []prometheus.Collector{m.breakerOpen, m.breakerOpened, m.breakerHeld, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
 		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.parked, m.duplicates, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB} {

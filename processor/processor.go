@@ -40,6 +40,7 @@ type Processor struct {
 	retry   *retrytopics.Store
 	tierOf  map[string]tierRef // retry-tier topic -> its source topic and tier
 	drainer *drainer
+	breaker *breaker
 
 	client  atomic.Pointer[kgo.Client]
 	relay   atomic.Pointer[sink.Relay]
@@ -92,6 +93,13 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 		}
 	}
 	p.drainer = newDrainer(p)
+	p.breaker = newBreaker(breakerConfig{
+		threshold:  c.BreakerThreshold,
+		window:     c.BreakerWindow,
+		minRecords: c.BreakerMinRecords,
+		probeMin:   c.BreakerProbeInterval,
+		probeMax:   c.BreakerProbeMax,
+	}, p.log.With("component", "breaker"), m)
 	p.batch, _ = c.Handler.(BatchHandler)
 	p.sink = sink.New(pool, p.store, sink.Config{
 		Schema:        c.Schema,

@@ -354,6 +354,7 @@ func (w *worker) handleAll(recs []*Record) error {
 	}, true)
 	if err == nil {
 		w.applied.Add(float64(out.applied))
+		w.p.breaker.succeeded(out.applied)
 		if w.tier > 0 && out.applied > 0 {
 			w.p.drainer.notify() // the records' keys may have become ready
 		}
@@ -435,7 +436,7 @@ func identity(n int) []int {
 // applyFailed handles a record whose handler just failed with cause: it is retried alone (see
 // retryAlone), then sent to the next retry tier or dead-lettered.
 func (w *worker) applyFailed(rec *Record, cause error) error {
-	f, settled, err := w.p.retryAlone(w.ctx, w.stopping, w.source, cause, func() error {
+	f, settled, err := w.p.retryAlone(w.ctx, w.stopping, w.source, w.tier == 0, cause, func() error {
 		return w.handleAll([]*Record{rec})
 	})
 	if settled {
@@ -466,21 +467,50 @@ func failedRecord(err error, n int) (int, error) {
 // try and returns nil (it took effect), a *sink.HandlerError (the handler failed again) or
 // another error (stopped, fenced, ...). If a try ends other than by the handler failing,
 // retryAlone reports settled with that try's error; otherwise it returns how the record failed,
-// for it to move on.
-func (p *Processor) retryAlone(ctx context.Context, stopping <-chan struct{}, topic string, cause error, attempt func() error) (f failure, settled bool, err error) {
+// for it to move on. While the circuit breaker is open, a record that used its local tries is
+// held here, and retried when the breaker closes or lets it through as a probe; fresh says the
+// record is on its first delivery, whose failure counts for the breaker.
+func (p *Processor) retryAlone(ctx context.Context, stopping <-chan struct{}, topic string, fresh bool, cause error, attempt func() error) (f failure, settled bool, err error) {
+	counted, probing := false, false
 	for tries := 1; ; tries++ {
 		_, cause = failedRecord(cause, 1)
 		class := p.classify(cause)
 		p.metrics.failures.WithLabelValues(topic, class.String()).Inc()
-		if class != ClassRetryable || tries >= p.cfg.LocalAttempts {
+		if probing {
+			p.breaker.probed(class != ClassRetryable)
+			probing = false
+		}
+		if class != ClassRetryable {
 			return failure{cause: cause, class: class, tries: tries}, false, nil
 		}
-		if !backoff.Sleep(ctx, stopping, p.backoff.Delay(tries)) {
-			return f, true, errStopped
+		if tries < p.cfg.LocalAttempts {
+			if !backoff.Sleep(ctx, stopping, p.backoff.Delay(tries)) {
+				return f, true, errStopped
+			}
+		} else {
+			hold := p.breaker.state() != breakerClosed
+			if fresh && !counted {
+				counted = true
+				hold = p.breaker.failed()
+			}
+			if !hold {
+				return failure{cause: cause, class: class, tries: tries}, false, nil
+			}
+			var ok bool
+			if probing, ok = p.breaker.wait(ctx, stopping); !ok {
+				return f, true, errStopped
+			}
 		}
 		err := attempt()
 		var herr *sink.HandlerError
 		if !errors.As(err, &herr) {
+			if probing {
+				if err == nil {
+					p.breaker.probed(true)
+				} else {
+					p.breaker.done()
+				}
+			}
 			return f, true, err
 		}
 		cause = herr.Err

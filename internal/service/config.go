@@ -46,9 +46,15 @@ type Env struct {
 	OnDeadLetter      string        `envconfig:"ON_DEAD_LETTER" default:"skip"`
 	KafkaCreateTopics bool          `envconfig:"KAFKA_CREATE_TOPICS" default:"true"`
 	ShutdownTimeout   time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"10s"`
-	DBTxIdleTimeout   time.Duration `envconfig:"DB_TX_IDLE_TIMEOUT" default:"30s"`
-	LogLevel          string        `envconfig:"LOG_LEVEL" default:"info"`
-	LogFormat         string        `envconfig:"LOG_FORMAT" default:"json"`
+	// BreakerThreshold 0 disables the circuit breaker.
+	BreakerThreshold     float64       `envconfig:"BREAKER_THRESHOLD" default:"0.5"`
+	BreakerWindow        time.Duration `envconfig:"BREAKER_WINDOW" default:"30s"`
+	BreakerMinRecords    int           `envconfig:"BREAKER_MIN_RECORDS" default:"20"`
+	BreakerProbeInterval time.Duration `envconfig:"BREAKER_PROBE_INTERVAL" default:"1s"`
+	BreakerProbeMax      time.Duration `envconfig:"BREAKER_PROBE_MAX" default:"30s"`
+	DBTxIdleTimeout      time.Duration `envconfig:"DB_TX_IDLE_TIMEOUT" default:"30s"`
+	LogLevel             string        `envconfig:"LOG_LEVEL" default:"info"`
+	LogFormat            string        `envconfig:"LOG_FORMAT" default:"json"`
 
 	Tiers     []time.Duration `ignored:"true"` // RETRY_TIERS, parsed
 	KafkaOpts []kgo.Opt       `ignored:"true"` // KAFKA_TLS_*, KAFKA_SASL_*, parsed
@@ -111,6 +117,8 @@ func typeName(t string) string {
 		return "integer"
 	case "bool":
 		return "boolean (true or false)"
+	case "float64":
+		return "number (e.g. 0.5)"
 	}
 	return t
 }
@@ -180,6 +188,17 @@ func (e *Env) validate() error {
 	}
 	if e.MaxRecordBytes < 1 {
 		errs = append(errs, fmt.Errorf("MAX_RECORD_BYTES must be at least 1, got %d", e.MaxRecordBytes))
+	}
+	if e.BreakerThreshold < 0 || e.BreakerThreshold > 1 {
+		errs = append(errs, fmt.Errorf("BREAKER_THRESHOLD is a share of records between 0 and 1 (0 disables the breaker), got %v", e.BreakerThreshold))
+	}
+	if e.BreakerMinRecords < 1 {
+		errs = append(errs, fmt.Errorf("BREAKER_MIN_RECORDS must be at least 1, got %d", e.BreakerMinRecords))
+	}
+	positive("BREAKER_WINDOW", e.BreakerWindow)
+	positive("BREAKER_PROBE_INTERVAL", e.BreakerProbeInterval)
+	if e.BreakerProbeMax < e.BreakerProbeInterval {
+		errs = append(errs, fmt.Errorf("BREAKER_PROBE_MAX (%v) must not be less than BREAKER_PROBE_INTERVAL (%v)", e.BreakerProbeMax, e.BreakerProbeInterval))
 	}
 	if e.RetryLocalAttempts < 1 {
 		errs = append(errs, fmt.Errorf("RETRY_LOCAL_ATTEMPTS must be at least 1, got %d", e.RetryLocalAttempts))

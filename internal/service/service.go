@@ -237,6 +237,11 @@ func Run(ctx context.Context, env *Env, log *slog.Logger) error {
 		SessionTimeout:       env.KafkaSessionTimeout,
 		RebalanceTimeout:     env.KafkaRebalanceTimeout,
 		ShutdownTimeout:      env.ShutdownTimeout,
+		BreakerThreshold:     breakerThreshold(env.BreakerThreshold),
+		BreakerWindow:        env.BreakerWindow,
+		BreakerMinRecords:    env.BreakerMinRecords,
+		BreakerProbeInterval: env.BreakerProbeInterval,
+		BreakerProbeMax:      env.BreakerProbeMax,
 		TxIdleTimeout:        env.DBTxIdleTimeout,
 		KafkaOptions:         env.KafkaOpts,
 		Logger:               log,
@@ -247,6 +252,14 @@ func Run(ctx context.Context, env *Env, log *slog.Logger) error {
 	}
 	proc.Store(p)
 	return p.Run(ctx)
+}
+
+// breakerThreshold maps BREAKER_THRESHOLD (0: off) to Config.BreakerThreshold (negative: off).
+func breakerThreshold(v float64) float64 {
+	if v == 0 {
+		return -1
+	}
+	return v
 }
 
 func httpHandler(reg *prometheus.Registry, ready func(context.Context) error) http.Handler {
