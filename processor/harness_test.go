@@ -66,6 +66,7 @@ func (h *harness) config(handler processor.Handler) *processor.Config {
 
 // running is a processor started by start.
 type running struct {
+	p      *processor.Processor
 	cancel context.CancelFunc
 	done   chan struct{}
 	err    error
@@ -85,7 +86,7 @@ func (h *harness) start(cfg *processor.Config) *running {
 		h.t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	r := &running{cancel: cancel, done: make(chan struct{}), reg: reg}
+	r := &running{p: p, cancel: cancel, done: make(chan struct{}), reg: reg}
 	go func() {
 		defer close(r.done)
 		r.err = p.Run(ctx)

@@ -48,6 +48,8 @@ type Processor struct {
 	running atomic.Bool
 	// waiting says what startup is waiting for (Kafka, a source topic), for Ready.
 	waiting atomic.Pointer[string]
+	// lameDuck is set when shutdown begins: Ready fails from then on.
+	lameDuck atomic.Bool
 
 	// fail stops Run with an error: something that must not happen did (see worker.run).
 	failOnce sync.Once
@@ -92,6 +94,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 			p.tierOf[retrytopics.TierTopic(t, c.Group, n)] = tierRef{source: t, n: n}
 		}
 	}
+	m.initLabels(c.Topics, c.Group, len(c.RetryTiers))
 	p.drainer = newDrainer(p)
 	p.breaker = newBreaker(breakerConfig{
 		threshold:  c.BreakerThreshold,
@@ -214,6 +217,7 @@ func (p *Processor) fail(err error) {
 
 func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Relay, stopRelay func(), relayDone <-chan struct{}) {
 	begun := time.Now()
+	p.lameDuck.Store(true) // not ready first, then drain
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.ShutdownTimeout)
 	defer cancel()
 	p.log.Info("shutting down", "timeout", p.cfg.ShutdownTimeout)
@@ -563,8 +567,30 @@ func (p *Processor) stopWorkers(ws []*worker, grace time.Duration) {
 	}
 }
 
-// Ready reports whether the processor has joined its group and Postgres answers.
+// Healthy reports whether the processor is alive: its state lock can be taken before ctx ends
+// (a deadlock there would stall every partition). It does not depend on Kafka or Postgres, so a
+// liveness probe on it does not restart processes during an outage.
+func (p *Processor) Healthy(ctx context.Context) error {
+	got := make(chan struct{})
+	go func() {
+		p.mu.Lock()
+		p.mu.Unlock()
+		close(got)
+	}()
+	select {
+	case <-got:
+		return nil
+	case <-ctx.Done():
+		return errors.New("processor state lock not acquired in time: deadlocked?")
+	}
+}
+
+// Ready reports whether the processor has joined its group and Postgres answers. It fails from
+// the moment shutdown begins (lame duck), before the processor drains.
 func (p *Processor) Ready(ctx context.Context) error {
+	if p.lameDuck.Load() {
+		return errors.New("shutting down")
+	}
 	if !p.joined.Load() {
 		if why := p.waiting.Load(); why != nil {
 			return fmt.Errorf("not a member of the consumer group yet: %s", *why)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -91,4 +92,34 @@ func TestShutdownDuringStuckRebalanceLeavesTheGroup(t *testing.T) {
 		b.stop(t)
 		h.verify(items, 1, false)
 	})
+}
+
+// TestShutdownIsLameDuckFirst stops a processor whose handler is stuck: while it drains (up to
+// its drain timeout), it must already report not ready.
+func TestShutdownIsLameDuckFirst(t *testing.T) {
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	items := ledger.Generate(ledger.GenConfig{Events: 5, Accounts: 2, Seed: 33, Prefix: "ld"})
+	g := newGate(t, 1)
+	r := h.start(h.config(g))
+	h.produce(items)
+	g.waitStalled(t, 1)
+	if err := r.p.Ready(context.Background()); err != nil {
+		t.Fatalf("Ready before shutdown: %v", err)
+	}
+	r.cancel()
+	testenv.Eventually(t, 5*time.Second, func() error {
+		err := r.p.Ready(context.Background())
+		if err == nil || !strings.Contains(err.Error(), "shutting down") {
+			return fmt.Errorf("Ready = %v during shutdown, want shutting down", err)
+		}
+		return nil
+	})
+	select {
+	case <-r.done:
+		t.Fatal("Run returned before the stuck handler's drain timeout: the check above proved nothing")
+	default:
+	}
+	g.open()
+	<-r.done
 }

@@ -174,11 +174,28 @@ func Run(ctx context.Context, env *Env, log *slog.Logger) error {
 		}
 		return p.Ready(ctx)
 	}
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kafkapg_ready",
+		Help: "1 if this process is ready (in the consumer group, Postgres answers, not shutting down), as /readyz says; else 0.",
+	}, func() float64 {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		if ready(ctx) != nil {
+			return 0
+		}
+		return 1
+	}))
 	ln, err := net.Listen("tcp", env.HTTPAddr)
 	if err != nil {
 		return &ConfigError{fmt.Errorf("HTTP_ADDR=%q: %v", env.HTTPAddr, err)}
 	}
-	srv := &http.Server{Handler: httpHandler(reg, ready), ReadHeaderTimeout: 5 * time.Second}
+	healthy := func(ctx context.Context) error {
+		if p := proc.Load(); p != nil {
+			return p.Healthy(ctx)
+		}
+		return nil
+	}
+	srv := &http.Server{Handler: httpHandler(reg, healthy, ready), ReadHeaderTimeout: 5 * time.Second}
 	go srv.Serve(ln)
 	defer func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
@@ -262,10 +279,16 @@ func breakerThreshold(v float64) float64 {
 	return v
 }
 
-func httpHandler(reg *prometheus.Registry, ready func(context.Context) error) http.Handler {
+func httpHandler(reg *prometheus.Registry, healthy, ready func(context.Context) error) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+		defer cancel()
+		if err := healthy(ctx); err != nil {
+			http.Error(w, "unhealthy: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		}
 		io.WriteString(w, "ok\n")
 	})
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {

@@ -108,11 +108,14 @@ func TestHTTPHandler(t *testing.T) {
 		method     string
 		path       string
 		ready      error
+		unhealthy  error
 		wantStatus int
 		wantBody   []string
 	}{
 		{name: "healthz", method: "GET", path: "/healthz", wantStatus: 200, wantBody: []string{"ok\n"}},
 		{name: "healthz while not ready", method: "GET", path: "/healthz", ready: notReady, wantStatus: 200, wantBody: []string{"ok\n"}},
+		{name: "healthz deadlocked", method: "GET", path: "/healthz", unhealthy: errors.New("processor state lock not acquired in time: deadlocked?"),
+			wantStatus: 503, wantBody: []string{"unhealthy: processor state lock not acquired"}},
 		{name: "readyz ready", method: "GET", path: "/readyz", wantStatus: 200, wantBody: []string{"ready\n"}},
 		{name: "readyz not ready", method: "GET", path: "/readyz", ready: notReady, wantStatus: 503,
 			wantBody: []string{"not ready: starting: waiting for postgres"}},
@@ -127,7 +130,7 @@ func TestHTTPHandler(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			h := httpHandler(newTestRegistry(t), func(context.Context) error { return tt.ready })
+			h := httpHandler(newTestRegistry(t), func(context.Context) error { return tt.unhealthy }, func(context.Context) error { return tt.ready })
 			rec := httptest.NewRecorder()
 			h.ServeHTTP(rec, httptest.NewRequest(tt.method, tt.path, nil))
 			if rec.Code != tt.wantStatus {
@@ -144,7 +147,7 @@ func TestHTTPHandler(t *testing.T) {
 
 func TestHTTPHandlerMetricsTextFormat(t *testing.T) {
 	t.Parallel()
-	srv := httptest.NewServer(httpHandler(newTestRegistry(t), func(context.Context) error { return nil }))
+	srv := httptest.NewServer(httpHandler(newTestRegistry(t), func(context.Context) error { return nil }, func(context.Context) error { return nil }))
 	defer srv.Close()
 	resp, err := http.Get(srv.URL + "/metrics")
 	if err != nil {
@@ -166,7 +169,7 @@ func TestHTTPHandlerReadyzDeadline(t *testing.T) {
 	t.Parallel()
 	var deadline time.Time
 	var ok bool
-	h := httpHandler(prometheus.NewRegistry(), func(ctx context.Context) error {
+	h := httpHandler(prometheus.NewRegistry(), func(context.Context) error { return nil }, func(ctx context.Context) error {
 		deadline, ok = ctx.Deadline()
 		<-ctx.Done()
 		return ctx.Err()
