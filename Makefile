@@ -29,6 +29,10 @@ demo: build ## Run the ledger demo: dev broker, throwaway Postgres, processor, r
 test: ## Unit and integration tests (real Postgres; kfake, plus real Kafka if KAFKA_BROKERS is set)
 	scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test $(TESTFLAGS) $(PKGS)
 
+.PHONY: deploy-check
+deploy-check: ## Validate deploy/: kustomize build, Kubernetes schemas, alert rules, dashboard PromQL
+	cd deploy/validate && $(GO) test -count=1 ./...
+
 .PHONY: chaos
 chaos: build ## Fault-injection suite: kill, stop and cut processors, Postgres and the broker; check exactly-once
 	$(GO) build -o $(BIN)/ ./internal/cmd/chaos
@@ -43,6 +47,7 @@ lint: ## gofmt check, go.mod tidy check and go vet (staticcheck too if installed
 	$(GO) mod tidy -diff
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
+	cd deploy/validate && $(GO) mod tidy -diff && $(GO) vet ./...
 	@if command -v staticcheck >/dev/null; then staticcheck $(PKGS); else echo "staticcheck not installed; skipped"; fi
 
 .PHONY: fmt

@@ -10,6 +10,8 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -223,5 +225,50 @@ func TestMainMigrate(t *testing.T) {
 	}
 	if code := Main([]string{"migrate"}, &out); code != 0 {
 		t.Fatalf("second migrate exited %d: %s", code, out.String())
+	}
+}
+
+// TestDeployQueriesUseExportedMetrics scrapes /metrics from a running processor and checks that
+// every kafkapg metric the alert rules (deploy/kubernetes/prometheusrule.yaml) and the Grafana
+// dashboard (deploy/grafana) query is one the processor exports. (deploy/validate checks that
+// the queries are valid PromQL.)
+func TestDeployQueriesUseExportedMetrics(t *testing.T) {
+	pool, dbURL := testenv.Postgres(t)
+	k := testenv.NewKfake(t)
+	topic := k.CreateTopic(t, 2)
+	svc := startService(t, map[string]string{"DATABASE_URL": dbURL, "KAFKA_BROKERS": k.Brokers[0], "KAFKA_TOPICS": topic})
+	svc.waitReady()
+	svc.applyOne(pool, k, topic)
+	_, body, err := get("http://" + svc.httpAddr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	exported := map[string]bool{}
+	for _, m := range regexp.MustCompile(`(?m)^# TYPE (kafkapg_\w+) (\w+)`).FindAllStringSubmatch(body, -1) {
+		exported[m[1]] = true
+		if m[2] == "histogram" {
+			for _, s := range []string{"_bucket", "_sum", "_count"} {
+				exported[m[1]+s] = true
+			}
+		}
+	}
+	svc.stop()
+	if len(exported) < 20 {
+		t.Fatalf("only %d kafkapg metrics exported:\n%s", len(exported), body)
+	}
+	for _, f := range []string{"../../deploy/kubernetes/prometheusrule.yaml", "../../deploy/grafana/kafkapg-dashboard.json"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		used := regexp.MustCompile(`kafkapg_\w+`).FindAllString(string(b), -1)
+		if len(used) == 0 {
+			t.Errorf("%s queries no kafkapg metric", f)
+		}
+		for _, name := range used {
+			if !exported[name] {
+				t.Errorf("%s queries %s, which the processor does not export", f, name)
+			}
+		}
 	}
 }

@@ -1,0 +1,262 @@
+// Package validate checks kafkapg's deployment files: the kustomize manifests build and every
+// resource decodes strictly into its Kubernetes (or Prometheus Operator) type, the pieces agree
+// with each other, the alert rules pass Prometheus's rule checks, and the dashboard's queries are
+// valid PromQL. It is a module of its own so that kafkapg's users do not inherit these
+// dependencies. That the queries only use metrics kafkapg exports is checked against a running
+// processor by internal/service's TestDeployQueriesUseExportedMetrics.
+package validate
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
+	"github.com/prometheus/common/model"
+	"github.com/prometheus/prometheus/model/rulefmt"
+	"github.com/prometheus/prometheus/promql/parser"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"sigs.k8s.io/kustomize/api/krusty"
+	"sigs.k8s.io/kustomize/kyaml/filesys"
+	"sigs.k8s.io/yaml"
+)
+
+// manifests is what `kubectl kustomize deploy/kubernetes` renders, decoded.
+type manifests struct {
+	deployment *appsv1.Deployment
+	service    *corev1.Service
+	config     *corev1.ConfigMap
+	pdb        *policyv1.PodDisruptionBudget
+	monitor    *monitoringv1.ServiceMonitor
+	rules      *monitoringv1.PrometheusRule
+}
+
+func build(t *testing.T) manifests {
+	t.Helper()
+	k := krusty.MakeKustomizer(krusty.MakeDefaultOptions())
+	rm, err := k.Run(filesys.MakeFsOnDisk(), "../kubernetes")
+	if err != nil {
+		t.Fatalf("kustomize build deploy/kubernetes: %v", err)
+	}
+	var m manifests
+	for _, r := range rm.Resources() {
+		y, err := r.AsYAML()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var target any
+		switch r.GetKind() {
+		case "Deployment":
+			m.deployment = &appsv1.Deployment{}
+			target = m.deployment
+		case "Service":
+			m.service = &corev1.Service{}
+			target = m.service
+		case "ConfigMap":
+			m.config = &corev1.ConfigMap{}
+			target = m.config
+		case "PodDisruptionBudget":
+			m.pdb = &policyv1.PodDisruptionBudget{}
+			target = m.pdb
+		case "ServiceMonitor":
+			m.monitor = &monitoringv1.ServiceMonitor{}
+			target = m.monitor
+		case "PrometheusRule":
+			m.rules = &monitoringv1.PrometheusRule{}
+			target = m.rules
+		default:
+			t.Errorf("unexpected resource %s %s", r.GetKind(), r.GetName())
+			continue
+		}
+		// Strict: a misspelt or misplaced field is an error, as the API server's schema would say.
+		if err := yaml.UnmarshalStrict(y, target); err != nil {
+			t.Errorf("%s %s does not match its schema: %v", r.GetKind(), r.GetName(), err)
+		}
+	}
+	for name, missing := range map[string]bool{"Deployment": m.deployment == nil, "Service": m.service == nil, "ConfigMap": m.config == nil,
+		"PodDisruptionBudget": m.pdb == nil, "ServiceMonitor": m.monitor == nil, "PrometheusRule": m.rules == nil} {
+		if missing {
+			t.Fatalf("kustomize output has no %s", name)
+		}
+	}
+	return m
+}
+
+// TestManifests checks that the resources agree: selectors select the pods, probes and the
+// ServiceMonitor use the metrics port, the configuration comes from the generated ConfigMap and
+// the Secret, the grace period covers SHUTDOWN_TIMEOUT, and the pod runs as non-root.
+func TestManifests(t *testing.T) {
+	m := build(t)
+	pod := m.deployment.Spec.Template
+	podLabels := labels.Set(pod.Labels)
+	sel, err := labelsSelector(m.deployment.Spec.Selector.MatchLabels)
+	if err != nil || !sel.Matches(podLabels) {
+		t.Errorf("the Deployment's selector %v does not select its pods %v", m.deployment.Spec.Selector.MatchLabels, pod.Labels)
+	}
+	if !labels.SelectorFromSet(m.service.Spec.Selector).Matches(podLabels) || len(m.service.Spec.Selector) == 0 {
+		t.Errorf("the Service's selector %v does not select the pods %v", m.service.Spec.Selector, pod.Labels)
+	}
+	if m.pdb.Spec.Selector == nil || !labels.SelectorFromSet(m.pdb.Spec.Selector.MatchLabels).Matches(podLabels) {
+		t.Errorf("the PodDisruptionBudget does not select the pods %v", pod.Labels)
+	}
+	if !labels.SelectorFromSet(m.monitor.Spec.Selector.MatchLabels).Matches(labels.Set(m.service.Labels)) {
+		t.Errorf("the ServiceMonitor's selector %v does not select the Service %v", m.monitor.Spec.Selector.MatchLabels, m.service.Labels)
+	}
+
+	if len(pod.Spec.Containers) != 1 {
+		t.Fatalf("%d containers, want 1", len(pod.Spec.Containers))
+	}
+	c := pod.Spec.Containers[0]
+	ports := map[string]int32{}
+	for _, p := range c.Ports {
+		ports[p.Name] = p.ContainerPort
+	}
+	if ports["metrics"] != 9090 {
+		t.Errorf("container ports %v, want metrics on 9090 (HTTP_ADDR)", ports)
+	}
+	for name, probe := range map[string]*corev1.Probe{"liveness": c.LivenessProbe, "readiness": c.ReadinessProbe, "startup": c.StartupProbe} {
+		want := map[string]string{"liveness": "/healthz", "readiness": "/readyz", "startup": "/healthz"}[name]
+		if probe == nil || probe.HTTPGet == nil || probe.HTTPGet.Path != want || probe.HTTPGet.Port.String() != "metrics" {
+			t.Errorf("%s probe %+v, want GET %s on the metrics port", name, probe, want)
+		}
+	}
+	if len(m.service.Spec.Ports) != 1 || m.service.Spec.Ports[0].TargetPort.String() != "metrics" || m.monitor.Spec.Endpoints[0].Port != m.service.Spec.Ports[0].Name {
+		t.Errorf("Service ports %+v and ServiceMonitor endpoints %+v do not lead to the metrics port", m.service.Spec.Ports, m.monitor.Spec.Endpoints)
+	}
+
+	var fromConfig bool
+	for _, e := range c.EnvFrom {
+		fromConfig = fromConfig || (e.ConfigMapRef != nil && e.ConfigMapRef.Name == m.config.Name)
+	}
+	if !fromConfig {
+		t.Errorf("the container does not take its environment from the generated ConfigMap %s", m.config.Name)
+	}
+	var dbFromSecret bool
+	for _, e := range c.Env {
+		if e.Name == "DATABASE_URL" {
+			dbFromSecret = e.ValueFrom != nil && e.ValueFrom.SecretKeyRef != nil
+		}
+	}
+	if !dbFromSecret {
+		t.Error("DATABASE_URL must come from a Secret")
+	}
+	if _, ok := m.config.Data["DATABASE_URL"]; ok {
+		t.Error("DATABASE_URL is in the ConfigMap: it holds a password, put it in the Secret")
+	}
+	for _, required := range []string{"KAFKA_BROKERS", "KAFKA_GROUP_ID", "KAFKA_TOPICS", "HANDLER"} {
+		if m.config.Data[required] == "" {
+			t.Errorf("the ConfigMap does not set %s", required)
+		}
+	}
+
+	shutdown := 10 * time.Second
+	if v, ok := m.config.Data["SHUTDOWN_TIMEOUT"]; ok {
+		if shutdown, err = time.ParseDuration(v); err != nil {
+			t.Errorf("SHUTDOWN_TIMEOUT=%q: %v", v, err)
+		}
+	}
+	if grace := pod.Spec.TerminationGracePeriodSeconds; grace == nil || time.Duration(*grace)*time.Second <= shutdown {
+		t.Errorf("terminationGracePeriodSeconds must exceed SHUTDOWN_TIMEOUT %v, or Kubernetes kills the drain", shutdown)
+	}
+
+	sc := pod.Spec.SecurityContext
+	if sc == nil || sc.RunAsNonRoot == nil || !*sc.RunAsNonRoot {
+		t.Error("the pod must run as non-root")
+	}
+	if c.SecurityContext == nil || c.SecurityContext.ReadOnlyRootFilesystem == nil || !*c.SecurityContext.ReadOnlyRootFilesystem {
+		t.Error("the container's root filesystem should be read-only")
+	}
+	if c.Resources.Requests.Cpu().IsZero() || c.Resources.Limits.Memory().IsZero() {
+		t.Errorf("resources %+v: want a CPU request and a memory limit", c.Resources)
+	}
+}
+
+func labelsSelector(m map[string]string) (labels.Selector, error) {
+	if len(m) == 0 {
+		return nil, fmt.Errorf("empty selector")
+	}
+	return labels.SelectorFromSet(m), nil
+}
+
+// TestAlertRules runs Prometheus's own rule-file checks (promtool check rules does the same)
+// over the PrometheusRule's groups: PromQL parses, templates render, names are valid.
+func TestAlertRules(t *testing.T) {
+	m := build(t)
+	groups, err := yaml.Marshal(map[string]any{"groups": m.rules.Spec.Groups})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rg, errs := rulefmt.Parse(groups, false, model.UTF8Validation, parser.NewParser(parser.Options{}), slog.New(slog.DiscardHandler))
+	for _, err := range errs {
+		t.Errorf("alert rules: %v", err)
+	}
+	if rg == nil {
+		return
+	}
+	n := 0
+	for _, g := range rg.Groups {
+		for _, r := range g.Rules {
+			n++
+			if r.Alert == "" {
+				continue
+			}
+			if r.Labels["severity"] == "" || r.Annotations["summary"] == "" {
+				t.Errorf("alert %s needs a severity label and a summary annotation", r.Alert)
+			}
+		}
+	}
+	if n < 8 {
+		t.Errorf("%d rules, want the documented set", n)
+	}
+}
+
+// TestDashboard checks that the Grafana dashboard is valid JSON whose every query parses as
+// PromQL.
+func TestDashboard(t *testing.T) {
+	for _, q := range dashboardQueries(t) {
+		expr := strings.ReplaceAll(q, "$__rate_interval", "5m")
+		if _, err := parser.NewParser(parser.Options{}).ParseExpr(expr); err != nil {
+			t.Errorf("dashboard query %q: %v", q, err)
+		}
+	}
+}
+
+func dashboardQueries(t *testing.T) []string {
+	t.Helper()
+	b, err := os.ReadFile("../grafana/kafkapg-dashboard.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d struct {
+		Title  string
+		Panels []struct {
+			Title   string
+			Targets []struct{ Expr string }
+		}
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	if err := dec.Decode(&d); err != nil {
+		t.Fatalf("dashboard: %v", err)
+	}
+	var out []string
+	for _, p := range d.Panels {
+		if len(p.Targets) == 0 {
+			t.Errorf("panel %q has no query", p.Title)
+		}
+		for _, tg := range p.Targets {
+			out = append(out, tg.Expr)
+		}
+	}
+	if len(out) < 10 {
+		t.Errorf("dashboard has %d queries", len(out))
+	}
+	return out
+}
