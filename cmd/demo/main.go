@@ -19,6 +19,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -218,14 +219,21 @@ func run(events int, partitions int32, keep bool) error {
 		return err
 	}
 	took := time.Since(started)
-	metrics := "(scrape failed)"
-	if sums, err := promscrape.Sums(ctx, "http://"+httpAddr+"/metrics"); err == nil {
-		metrics = fmt.Sprintf("kafkapg_records_applied_total=%g kafkapg_records_retried_total=%g kafkapg_records_held_total=%g kafkapg_records_dead_lettered_total=%g",
-			sums["kafkapg_records_applied_total"], sums["kafkapg_records_retried_total"], sums["kafkapg_records_held_total"],
-			sums["kafkapg_records_dead_lettered_total"])
-	} else {
-		metrics += " " + err.Error()
-	}
+	// What /metrics says must match the database (group-wide gauges refresh every 5 s).
+	var checks []metricCheck
+	merr := localrun.WaitFor(ctx, 15*time.Second, func() error {
+		var err error
+		checks, err = compareMetrics(ctx, pool, kadm.NewClient(cl), "http://"+httpAddr+"/metrics")
+		if err != nil {
+			return err
+		}
+		for _, c := range checks {
+			if c.metric != c.db {
+				return fmt.Errorf("%s = %g on /metrics, %g in the database", c.name, c.metric, c.db)
+			}
+		}
+		return nil
+	})
 
 	rep, verr := ledger.Verify(ctx, pool, items, maxAttempt)
 	dlq, err := topicread.All(ctx, []string{brokerAddr}, retrytopics.DLQTopic(topic, group))
@@ -262,14 +270,84 @@ func run(events int, partitions int32, keep bool) error {
 	if derr != nil {
 		fmt.Printf("dead letters WRONG:\n%v\n", derr)
 	}
-	fmt.Printf("metrics    were served at http://%s/metrics (also /healthz, /readyz): %s\n", httpAddr, metrics)
+	fmt.Printf("metrics    served at http://%s/metrics (also /healthz, /readyz), compared with the database:\n", httpAddr)
+	for _, c := range checks {
+		mark := "="
+		if c.metric != c.db {
+			mark = "!= (WRONG)"
+		}
+		fmt.Printf("             %-44s %8g %s %-8g %s\n", c.name, c.metric, mark, c.db, c.query)
+	}
+	if merr != nil {
+		fmt.Printf("metrics    do NOT match the database: %v\n", merr)
+	}
 	fmt.Printf("shutdown   SIGTERM -> exit %s in %v\n", exitStatus(exitErr), shutdown.Round(time.Millisecond))
-	if verr != nil || derr != nil || exitErr != nil {
+	if verr != nil || derr != nil || merr != nil || exitErr != nil {
 		return errors.New("the demo found problems (above)")
 	}
 	ok = true
 	fmt.Println("\nok: every event applied exactly once or dead-lettered; nothing lost.")
 	return nil
+}
+
+// metricCheck is one metric read from /metrics and the same figure computed from the database.
+type metricCheck struct {
+	name       string
+	metric, db float64
+	query      string
+}
+
+// compareMetrics scrapes url and computes, from Postgres and the broker's end offsets, what each
+// metric should say after a run of one processor that never restarted.
+func compareMetrics(ctx context.Context, pool *pgxpool.Pool, adm *kadm.Client, url string) ([]metricCheck, error) {
+	sums, err := promscrape.Sums(ctx, url)
+	if err != nil {
+		return nil, err
+	}
+	ends, err := adm.ListEndOffsets(ctx, topic)
+	if err == nil {
+		err = ends.Error()
+	}
+	if err != nil {
+		return nil, err
+	}
+	var lag int64
+	var stored = map[int32]int64{}
+	rows, err := pool.Query(ctx, `SELECT partition, next_offset FROM offsets WHERE consumer_group = $1 AND topic = $2 AND next_offset IS NOT NULL`, group, topic)
+	if err != nil {
+		return nil, err
+	}
+	var part int32
+	var next int64
+	if _, err := pgx.ForEachRow(rows, []any{&part, &next}, func() error { stored[part] = next; return nil }); err != nil {
+		return nil, err
+	}
+	ends.Each(func(o kadm.ListedOffset) { lag += o.Offset - stored[o.Partition] })
+
+	checks := []metricCheck{
+		{name: "kafkapg_consumer_lag_records", db: float64(lag), query: "broker end offsets - offsets.next_offset"},
+		{name: "kafkapg_records_applied_total", query: "SELECT count(*) FROM ledger_entries"},
+		{name: "kafkapg_records_retried_total", query: "sum(attempt - 1) over ledger_entries and dead_letters"},
+		{name: "kafkapg_retry_tier_records", query: "SELECT count(*) FROM retries"},
+		{name: "kafkapg_held_records", query: "SELECT count(*) FROM held_records"},
+		{name: "kafkapg_records_dead_lettered_total", query: "SELECT count(*) FROM dead_letters"},
+		{name: "kafkapg_dead_letters_new", query: "... WHERE status = 'new'"},
+	}
+	err = pool.QueryRow(ctx, `SELECT
+		(SELECT count(*) FROM ledger_entries),
+		(SELECT coalesce(sum(attempt - 1), 0) FROM ledger_entries) + (SELECT coalesce(sum(attempts - 1), 0) FROM dead_letters WHERE consumer_group = $1),
+		(SELECT count(*) FROM retries WHERE consumer_group = $1),
+		(SELECT count(*) FROM held_records WHERE consumer_group = $1),
+		(SELECT count(*) FROM dead_letters WHERE consumer_group = $1),
+		(SELECT count(*) FROM dead_letters WHERE consumer_group = $1 AND status = 'new')`, group).
+		Scan(&checks[1].db, &checks[2].db, &checks[3].db, &checks[4].db, &checks[5].db, &checks[6].db)
+	if err != nil {
+		return nil, err
+	}
+	for i := range checks {
+		checks[i].metric = sums[checks[i].name]
+	}
+	return checks, nil
 }
 
 func logFile(dir, name string) (*os.File, *os.File) {

@@ -48,8 +48,10 @@ CREATE TABLE IF NOT EXISTS ledger_entries (
     account       text      NOT NULL,
     amount        bigint    NOT NULL,
     seq           bigint    NOT NULL,
-    applied_order bigserial
+    applied_order bigserial,
+    attempt       integer   NOT NULL DEFAULT 1
 );
+ALTER TABLE ledger_entries ADD COLUMN IF NOT EXISTS attempt integer NOT NULL DEFAULT 1;
 CREATE TABLE IF NOT EXISTS ledger_balances (
     account  text   PRIMARY KEY,
     balance  bigint NOT NULL,
@@ -58,7 +60,7 @@ CREATE TABLE IF NOT EXISTS ledger_balances (
 
 // SQL the handler runs for every applied event, exported so benchmarks can run the very same.
 const (
-	InsertEntrySQL = `INSERT INTO ledger_entries (event_id, account, amount, seq) VALUES ($1, $2, $3, $4)`
+	InsertEntrySQL = `INSERT INTO ledger_entries (event_id, account, amount, seq, attempt) VALUES ($1, $2, $3, $4, $5)`
 	AddBalanceSQL  = `INSERT INTO ledger_balances (account, balance, last_seq) VALUES ($1, $2, $3)
 		ON CONFLICT (account) DO UPDATE SET balance = ledger_balances.balance + EXCLUDED.balance, last_seq = EXCLUDED.last_seq`
 )
@@ -117,7 +119,7 @@ func (Handler) HandleBatch(ctx context.Context, tx pgx.Tx, recs []*processor.Rec
 		if err != nil {
 			return processor.RecordFailed(i, err)
 		}
-		b.Queue(InsertEntrySQL, ev.EventID, ev.Account, ev.Amount, ev.Seq)
+		b.Queue(InsertEntrySQL, ev.EventID, ev.Account, ev.Amount, ev.Seq, rec.Attempt)
 		b.Queue(AddBalanceSQL, ev.Account, ev.Amount, ev.Seq)
 	}
 	return tx.SendBatch(ctx, b).Close()

@@ -28,7 +28,7 @@ type Report struct {
 
 // Verify checks the ledger tables against items, given how many delivery attempts records got
 // (1 without retry tiers): every event that should be applied is applied exactly once and no
-// other; each account's balance is the sum of its applied entries and of the expected amounts,
+// other, at the first delivery attempt its simulated failures let through; each account's balance is the sum of its applied entries and of the expected amounts,
 // and its last_seq is its highest applied seq; and each account's entries were applied in seq
 // order. It returns every violation it finds (at most 20 listed), joined.
 func Verify(ctx context.Context, db Querier, items []Item, maxAttempt int) (Report, error) {
@@ -48,7 +48,7 @@ func Verify(ctx context.Context, db Querier, items []Item, maxAttempt int) (Repo
 		}
 	}
 
-	rows, err := db.Query(ctx, `SELECT event_id, account, amount, seq FROM ledger_entries ORDER BY applied_order`)
+	rows, err := db.Query(ctx, `SELECT event_id, account, amount, seq, attempt FROM ledger_entries ORDER BY applied_order`)
 	if err != nil {
 		return rep, fmt.Errorf("read ledger_entries: %w", err)
 	}
@@ -62,7 +62,8 @@ func Verify(ctx context.Context, db Querier, items []Item, maxAttempt int) (Repo
 	for rows.Next() {
 		var id, account string
 		var amount, seq int64
-		if err := rows.Scan(&id, &account, &amount, &seq); err != nil {
+		var attempt int
+		if err := rows.Scan(&id, &account, &amount, &seq, &attempt); err != nil {
 			rows.Close()
 			return rep, err
 		}
@@ -76,6 +77,8 @@ func Verify(ctx context.Context, db Querier, items []Item, maxAttempt int) (Repo
 			add("event %s was applied but should have been dead-lettered", id)
 		} else if ev.Account != account || ev.Amount != amount || ev.Seq != seq {
 			add("event %s applied as (%s, %d, seq %d), produced as (%s, %d, seq %d)", id, account, amount, seq, ev.Account, ev.Amount, ev.Seq)
+		} else if attempt != ev.FailAttempts+1 {
+			add("event %s applied at delivery attempt %d, want %d (it fails while the attempt is at most %d)", id, attempt, ev.FailAttempts+1, ev.FailAttempts)
 		}
 		a := got[account]
 		if a == nil {

@@ -214,7 +214,7 @@ func applyChunk(ctx context.Context, pool *pgxpool.Pool, recs []*kgo.Record) err
 			if err != nil {
 				return err
 			}
-			b.Queue(ledger.InsertEntrySQL, ev.EventID, ev.Account, ev.Amount, ev.Seq)
+			b.Queue(ledger.InsertEntrySQL, ev.EventID, ev.Account, ev.Amount, ev.Seq, 1)
 			b.Queue(ledger.AddBalanceSQL, ev.Account, ev.Amount, ev.Seq)
 		}
 		last := recs[len(recs)-1]
