@@ -86,7 +86,7 @@ func (w *worker) admitRetries(ctx context.Context, tx pgx.Tx, recs []*Record, ou
 			st, ok := states[r.origin()]
 			if !ok || st.Attempt != r.Attempt {
 				out.duplicates++
-				w.log.Info("skipping a duplicate copy of a retry record", "origin", r.origin(), "attempt", r.Attempt,
+				w.log.Info("skipping a duplicate copy of a retry record", "offset", r.consumed, "key_hash", keyHash(r.Key), "origin", r.origin(), "attempt", r.Attempt,
 					"state_attempt", st.Attempt, "in_retry_path", ok)
 				continue
 			}
@@ -196,7 +196,7 @@ func (w *worker) route(rec *Record, f failure) error {
 	}, false)
 	if errors.Is(err, retrytopics.ErrStale) {
 		// Only a duplicate copy of a retry record can get here; its state has moved on.
-		w.log.Info("retry record moved on while it was being retried; skipping this copy", "origin", rec.origin(), "err", err)
+		w.log.Info("retry record moved on while it was being retried; skipping this copy", "offset", rec.consumed, "key_hash", keyHash(rec.Key), "origin", rec.origin(), "err", err)
 		w.p.metrics.duplicates.WithLabelValues(w.source).Inc()
 		return w.transact([]*Record{rec}, nil, nil, false)
 	}

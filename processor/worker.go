@@ -596,22 +596,30 @@ func (p *Processor) handle(ctx context.Context, tx pgx.Tx, recs []*Record) error
 	start := time.Now()
 	defer func() { p.metrics.handlerDuration.Observe(time.Since(start).Seconds()) }()
 	if p.batch != nil {
-		return p.call(func() error { return p.batch.HandleBatch(ctx, tx, recs) })
+		return p.call(recs, func() error { return p.batch.HandleBatch(ctx, tx, recs) })
 	}
 	for i, r := range recs {
-		if err := p.call(func() error { return p.cfg.Handler.Handle(ctx, tx, r) }); err != nil {
+		if err := p.call(recs[i:i+1], func() error { return p.cfg.Handler.Handle(ctx, tx, r) }); err != nil {
 			return &RecordError{Index: i, Err: err}
 		}
 	}
 	return nil
 }
 
-func (p *Processor) call(fn func() error) (err error) {
+// call runs fn, the handler over recs, turning a panic into a *PanicError.
+func (p *Processor) call(recs []*Record, fn func() error) (err error) {
 	defer func() {
 		if v := recover(); v != nil {
 			stack := debug.Stack()
 			p.metrics.handlerPanics.Inc()
-			p.log.Error("handler panicked; the record will be retried", "panic", fmt.Sprint(v), "stack", string(stack))
+			first := recs[0]
+			log := p.log.With("topic", first.Topic, "partition", first.Partition, "offset", first.Offset)
+			if len(recs) == 1 {
+				log = log.With("key_hash", keyHash(first.Key))
+			} else {
+				log = log.With("records", len(recs))
+			}
+			log.Error("handler panicked; the record will be retried", "panic", fmt.Sprint(v), "stack", string(stack))
 			err = &PanicError{Value: v, Stack: stack}
 		}
 	}()

@@ -272,3 +272,46 @@ func TestDeployQueriesUseExportedMetrics(t *testing.T) {
 		}
 	}
 }
+
+// TestSecretsStayOutOfLogs puts a password in DATABASE_URL: neither a malformed URL's error nor
+// the logs and /readyz of a service waiting for an unreachable Postgres may contain it.
+func TestSecretsStayOutOfLogs(t *testing.T) {
+	const password = "hunter2-do-not-log"
+	setEnv(t, with("DATABASE_URL", "postgres://app:"+password+"@db.example:notaport/app"))
+	env, err := LoadEnv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := openPool(context.Background(), &env.DBEnv); err == nil {
+		t.Fatal("openPool accepted a malformed DATABASE_URL")
+	} else if strings.Contains(err.Error(), password) {
+		t.Errorf("the error for a malformed DATABASE_URL shows the password: %v", err)
+	} else {
+		t.Logf("malformed DATABASE_URL: %v", err)
+	}
+
+	_, dbURL := testenv.Postgres(t)
+	u, err := url.Parse(dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := testenv.NewProxy(t, u.Host)
+	proxy.Cut()
+	u.Host = proxy.Addr()
+	u.User = url.UserPassword("app", password)
+	k := testenv.NewKfake(t)
+	svc := startService(t, map[string]string{"DATABASE_URL": u.String(), "KAFKA_BROKERS": k.Brokers[0], "KAFKA_TOPICS": k.CreateTopic(t, 1)})
+	svc.waitNotReady("waiting for postgres")
+	time.Sleep(500 * time.Millisecond) // a few failed connection attempts, each logged
+	_, body, _ := get("http://" + svc.httpAddr + "/readyz")
+	svc.stop()
+	logs := svc.logs.String()
+	if !strings.Contains(logs, "waiting for postgres") {
+		t.Fatalf("no log line about the unreachable Postgres:\n%s", logs)
+	}
+	for what, text := range map[string]string{"logs": logs, "/readyz": body} {
+		if strings.Contains(text, password) {
+			t.Errorf("the %s show the DATABASE_URL password:\n%s", what, text)
+		}
+	}
+}
