@@ -229,7 +229,13 @@ func (h *harness) dlq() string { return retrytopics.DLQTopic(h.topic, h.group) }
 // verify checks the ledger tables and the dead-letter topic against items.
 func (h *harness) verify(items []ledger.Item, maxAttempt int, allowDupDeadLetters bool) {
 	h.t.Helper()
-	rep, err := ledger.Verify(context.Background(), h.pool, items, maxAttempt)
+	h.verifyWith(items, maxAttempt, allowDupDeadLetters, ledger.VerifyOptions{})
+}
+
+// verifyWith is verify with ledger verification options.
+func (h *harness) verifyWith(items []ledger.Item, maxAttempt int, allowDupDeadLetters bool, opts ledger.VerifyOptions) {
+	h.t.Helper()
+	rep, err := ledger.VerifyWith(context.Background(), h.pool, items, maxAttempt, opts)
 	if err != nil {
 		h.t.Fatalf("ledger verification failed:\n%v", err)
 	}
