@@ -51,6 +51,13 @@ func freeAddr(t *testing.T) string {
 func TestRunWaitsForPostgres(t *testing.T) {
 	pool, dbURL := testenv.Postgres(t)
 	k := testenv.NewKfake(t)
+	u, proxy := cutPostgres(t, dbURL)
+	waitThenRecover(t, pool, k, u.String(), k.Brokers[0], proxy, "waiting for postgres", "waiting for postgres")
+}
+
+// cutPostgres returns dbURL rewritten to go through a fault proxy, and the proxy, cut.
+func cutPostgres(t *testing.T, dbURL string) (*url.URL, *faultproxy.Proxy) {
+	t.Helper()
 	u, err := url.Parse(dbURL)
 	if err != nil {
 		t.Fatal(err)
@@ -58,7 +65,7 @@ func TestRunWaitsForPostgres(t *testing.T) {
 	proxy := testenv.NewProxy(t, u.Host)
 	proxy.Cut()
 	u.Host = proxy.Addr()
-	waitThenRecover(t, pool, k, u.String(), k.Brokers[0], proxy, "waiting for postgres", "waiting for postgres")
+	return u, proxy
 }
 
 // TestRunWaitsForKafka starts the service while the broker refuses connections: it must keep
@@ -291,13 +298,7 @@ func TestSecretsStayOutOfLogs(t *testing.T) {
 	}
 
 	_, dbURL := testenv.Postgres(t)
-	u, err := url.Parse(dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := testenv.NewProxy(t, u.Host)
-	proxy.Cut()
-	u.Host = proxy.Addr()
+	u, _ := cutPostgres(t, dbURL)
 	u.User = url.UserPassword("app", password)
 	k := testenv.NewKfake(t)
 	svc := startService(t, map[string]string{"DATABASE_URL": u.String(), "KAFKA_BROKERS": k.Brokers[0], "KAFKA_TOPICS": k.CreateTopic(t, 1)})

@@ -332,13 +332,17 @@ func (s *suite) measure(ctx context.Context) error {
 		return err
 	}
 
+	restart := func(p *proc) error {
+		if err := s.restart(ctx, p); err != nil {
+			return err
+		}
+		return settled()
+	}
+
 	p := s.pick()
 	d := s.terminate(p)
 	s.count(func(st *stats) { st.alone.term = d })
-	if err := s.restart(ctx, p); err != nil {
-		return err
-	}
-	if err := settled(); err != nil {
+	if err := restart(p); err != nil {
 		return err
 	}
 
@@ -354,10 +358,7 @@ func (s *suite) measure(ctx context.Context) error {
 		d := time.Since(killed)
 		s.count(func(st *stats) { st.alone.kill = d })
 	}
-	if err := s.restart(ctx, p); err != nil {
-		return err
-	}
-	if err := settled(); err != nil {
+	if err := restart(p); err != nil {
 		return err
 	}
 
