@@ -3,6 +3,7 @@ package processor_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -123,6 +124,9 @@ func TestGarbledRetryRecordIsAFreshRecord(t *testing.T) {
 			mu.Lock()
 			seen = append(seen, fmt.Sprintf("%s@%s attempt %d", rec.Value, rec.Topic, rec.Attempt))
 			mu.Unlock()
+			if string(rec.Value) == "failing" {
+				return errors.New("a retryable failure")
+			}
 			_, err := tx.Exec(ctx, `INSERT INTO ledger_entries (event_id, account, amount, seq) VALUES ($1, 'a', 0, $2)`, string(rec.Value), rec.Attempt)
 			return err
 		})
@@ -137,9 +141,20 @@ func TestGarbledRetryRecordIsAFreshRecord(t *testing.T) {
 		})
 		h.k.Produce(t, &kgo.Record{Topic: tier, Key: []byte("k"), Value: []byte("plain")})
 		h.waitApplied(2, 30*time.Second)
+		// One that fails: with no origin to retry, it is dead-lettered, not sent round tier 1.
+		h.k.Produce(t, &kgo.Record{Topic: tier, Key: []byte("k"), Value: []byte("failing")})
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if n := len(h.k.ReadAll(t, h.dlq())); n != 1 {
+				return fmt.Errorf("%d dead letters, want 1", n)
+			}
+			return nil
+		})
+		if rows := h.retryPathRows(); rows != "" {
+			t.Errorf("retry path not empty after the garbled record was dead-lettered: %s", rows)
+		}
 		mu.Lock()
 		defer mu.Unlock()
-		want := fmt.Sprintf("[none@%s attempt 1 plain@%s attempt 1]", tier, tier)
+		want := fmt.Sprintf("[none@%s attempt 1 plain@%s attempt 1 failing@%s attempt 1 failing@%s attempt 1 failing@%s attempt 1]", tier, tier, tier, tier, tier)
 		if fmt.Sprint(seen) != want {
 			t.Errorf("handler saw %v, want %s", seen, want)
 		}

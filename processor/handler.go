@@ -33,6 +33,7 @@ type Record struct {
 	leaderEpoch int32
 	stage       retrytopics.Stage
 	ordered     bool      // its key orders it: a non-null key, from a source topic
+	foreign     bool      // read from a retry tier without valid kafkapg headers: no origin to retry
 	firstFailed time.Time // zero until its first failure
 }
 

@@ -22,16 +22,17 @@ type tierRef struct {
 
 // fromTier turns a record consumed from a retry tier back into its source record, as its
 // kafkapg- headers describe it. A record whose headers are missing or garbled (not published by
-// kafkapg) is handled as a fresh record of its own, with a warning.
+// kafkapg) is handled as a fresh record of its own, with a warning; having no origin to go back
+// to, it is dead-lettered if it fails rather than sent round the tiers.
 func (w *worker) fromTier(rec *Record) {
 	f, err := retrytopics.ParseFailure(rec.Headers)
 	if err == nil && f.Topic != w.source {
 		err = errors.New("its original topic " + f.Topic + " is not this tier's source topic " + w.source)
 	}
 	if err != nil {
-		w.log.Warn("record in a retry tier has missing or garbled kafkapg headers; handling it as a fresh record (attempt 1, no key order)",
+		w.log.Warn("record in a retry tier has missing or garbled kafkapg headers; handling it as a fresh record (attempt 1, no key order, dead-lettered if it fails)",
 			"offset", rec.consumed, "key_hash", keyHash(rec.Key), "err", err)
-		rec.ordered = false
+		rec.ordered, rec.foreign = false, true
 		return
 	}
 	rec.Topic, rec.Partition, rec.Offset, rec.Timestamp = f.Topic, f.Partition, f.Offset, f.Timestamp
@@ -138,7 +139,7 @@ func (p *Processor) plan(rec *Record, source string, f failure) move {
 		FirstFailedAt: first,
 	}
 	topic := retrytopics.DLQTopic(source, p.cfg.Group)
-	if class == ClassRetryable && rec.Attempt <= len(p.cfg.RetryTiers) {
+	if class == ClassRetryable && rec.Attempt <= len(p.cfg.RetryTiers) && !rec.foreign {
 		m.tier = rec.Attempt
 		m.DueAt = retrytopics.DueAt(now, p.cfg.RetryTiers[m.tier-1], rand.Float64())
 		hf.DueAt = m.DueAt
