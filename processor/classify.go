@@ -59,20 +59,13 @@ func (c ErrorClass) String() string {
 // Errors outside the handler (BEGIN, the offset update, COMMIT without a server answer) are
 // always treated as infrastructure and never reach Classify.
 func Classify(err error) ErrorClass {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "25P03" { // idle_in_transaction_session_timeout
-		return ClassRetryable
-	}
-	if errors.Is(err, sink.ErrConnLost) || errors.Is(err, sink.ErrCommitUnknown) {
-		return ClassInfrastructure
-	}
-	var infra *infrastructureError
-	if errors.As(err, &infra) {
-		return ClassInfrastructure
+	if c, ok := fixedClass(err); ok {
+		return c
 	}
 	if IsPermanent(err) {
 		return ClassPermanent
 	}
+	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		code := pgErr.Code
 		severity := pgErr.SeverityUnlocalized // not translated; empty before Postgres 9.6
@@ -96,12 +89,27 @@ func Classify(err error) ErrorClass {
 	return ClassRetryable
 }
 
-// classify classifies a handler's error, letting the handler override Classify (ErrorClassifier).
-// Failures outside the handler's control stay infrastructure whatever it says.
-func (p *Processor) classify(err error) ErrorClass {
+// fixedClass is the class of errors no handler may reclassify: a transaction that idled past
+// TxIdleTimeout is retryable (even wrapped in Infrastructure: retrying a too-slow handler in
+// place would never end); a lost connection, a commit with unknown outcome and Infrastructure
+// errors are infrastructure.
+func fixedClass(err error) (ErrorClass, bool) {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "25P03" { // idle_in_transaction_session_timeout
+		return ClassRetryable, true
+	}
 	var infra *infrastructureError
 	if errors.Is(err, sink.ErrConnLost) || errors.Is(err, sink.ErrCommitUnknown) || errors.As(err, &infra) {
-		return ClassInfrastructure
+		return ClassInfrastructure, true
+	}
+	return 0, false
+}
+
+// classify classifies a handler's error, letting the handler override Classify (ErrorClassifier)
+// except for the classes fixedClass decides.
+func (p *Processor) classify(err error) ErrorClass {
+	if c, ok := fixedClass(err); ok {
+		return c
 	}
 	if c, ok := p.cfg.Handler.(ErrorClassifier); ok {
 		return c.ClassifyError(err)

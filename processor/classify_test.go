@@ -90,6 +90,7 @@ func TestClassify(t *testing.T) {
 
 		{name: "idle in transaction timeout 25P03", err: pgErr("ERROR", "25P03"), want: ClassRetryable},
 		{name: "idle in transaction timeout 25P03 as FATAL", err: pgErr("FATAL", "25P03"), want: ClassRetryable},
+		{name: "25P03 wrapped in Infrastructure (the processor's own statements)", err: Infrastructure(pgErr("ERROR", "25P03")), want: ClassRetryable},
 		{name: "unique violation 23505", err: pgErr("ERROR", "23505"), want: ClassRetryable},
 		{name: "undefined table 42P01", err: pgErr("ERROR", "42P01"), want: ClassRetryable},
 		{name: "invalid text representation 22P02", err: pgErr("ERROR", "22P02"), want: ClassRetryable},
@@ -118,6 +119,34 @@ func TestClassify(t *testing.T) {
 				t.Errorf("Classify(%v) = %v, want %v", tt.err, got, tt.want)
 			}
 		})
+	}
+}
+
+// alwaysPermanent reclassifies every error as permanent.
+type alwaysPermanent struct{ Handler }
+
+func (alwaysPermanent) ClassifyError(error) ErrorClass { return ClassPermanent }
+
+// TestProcessorClassify: a handler's ErrorClassifier decides, except for the classes no handler
+// may change. A transaction ended for idling (25P03), even when the processor's own statement in
+// it reported the error wrapped in Infrastructure, stays retryable: retried in place, a too-slow
+// handler would be retried for ever.
+func TestProcessorClassify(t *testing.T) {
+	p := &Processor{cfg: &Config{Handler: alwaysPermanent{}}}
+	for _, tt := range []struct {
+		name string
+		err  error
+		want ErrorClass
+	}{
+		{"handler's own error", errors.New("bad"), ClassPermanent},
+		{"idled past TxIdleTimeout", pgErr("ERROR", "25P03"), ClassRetryable},
+		{"idled, seen by the processor's settle statement", Infrastructure(pgErr("ERROR", "25P03")), ClassRetryable},
+		{"connection lost", fmt.Errorf("x: %w", sink.ErrConnLost), ClassInfrastructure},
+		{"Infrastructure", Infrastructure(errors.New("api down")), ClassInfrastructure},
+	} {
+		if got := p.classify(tt.err); got != tt.want {
+			t.Errorf("%s: classify = %v, want %v", tt.name, got, tt.want)
+		}
 	}
 }
 
