@@ -88,20 +88,10 @@ func startBroker(t *testing.T, args ...string) (addr string, stop func() (int, s
 	return addr, stop
 }
 
-func freePort(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
-
 // TestDevbrokerAdvertise: clients that reach the broker through a proxy are told to keep using
 // the proxy, so cutting the proxy cuts them off.
 func TestDevbrokerAdvertise(t *testing.T) {
-	listen := freePort(t)
+	listen := testenv.FreeAddr(t)
 	proxy := testenv.NewProxy(t, listen)
 	addr, _ := startBroker(t, "-listen", listen, "-advertise", proxy.Addr())
 	if addr != proxy.Addr() {
@@ -133,7 +123,7 @@ func TestDevbrokerAdvertise(t *testing.T) {
 // TestDevbrokerDataDir: with -data-dir, topics and records survive a restart.
 func TestDevbrokerDataDir(t *testing.T) {
 	dir := t.TempDir()
-	listen := freePort(t)
+	listen := testenv.FreeAddr(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 

@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"maps"
-	"net"
 	"net/http"
 	"net/url"
 	"os"
@@ -33,16 +32,6 @@ func get(url string) (int, string, error) {
 	defer resp.Body.Close()
 	body, err := io.ReadAll(resp.Body)
 	return resp.StatusCode, string(body), err
-}
-
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
 }
 
 // TestRunWaitsForPostgres starts the service while Postgres is unreachable: it must serve
@@ -121,7 +110,7 @@ type service struct {
 // include DATABASE_URL, KAFKA_BROKERS and KAFKA_TOPICS). It logs as text into svc.logs.
 func startService(t *testing.T, vars map[string]string) *service {
 	t.Helper()
-	svc := &service{t: t, httpAddr: freeAddr(t), logs: &syncBuffer{}, done: make(chan error, 1)}
+	svc := &service{t: t, httpAddr: testenv.FreeAddr(t), logs: &syncBuffer{}, done: make(chan error, 1)}
 	all := map[string]string{
 		"KAFKA_GROUP_ID":     "g",
 		"HANDLER":            "ledger",

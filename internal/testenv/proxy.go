@@ -4,7 +4,18 @@ import (
 	"testing"
 
 	"github.com/kafkapg/kafkapg/internal/faultproxy"
+	"github.com/kafkapg/kafkapg/internal/localrun"
 )
+
+// FreeAddr returns a local address (127.0.0.1:port) that was free a moment ago.
+func FreeAddr(t testing.TB) string {
+	t.Helper()
+	addr, err := localrun.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return addr
+}
 
 // NewProxy starts a fault-injecting TCP proxy on a free local port in front of upstream
 // (host:port), closed at the end of the test.

@@ -469,10 +469,8 @@ func (s *suite) pgDrop(context.Context) error {
 // pgCut makes Postgres unreachable for 1-3 s and measures (in the background) how long after it
 // returns the processors commit again.
 func (s *suite) pgCut(ctx context.Context) error {
-	s.pgProxy.Cut()
 	s.count(func(st *stats) { st.pgCuts++ })
-	err := sleep(ctx, time.Duration(1000+s.rng.IntN(2000))*time.Millisecond)
-	s.pgProxy.Restore()
+	err := s.outage(ctx, s.pgProxy.Cut, s.pgProxy.Restore)
 	back := time.Now()
 	s.bg.Add(1)
 	go func() {
@@ -487,6 +485,13 @@ func (s *suite) pgCut(ctx context.Context) error {
 		})
 	}()
 	return err
+}
+
+// outage runs start, waits 1-3 s, then runs restore.
+func (s *suite) outage(ctx context.Context, start, restore func()) error {
+	start()
+	defer restore()
+	return sleep(ctx, time.Duration(1000+s.rng.IntN(2000))*time.Millisecond)
 }
 
 // waitCommits waits until a processor commits an offset after back and returns how long after
@@ -506,19 +511,13 @@ func (s *suite) waitCommits(ctx context.Context, back time.Time) (time.Duration,
 }
 
 func (s *suite) pgStall(ctx context.Context) error {
-	s.pgProxy.Stall()
 	s.count(func(st *stats) { st.pgStalls++ })
-	err := sleep(ctx, time.Duration(1000+s.rng.IntN(2000))*time.Millisecond)
-	s.pgProxy.Restore()
-	return err
+	return s.outage(ctx, s.pgProxy.Stall, s.pgProxy.Restore)
 }
 
 func (s *suite) brokerCut(ctx context.Context) error {
-	s.brokerProxy.Cut()
 	s.count(func(st *stats) { st.brokerCuts++ })
-	err := sleep(ctx, time.Duration(1000+s.rng.IntN(2000))*time.Millisecond)
-	s.brokerProxy.Restore()
-	return err
+	return s.outage(ctx, s.brokerProxy.Cut, s.brokerProxy.Restore)
 }
 
 // brokerRestart stops the dev broker and starts it again on its data directory.
