@@ -31,11 +31,11 @@ type breaker struct {
 	mu        sync.Mutex
 	st        breakerState
 	buckets   []breakerBucket // ring of per-slot counts covering cfg.window
+	slotWidth time.Duration   // cfg.window / breakerSlots, at least 1ns
 	probeWait time.Duration   // current interval between probes
 	nextProbe time.Time       // when an open breaker lets the next probe through
 	openedAt  time.Time
 	changed   chan struct{} // closed and replaced on every state change
-	held      int           // records waiting for the breaker
 }
 
 type breakerConfig struct {
@@ -73,14 +73,15 @@ type breakerBucket struct {
 }
 
 func newBreaker(cfg breakerConfig, log *slog.Logger, m *metrics) *breaker {
-	return &breaker{cfg: cfg, log: log, metrics: m, buckets: make([]breakerBucket, breakerSlots), changed: make(chan struct{})}
+	return &breaker{cfg: cfg, log: log, metrics: m, buckets: make([]breakerBucket, breakerSlots),
+		slotWidth: max(cfg.window/breakerSlots, 1), changed: make(chan struct{})}
 }
 
 func (b *breaker) enabled() bool { return b.cfg.threshold > 0 }
 
 // bucket returns the bucket of now, emptied if it held an older slot. b.mu must be held.
 func (b *breaker) bucket(now time.Time) *breakerBucket {
-	slot := now.UnixNano() / int64(b.cfg.window/breakerSlots)
+	slot := now.UnixNano() / int64(b.slotWidth)
 	bk := &b.buckets[slot%breakerSlots]
 	if bk.slot != slot {
 		*bk = breakerBucket{slot: slot}
@@ -90,7 +91,7 @@ func (b *breaker) bucket(now time.Time) *breakerBucket {
 
 // counts returns the successes and failures within the window. b.mu must be held.
 func (b *breaker) counts(now time.Time) (ok, failed int) {
-	slot := now.UnixNano() / int64(b.cfg.window/breakerSlots)
+	slot := now.UnixNano() / int64(b.slotWidth)
 	for _, bk := range b.buckets {
 		if slot-bk.slot < breakerSlots {
 			ok += bk.ok
@@ -167,14 +168,8 @@ func (b *breaker) setState(s breakerState, now time.Time) {
 // ends or stopping closes first.
 func (b *breaker) wait(ctx context.Context, stopping <-chan struct{}) (probe, ok bool) {
 	b.mu.Lock()
-	b.held++
-	b.metrics.breakerHeld.Set(float64(b.held))
-	defer func() {
-		b.mu.Lock()
-		b.held--
-		b.metrics.breakerHeld.Set(float64(b.held))
-		b.mu.Unlock()
-	}()
+	b.metrics.breakerHeld.Inc()
+	defer b.metrics.breakerHeld.Dec()
 	for {
 		now := time.Now()
 		if b.st == breakerClosed {
@@ -231,7 +226,8 @@ func (b *breaker) done() {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.st == breakerProbing {
-		b.setState(breakerOpen, time.Now().Add(-b.probeWait))
+		b.setState(breakerOpen, time.Now())
+		b.nextProbe = time.Now() // at once, not after another interval
 	}
 }
 

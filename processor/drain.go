@@ -10,7 +10,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/kafkapg/kafkapg/internal/backoff"
 	"github.com/kafkapg/kafkapg/retrytopics"
 	"github.com/kafkapg/kafkapg/sink"
 )
@@ -28,6 +27,7 @@ type drainer struct {
 	wake chan struct{}
 
 	stopping chan struct{} // closed: finish the transaction in flight, start nothing new
+	stopOnce sync.Once
 	ctx      context.Context
 	cancel   context.CancelFunc
 	done     chan struct{}
@@ -54,17 +54,11 @@ func (d *drainer) notify() {
 	}
 }
 
-// stop stops the drainer, abandoning its transaction in flight after grace.
-func (d *drainer) stop(grace time.Duration) {
-	close(d.stopping)
-	select {
-	case <-d.done:
-		return
-	case <-time.After(grace):
-	}
-	d.cancel()
-	<-d.done
-}
+// stop, abandon, finished and describe make the drainer a stopper (see Processor.stopWorkers).
+func (d *drainer) stop()                     { d.stopOnce.Do(func() { close(d.stopping) }) }
+func (d *drainer) abandon()                  { d.cancel() }
+func (d *drainer) finished() <-chan struct{} { return d.done }
+func (d *drainer) describe() []any           { return []any{"component", "drainer"} }
 
 const (
 	drainBatch   = 100 // ready keys read at once
@@ -78,26 +72,22 @@ func (d *drainer) run() {
 	defer close(d.done)
 	tick := time.NewTicker(drainInterval)
 	defer tick.Stop()
-	for failures := 1; ; {
-		keys, err := d.p.retry.ReadyKeys(d.ctx, d.p.pool, drainBatch)
+	for {
+		var keys []retrytopics.Key
+		err := d.p.inPlace(d.ctx, d.stopping, d.log, false, func() (err error) {
+			keys, err = d.p.retry.ReadyKeys(d.ctx, d.p.pool, drainBatch)
+			return err
+		})
 		if err != nil {
-			if d.ctx.Err() != nil {
-				return
-			}
-			wait := d.p.backoff.Delay(failures)
-			d.log.Warn("cannot read keys ready to drain; retrying", "err", err, "retry_in", wait)
-			failures++
-			if !backoff.Sleep(d.ctx, d.stopping, wait) {
-				return
-			}
-			continue
-		}
-		failures = 1
-		if d.drainAll(keys) != nil {
 			return // stopped
 		}
-		if len(keys) == drainBatch {
-			continue
+		progressed, err := d.drainAll(keys)
+		if err != nil {
+			return // stopped
+		}
+		if len(keys) == drainBatch && progressed {
+			continue // there may be more ready keys; without progress (other processors hold
+			// these keys), looking again at once would only spin on the same ones
 		}
 		select {
 		case <-d.stopping:
@@ -108,17 +98,22 @@ func (d *drainer) run() {
 	}
 }
 
-// drainAll drains keys, drainWorkers at a time. It returns errStopped if it was stopped.
-func (d *drainer) drainAll(keys []retrytopics.Key) error {
+// drainAll drains keys, drainWorkers at a time. It reports whether any key made progress, and
+// returns errStopped if it was stopped.
+func (d *drainer) drainAll(keys []retrytopics.Key) (progressed bool, err error) {
 	next := make(chan retrytopics.Key)
-	var stopped atomic.Bool
+	var stopped, anyProgress atomic.Bool
 	var wg sync.WaitGroup
 	for range min(drainWorkers, len(keys)) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for k := range next {
-				if d.drainKey(k) != nil {
+				p, err := d.drainKey(k)
+				if p {
+					anyProgress.Store(true)
+				}
+				if err != nil {
 					stopped.Store(true)
 				}
 			}
@@ -130,25 +125,27 @@ func (d *drainer) drainAll(keys []retrytopics.Key) error {
 	close(next)
 	wg.Wait()
 	if stopped.Load() {
-		return errStopped
+		return anyProgress.Load(), errStopped
 	}
-	return nil
+	return anyProgress.Load(), nil
 }
 
 // drainKey applies the records parked behind k in order, until none is left, the key is held
 // again (a record went to a retry tier, or was dead-lettered with ON_DEAD_LETTER=block) or
-// another processor holds it. It returns only errStopped.
-func (d *drainer) drainKey(k retrytopics.Key) error {
+// another processor holds it. It reports whether it applied or moved anything, and returns only
+// errStopped.
+func (d *drainer) drainKey(k retrytopics.Key) (progressed bool, err error) {
 	for {
 		select {
 		case <-d.stopping:
-			return errStopped
+			return progressed, errStopped
 		default:
 		}
 		more, err := d.applyNext(k)
 		if err != nil || !more {
-			return err
+			return progressed, err
 		}
+		progressed = true
 	}
 }
 

@@ -23,18 +23,19 @@ func (p *Processor) refreshLag(ctx context.Context, adm *kadm.Client) error {
 	if err != nil {
 		return fmt.Errorf("list end offsets: %w", err)
 	}
+	stored, err := p.store.Positions(ctx, p.pool, p.cfg.Topics)
+	if err != nil {
+		return err
+	}
+	// Start offsets matter only for partitions never applied (usually none, after the first run).
 	var starts kadm.ListedOffsets
-	if p.cfg.StartOffset == StartEarliest {
+	if p.cfg.StartOffset == StartEarliest && len(stored) < partitionCount(ends) {
 		if starts, err = adm.ListStartOffsets(ctx, p.cfg.Topics...); err == nil {
 			err = starts.Error()
 		}
 		if err != nil {
 			return fmt.Errorf("list start offsets: %w", err)
 		}
-	}
-	stored, err := p.store.Positions(ctx, p.pool, p.cfg.Topics)
-	if err != nil {
-		return err
 	}
 	ends.Each(func(end kadm.ListedOffset) {
 		next, ok := stored[offsets.Partition{Topic: end.Topic, Partition: end.Partition}]
@@ -47,4 +48,12 @@ func (p *Processor) refreshLag(ctx context.Context, adm *kadm.Client) error {
 		p.metrics.lag.WithLabelValues(end.Topic, strconv.Itoa(int(end.Partition))).Set(float64(max(end.Offset-next, 0)))
 	})
 	return nil
+}
+
+func partitionCount(l kadm.ListedOffsets) int {
+	n := 0
+	for _, ps := range l {
+		n += len(ps)
+	}
+	return n
 }

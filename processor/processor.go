@@ -224,8 +224,7 @@ func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Re
 
 	// Stop the workers first: nothing new is applied from here on.
 	drain := min(p.cfg.DrainTimeout, p.cfg.ShutdownTimeout/2)
-	p.stopWorkers(p.removeWorkers(nil), drain)
-	p.drainer.stop(drain)
+	p.stopWorkers(append(stoppers(p.removeWorkers(nil)), p.drainer), drain)
 
 	// Publish what the last transactions put in the outbox, if time allows; anything left is
 	// published by the next processor to run.
@@ -399,7 +398,6 @@ func (p *Processor) poll(ctx context.Context, cl *kgo.Client) {
 			if len(ftp.Records) == 0 {
 				return
 			}
-			p.metrics.consumed.WithLabelValues(ftp.Topic).Add(float64(len(ftp.Records)))
 			if w := p.worker(offsets.Partition{Topic: ftp.Topic, Partition: ftp.Partition}); w != nil {
 				w.push(ftp.Records)
 			}
@@ -472,7 +470,7 @@ func (p *Processor) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[s
 		return
 	}
 	p.metrics.rebalances.WithLabelValues("revoked").Inc()
-	p.stopWorkers(ws, p.cfg.DrainTimeout)
+	p.stopWorkers(stoppers(ws), p.cfg.DrainTimeout)
 	if err := cl.CommitMarkedOffsets(ctx); err != nil {
 		p.log.Warn("kafka offset commit on revoke failed (advisory only)", "err", err)
 	}
@@ -489,7 +487,7 @@ func (p *Processor) onLost(_ context.Context, cl *kgo.Client, lost map[string][]
 	p.joined.Store(false)
 	// Whatever the workers commit from now on would be fenced anyway once the partitions are
 	// claimed elsewhere; do not wait for them.
-	p.stopWorkers(ws, 0)
+	p.stopWorkers(stoppers(ws), 0)
 	cl.ResumeFetchPartitions(lost)
 	p.log.Warn("partitions lost (session expired or fatal group error)", "partitions", lost)
 }
@@ -526,21 +524,28 @@ func (p *Processor) removeWorkers(which map[string][]int32) []*worker {
 	return out
 }
 
-// stopWorkers stops ws, lets their transactions in flight finish for up to grace, then abandons
-// them (rolls them back) and waits briefly for them to exit. A worker stuck in a handler that
-// ignores its context is left behind: it cannot commit anything anymore once the partition's next
-// owner has claimed it (see package offsets).
-func (p *Processor) stopWorkers(ws []*worker, grace time.Duration) {
-	if len(ws) == 0 {
+// stopper is what stopWorkers stops: a partition worker or the drainer.
+type stopper interface {
+	stop()                     // finish the transaction in flight, start nothing new
+	abandon()                  // cancel the transaction in flight
+	finished() <-chan struct{} // closed once it has stopped
+	describe() []any           // log attributes naming it
+}
+
+// stopWorkers stops ss together: each finishes its transaction in flight for up to grace, then
+// has it cancelled; one that still has not stopped a second later (a handler ignoring its
+// context) is left behind with a warning: its transaction will be fenced or rolled back.
+func (p *Processor) stopWorkers(ss []stopper, grace time.Duration) {
+	if len(ss) == 0 {
 		return
 	}
-	for _, w := range ws {
-		w.stop()
+	for _, s := range ss {
+		s.stop()
 	}
 	allDone := make(chan struct{})
 	go func() {
-		for _, w := range ws {
-			<-w.done
+		for _, s := range ss {
+			<-s.finished()
 		}
 		close(allDone)
 	}()
@@ -549,22 +554,29 @@ func (p *Processor) stopWorkers(ws []*worker, grace time.Duration) {
 		return
 	case <-time.After(grace):
 	}
-	for _, w := range ws {
-		w.abandon()
+	for _, s := range ss {
+		s.abandon()
 	}
 	select {
 	case <-allDone:
 		return
 	case <-time.After(time.Second):
 	}
-	for _, w := range ws {
+	for _, s := range ss {
 		select {
-		case <-w.done:
+		case <-s.finished():
 		default:
-			p.log.Warn("worker did not stop (handler ignoring its context?); leaving it behind, its transaction will be fenced",
-				"topic", w.tp.Topic, "partition", w.tp.Partition)
+			p.log.Warn("did not stop (handler ignoring its context?); leaving it behind, its transaction will be fenced or rolled back", s.describe()...)
 		}
 	}
+}
+
+func stoppers(ws []*worker) []stopper {
+	out := make([]stopper, len(ws), len(ws)+1)
+	for i, w := range ws {
+		out[i] = w
+	}
+	return out
 }
 
 // Healthy reports whether the processor is alive: its state lock can be taken before ctx ends

@@ -31,14 +31,15 @@ var errStopped = errors.New("worker stopped")
 // (run), except stop/abandon, called by the rebalance callbacks and shutdown. pos and held are
 // touched only by run.
 type worker struct {
-	p       *Processor
-	cl      *kgo.Client
-	tp      offsets.Partition
-	pos     offsets.Position
-	log     *slog.Logger
-	source  string             // the source topic: tp.Topic, or the topic whose retry tier tp is
-	tier    int                // 0 for a source topic's partition, n for retry tier n
-	applied prometheus.Counter // kafkapg_records_applied_total of the source topic, looked up once
+	p        *Processor
+	cl       *kgo.Client
+	tp       offsets.Partition
+	pos      offsets.Position
+	log      *slog.Logger
+	source   string             // the source topic: tp.Topic, or the topic whose retry tier tp is
+	tier     int                // 0 for a source topic's partition, n for retry tier n
+	applied  prometheus.Counter // kafkapg_records_applied_total of the source topic, looked up once
+	consumed prometheus.Counter // kafkapg_records_consumed_total of the partition's topic, looked up once
 
 	// held is a superset of the partition's held keys (source partitions only): only this
 	// partition's owner ever adds a key to held_keys, and it loads the set when it starts, so a
@@ -81,6 +82,7 @@ func newWorker(p *Processor, cl *kgo.Client, pos offsets.Position) *worker {
 		w.source, w.tier = t.source, t.n
 	}
 	w.applied = p.metrics.applied.WithLabelValues(w.source)
+	w.consumed = p.metrics.consumed.WithLabelValues(pos.Topic)
 	return w
 }
 
@@ -95,6 +97,7 @@ func (w *worker) push(recs []*kgo.Record) {
 		w.firstAt = time.Now()
 	}
 	w.queue = append(w.queue, recs...)
+	w.consumed.Add(float64(len(recs)))
 	for _, r := range recs {
 		w.queuedBytes += len(r.Key) + len(r.Value)
 	}
@@ -200,6 +203,12 @@ func (w *worker) stop() {
 
 // abandon cancels the transaction in flight: it is rolled back.
 func (w *worker) abandon() { w.cancel() }
+
+func (w *worker) finished() <-chan struct{} { return w.done }
+
+func (w *worker) describe() []any {
+	return []any{"topic", w.tp.Topic, "partition", w.tp.Partition}
+}
 
 func (w *worker) run() {
 	defer close(w.done)
