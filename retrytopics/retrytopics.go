@@ -187,12 +187,28 @@ func ParseFailure(headers []kgo.RecordHeader) (Failure, error) {
 	f.Class = str(HeaderErrorClass)
 	f.Message = str(HeaderErrorMessage)
 	f.FailedAt = when(HeaderFailedAt, false)
-	f.FirstFailedAt = when(HeaderFirstFailedAt, false)
+	f.FirstFailedAt = when(HeaderFirstFailedAt, true) // absent from records of older releases
+	if f.FirstFailedAt.IsZero() {
+		f.FirstFailedAt = f.FailedAt
+	}
 	f.DueAt = when(HeaderDueAt, true)
 	if len(errs) > 0 {
 		return f, errors.Join(errs...)
 	}
 	return f, nil
+}
+
+// topicAbsent reports whether metadata says a topic does not exist. Any other error (a leader
+// election, missing authorization) is returned: the topic may well exist, so it must be neither
+// reported missing nor created.
+func topicAbsent(d kadm.TopicDetail, ok bool) (bool, error) {
+	switch {
+	case !ok || errors.Is(d.Err, kerr.UnknownTopicOrPartition):
+		return true, nil
+	case d.Err != nil:
+		return false, fmt.Errorf("topic %s: %w", d.Topic, d.Err)
+	}
+	return false, nil
 }
 
 // Truncate shortens s to at most n bytes without splitting a UTF-8 sequence, marking the cut with
@@ -249,13 +265,23 @@ func EnsureTopics(ctx context.Context, adm *kadm.Client, group string, sources [
 	}
 	var absent []string
 	for _, s := range sources {
-		if sd, ok := details[s]; !ok || sd.Err != nil || len(sd.Partitions) == 0 {
+		sd, ok := details[s]
+		gone, err := topicAbsent(sd, ok)
+		if err != nil {
+			return nil, nil, err
+		}
+		if gone || len(sd.Partitions) == 0 {
 			missing = append(missing, s)
 		}
 	}
 	for _, t := range slices.Sorted(maps.Keys(want)) {
 		src := want[t]
-		if d, ok := details[t]; ok && d.Err == nil {
+		d, ok := details[t]
+		gone, err := topicAbsent(d, ok)
+		if err != nil {
+			return nil, nil, err
+		}
+		if !gone {
 			continue
 		}
 		if slices.Contains(missing, src) {

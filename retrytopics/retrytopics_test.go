@@ -641,3 +641,16 @@ func FuzzParseFailure(f *testing.F) {
 		}
 	})
 }
+
+// TestParseFailureWithoutFirstFailedAt: records written before kafkapg-first-failed-at existed
+// still parse; their first failure is their only known one.
+func TestParseFailureWithoutFirstFailedAt(t *testing.T) {
+	t.Parallel()
+	f, err := retrytopics.ParseFailure(validHeaders(retrytopics.HeaderFirstFailedAt, nil))
+	if err != nil {
+		t.Fatalf("ParseFailure: %v", err)
+	}
+	if !f.FirstFailedAt.Equal(f.FailedAt) || f.FailedAt.IsZero() {
+		t.Errorf("FirstFailedAt = %v, want FailedAt %v", f.FirstFailedAt, f.FailedAt)
+	}
+}

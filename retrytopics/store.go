@@ -219,6 +219,11 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 	next := m.Attempt + 1
 	switch m.From {
 	case FromSource, FromHeld:
+		if m.From == FromHeld { // it leaves held_records for the tier, held key or not
+			if err := s.unpark(ctx, tx, m.Origin); err != nil {
+				return err
+			}
+		}
 		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message)
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)`,
 			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, Truncate(m.Message, MaxStoredMessage)); err != nil {
@@ -246,9 +251,6 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 			return fmt.Errorf("hold key of %s: %w", m.Origin, err)
 		}
 	case FromHeld:
-		if err := s.unpark(ctx, tx, m.Origin); err != nil {
-			return err
-		}
 		if _, err := tx.Exec(ctx, `UPDATE `+s.heldKeys+` SET state = 'retrying', head_offset = $5, updated_at = now()
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4`,
 			s.group, m.Topic, m.Partition, m.Key, m.Offset); err != nil {

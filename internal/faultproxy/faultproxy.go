@@ -103,6 +103,12 @@ func (p *Proxy) serve(down net.Conn) {
 		return
 	}
 	p.mu.Lock()
+	if p.refuse { // cut (or closed) while we dialed: this pair must not survive it
+		p.mu.Unlock()
+		down.Close()
+		up.Close()
+		return
+	}
 	p.conns[down], p.conns[up] = struct{}{}, struct{}{}
 	p.mu.Unlock()
 	defer func() {
