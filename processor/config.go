@@ -230,6 +230,15 @@ func (c *Config) withDefaults() *Config {
 	return &out
 }
 
+// Validate reports everything wrong with c, its defaults applied, as New would: for a caller
+// that wants to reject a configuration before connecting anywhere.
+func (c *Config) Validate() error {
+	if err := c.withDefaults().validate(); err != nil {
+		return fmt.Errorf("processor: invalid config: %w", err)
+	}
+	return nil
+}
+
 func (c *Config) validate() error {
 	var errs []error
 	if len(c.Brokers) == 0 {

@@ -69,10 +69,10 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 	if cfg == nil {
 		return nil, errors.New("processor: config is required")
 	}
-	c := cfg.withDefaults()
-	if err := c.validate(); err != nil {
-		return nil, fmt.Errorf("processor: invalid config: %w", err)
+	if err := cfg.Validate(); err != nil {
+		return nil, err
 	}
+	c := cfg.withDefaults()
 	m, err := newMetrics(c.Registerer)
 	if err != nil {
 		return nil, fmt.Errorf("processor: register metrics: %w", err)

@@ -222,7 +222,12 @@ func (e *Env) validate() error {
 	if e.LogFormat != "json" && e.LogFormat != "text" {
 		errs = append(errs, fmt.Errorf("LOG_FORMAT must be json or text, got %q", e.LogFormat))
 	}
-	return errors.Join(errs...)
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	// What only the processor knows (how settings relate, topic names): checked here too, so
+	// it exits with status 2 before any connection is tried.
+	return e.processorConfig(handlers[e.Handler].handler, nil, nil).Validate()
 }
 
 func parseLevel(s string) (slog.Level, error) {

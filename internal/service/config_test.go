@@ -2,12 +2,15 @@ package service
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"reflect"
 	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kafkapg/kafkapg/processor"
 )
 
 // envNames returns every environment variable Env reads, from its struct tags, so that a new
@@ -252,6 +255,9 @@ func TestLoadEnvErrors(t *testing.T) {
 		{name: "breaker threshold above 1", vars: with("BREAKER_THRESHOLD", "50"), want: []string{"BREAKER_THRESHOLD is a share of records between 0 and 1", "50"}},
 		{name: "breaker threshold not a number", vars: with("BREAKER_THRESHOLD", "half"), want: []string{"BREAKER_THRESHOLD", `"half"`, "number"}},
 		{name: "breaker probe max below interval", vars: with("BREAKER_PROBE_INTERVAL", "10s", "BREAKER_PROBE_MAX", "1s"), want: []string{"BREAKER_PROBE_MAX (1s)", "BREAKER_PROBE_INTERVAL (10s)"}},
+		{name: "rebalance timeout within the drain", vars: with("KAFKA_REBALANCE_TIMEOUT", "5s"), want: []string{"KAFKA_REBALANCE_TIMEOUT", "must be longer than DrainTimeout 5s"}},
+		{name: "topic listed twice", vars: with("KAFKA_TOPICS", "orders,orders"), want: []string{"KAFKA_TOPICS", `lists "orders" twice`}},
+		{name: "a retry topic as a source", vars: with("KAFKA_TOPICS", "orders.billing.retry.1"), want: []string{"KAFKA_TOPICS", "looks like a retry or dead-letter topic"}},
 		{name: "several problems are all reported", vars: with("HANDLER", "nope", "LOG_FORMAT", "xml", "BATCH_MAX_RECORDS", "0"),
 			want: []string{"HANDLER", "LOG_FORMAT", "BATCH_MAX_RECORDS"}},
 	}
@@ -360,5 +366,52 @@ func TestReadmeDocumentsEveryVariable(t *testing.T) {
 		if !strings.Contains(string(readme), "| `"+n+"`") && !strings.Contains(string(readme), "/ `"+n+"`") {
 			t.Errorf("README.md has no configuration row for %s", n)
 		}
+	}
+}
+
+// TestProcessorConfig checks the translations between the environment and processor.Config
+// where they spell "off" differently: a mistake there would silently leave the breaker on, or
+// make BATCH_MAX_WAIT=0 wait the default.
+func TestProcessorConfig(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		vars  map[string]string
+		check func(c *processor.Config) string
+	}{
+		{"defaults", minimal(), func(c *processor.Config) string {
+			if c.BreakerThreshold != 0.5 || c.BatchMaxWait != 20*time.Millisecond || c.StartOffset != processor.StartEarliest {
+				return fmt.Sprintf("breaker %v, batch wait %v, start %q", c.BreakerThreshold, c.BatchMaxWait, c.StartOffset)
+			}
+			return ""
+		}},
+		{"BREAKER_THRESHOLD=0 turns the breaker off", with("BREAKER_THRESHOLD", "0"), func(c *processor.Config) string {
+			if c.BreakerThreshold >= 0 {
+				return fmt.Sprintf("BreakerThreshold = %v, want negative (off)", c.BreakerThreshold)
+			}
+			return ""
+		}},
+		{"BATCH_MAX_WAIT=0 applies at once", with("BATCH_MAX_WAIT", "0"), func(c *processor.Config) string {
+			if c.BatchMaxWait >= 0 {
+				return fmt.Sprintf("BatchMaxWait = %v, want negative (no wait)", c.BatchMaxWait)
+			}
+			return ""
+		}},
+		{"KAFKA_START_OFFSET=latest", with("KAFKA_START_OFFSET", "latest"), func(c *processor.Config) string {
+			if c.StartOffset != processor.StartLatest {
+				return fmt.Sprintf("StartOffset = %q", c.StartOffset)
+			}
+			return ""
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			setEnv(t, tt.vars)
+			env, err := LoadEnv()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if msg := tt.check(env.processorConfig(nil, nil, nil)); msg != "" {
+				t.Error(msg)
+			}
+		})
 	}
 }

@@ -227,19 +227,35 @@ func Run(ctx context.Context, env *Env, log *slog.Logger) error {
 		return fmt.Errorf("set up tables of handler %s: %w", env.Handler, err)
 	}
 
+	p, err := processor.New(pool, env.processorConfig(b.handler, log, reg))
+	if err != nil {
+		return err
+	}
+	proc.Store(p)
+	return p.Run(ctx)
+}
+
+// processorConfig is the processor configuration the environment describes. Where the
+// variables and processor.Config spell "off" differently, it translates: BATCH_MAX_WAIT=0 (apply
+// at once) and BREAKER_THRESHOLD=0 (no breaker) are negative there, zero meaning "default".
+func (env *Env) processorConfig(h processor.Handler, log *slog.Logger, reg prometheus.Registerer) *processor.Config {
 	start := processor.StartEarliest
 	if env.KafkaStartOffset == "latest" {
 		start = processor.StartLatest
 	}
 	batchWait := env.BatchMaxWait
 	if batchWait == 0 {
-		batchWait = -1 // BATCH_MAX_WAIT=0: apply at once
+		batchWait = -1
 	}
-	p, err := processor.New(pool, &processor.Config{
+	breaker := env.BreakerThreshold
+	if breaker == 0 {
+		breaker = -1
+	}
+	return &processor.Config{
 		Brokers:              env.KafkaBrokers,
 		Group:                env.KafkaGroupID,
 		Topics:               env.KafkaTopics,
-		Handler:              b.handler,
+		Handler:              h,
 		Schema:               env.DBSchema,
 		StartOffset:          start,
 		BatchMaxRecords:      env.BatchMaxRecords,
@@ -254,7 +270,7 @@ func Run(ctx context.Context, env *Env, log *slog.Logger) error {
 		SessionTimeout:       env.KafkaSessionTimeout,
 		RebalanceTimeout:     env.KafkaRebalanceTimeout,
 		ShutdownTimeout:      env.ShutdownTimeout,
-		BreakerThreshold:     breakerThreshold(env.BreakerThreshold),
+		BreakerThreshold:     breaker,
 		BreakerWindow:        env.BreakerWindow,
 		BreakerMinRecords:    env.BreakerMinRecords,
 		BreakerProbeInterval: env.BreakerProbeInterval,
@@ -263,20 +279,7 @@ func Run(ctx context.Context, env *Env, log *slog.Logger) error {
 		KafkaOptions:         env.KafkaOpts,
 		Logger:               log,
 		Registerer:           reg,
-	})
-	if err != nil {
-		return err
 	}
-	proc.Store(p)
-	return p.Run(ctx)
-}
-
-// breakerThreshold maps BREAKER_THRESHOLD (0: off) to Config.BreakerThreshold (negative: off).
-func breakerThreshold(v float64) float64 {
-	if v == 0 {
-		return -1
-	}
-	return v
 }
 
 func httpHandler(reg *prometheus.Registry, healthy, ready func(context.Context) error) http.Handler {
