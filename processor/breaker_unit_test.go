@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 func testBreaker(t *testing.T) *breaker {
@@ -75,7 +76,7 @@ func TestBreakerProbes(t *testing.T) {
 	// A failed probe: the next one comes after a doubled interval, to the waiting record.
 	failedAt := time.Now()
 	b.probed(false)
-	if p := <-other; !p {
+	if p := recv(t, other); !p {
 		t.Fatal("the waiting record was released without the breaker closing; want it as the next probe")
 	}
 	if d := time.Since(failedAt); d < 550*time.Millisecond {
@@ -87,9 +88,9 @@ func TestBreakerProbes(t *testing.T) {
 		p, _ := b.wait(ctx, nil)
 		other <- p
 	}()
-	time.Sleep(10 * time.Millisecond)
+	waitHeld(t, b, 1) // it is waiting, not yet started
 	b.probed(true)
-	if p := <-other; p {
+	if p := recv(t, other); p {
 		t.Fatal("released as a probe after the breaker closed")
 	}
 	if b.state() != breakerClosed {
@@ -97,6 +98,48 @@ func TestBreakerProbes(t *testing.T) {
 	}
 	if b.failed() {
 		t.Error("one failure reopened the breaker right after it closed")
+	}
+}
+
+// recv receives from c, failing the test after 5 s rather than hanging it.
+func recv(t *testing.T, c <-chan bool) bool {
+	t.Helper()
+	select {
+	case v := <-c:
+		return v
+	case <-time.After(5 * time.Second):
+		t.Fatal("no record was released within 5s")
+		return false
+	}
+}
+
+// waitHeld waits until n records wait for the breaker.
+func waitHeld(t *testing.T, b *breaker, n float64) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for testutil.ToFloat64(b.metrics.breakerHeld) != n {
+		if time.Now().After(deadline) {
+			t.Fatalf("%v records held, want %v", testutil.ToFloat64(b.metrics.breakerHeld), n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestBreakerOff: with a negative threshold (BREAKER_THRESHOLD=0) nothing is ever held.
+func TestBreakerOff(t *testing.T) {
+	m, err := newMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := newBreaker(breakerConfig{threshold: -1, window: time.Minute, minRecords: 1, probeMin: time.Second, probeMax: time.Second},
+		slog.New(slog.DiscardHandler), m)
+	for range 100 {
+		if b.failed() {
+			t.Fatal("a disabled breaker opened")
+		}
+	}
+	if b.state() != breakerClosed {
+		t.Fatalf("state %v", b.state())
 	}
 }
 
