@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -70,10 +71,17 @@ type stats struct {
 
 // proc is one processor process.
 type proc struct {
-	idx  int
-	cmd  *exec.Cmd
-	http string
-	done chan struct{}
+	idx      int
+	cmd      *exec.Cmd
+	http     string
+	done     chan struct{}
+	expected atomic.Bool // the suite asked it to end: an exit without this is a violation
+}
+
+// end sends p a signal that ends it (SIGKILL, SIGTERM), so that its exit is expected.
+func (p *proc) end(sig syscall.Signal) {
+	p.expected.Store(true)
+	p.cmd.Process.Signal(sig)
 }
 
 func generate(c config) []ledger.Item {
@@ -215,7 +223,12 @@ func (s *suite) startProc(idx int) (*proc, error) {
 	}
 	p := &proc{idx: idx, cmd: cmd, http: addr, done: make(chan struct{})}
 	go func() {
-		cmd.Wait()
+		err := cmd.Wait()
+		if !p.expected.Load() { // it crashed or gave up on its own: a bug, whatever the checks say
+			s.count(func(st *stats) {
+				st.violations = append(st.violations, fmt.Sprintf("processor %d exited on its own (%v); see processor-%d.log", idx, err, idx))
+			})
+		}
 		close(p.done)
 	}()
 	return p, nil
@@ -352,7 +365,7 @@ func (s *suite) measure(ctx context.Context) error {
 		return err
 	}
 	killed := time.Now()
-	p.cmd.Process.Signal(syscall.SIGKILL)
+	p.end(syscall.SIGKILL)
 	<-p.done
 	if s.waitAdvanced(ctx, owned, 60*time.Second) {
 		d := time.Since(killed)
@@ -400,7 +413,7 @@ func (s *suite) kill(ctx context.Context) error {
 		return err
 	}
 	killed := time.Now()
-	p.cmd.Process.Signal(syscall.SIGKILL)
+	p.end(syscall.SIGKILL)
 	<-p.done
 	s.count(func(st *stats) { st.kills++ })
 	s.bg.Add(1)
@@ -428,7 +441,7 @@ func (s *suite) term(ctx context.Context) error {
 // non-zero status, or not within 20 s (it is then killed), is a violation.
 func (s *suite) terminate(p *proc) time.Duration {
 	start := time.Now()
-	p.cmd.Process.Signal(syscall.SIGTERM)
+	p.end(syscall.SIGTERM)
 	select {
 	case <-p.done:
 		d := time.Since(start)
@@ -440,7 +453,7 @@ func (s *suite) terminate(p *proc) time.Duration {
 		})
 		return d
 	case <-time.After(20 * time.Second):
-		p.cmd.Process.Signal(syscall.SIGKILL)
+		p.end(syscall.SIGKILL)
 		<-p.done
 		s.count(func(st *stats) {
 			st.violations = append(st.violations, fmt.Sprintf("processor %d did not exit within 20s of SIGTERM", p.idx))
@@ -607,18 +620,19 @@ func (s *suite) waitSettled(ctx context.Context, items []ledger.Item) error {
 	}
 	var last string
 	err := localrun.WaitFor(ctx, s.cfg.settle, func() error {
-		var applied, outbox, retries, held int
+		var applied, outbox, retries, held, keys int
 		if err := s.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM ledger_entries), (SELECT count(*) FROM outbox),
-			(SELECT count(*) FROM retries), (SELECT count(*) FROM held_records)`).Scan(&applied, &outbox, &retries, &held); err != nil {
+			(SELECT count(*) FROM retries), (SELECT count(*) FROM held_records), (SELECT count(*) FROM held_keys)`).
+			Scan(&applied, &outbox, &retries, &held, &keys); err != nil {
 			return err
 		}
 		dlq, err := topicread.All(ctx, s.clientSeeds, retrytopics.DLQTopic(s.topic, s.group))
 		if err != nil {
 			return err
 		}
-		last = fmt.Sprintf("%d of %d applied, %d of %d dead letters published, %d outbox rows, %d records in tiers, %d parked",
-			applied, wantApplied, len(dlq), wantDead, outbox, retries, held)
-		if applied < wantApplied || len(dlq) < wantDead || outbox+retries+held > 0 {
+		last = fmt.Sprintf("%d of %d applied, %d of %d dead letters published, %d outbox rows, %d records in tiers, %d parked, %d held keys",
+			applied, wantApplied, len(dlq), wantDead, outbox, retries, held, keys)
+		if applied < wantApplied || len(dlq) < wantDead || outbox+retries+held+keys > 0 {
 			return errors.New(last)
 		}
 		return nil
@@ -702,7 +716,7 @@ func (s *suite) summary(rep report, err error) string {
 func (s *suite) close() {
 	for _, p := range s.procs {
 		p.cmd.Process.Signal(syscall.SIGCONT)
-		p.cmd.Process.Signal(syscall.SIGKILL)
+		p.end(syscall.SIGKILL)
 		<-p.done
 	}
 	if s.devbroker != nil && s.devbroker.ProcessState == nil {
