@@ -238,6 +238,16 @@ func TestPausedProcessComesBackAsZombie(t *testing.T) {
 			}
 			return nil
 		})
+		// A was expelled: every partition it owned is claimed by B now, so A's next commits,
+		// once thawed, must be fenced (the test's point).
+		var aOwns int
+		if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.offsets WHERE consumer_group = $1 AND owner LIKE $2`,
+			h.group, fmt.Sprintf("%%:%d member=%%", a.cmd.Process.Pid)).Scan(&aOwns); err != nil {
+			t.Fatal(err)
+		}
+		if aOwns != 0 {
+			t.Fatalf("frozen A still owns %d partitions in Postgres: it never became a zombie", aOwns)
+		}
 		a.signal(syscall.SIGCONT)
 		h.waitSettled(items, tiersMaxAttempt, 120*time.Second)
 		t.Logf("thawed zombie: %v transactions fenced, %v infrastructure retries",
