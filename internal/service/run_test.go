@@ -20,6 +20,8 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/faultproxy"
+	"github.com/kafkapg/kafkapg/internal/localrun"
+	"github.com/kafkapg/kafkapg/internal/promscrape"
 	"github.com/kafkapg/kafkapg/internal/testenv"
 )
 
@@ -91,10 +93,27 @@ func waitThenRecover(t *testing.T, pool *pgxpool.Pool, k *testenv.Kafka, dbURL, 
 		t.Errorf("no log line %q; logs:\n%s", logLine, svc.logs.String())
 	}
 
+	if got := svc.metric("kafkapg_ready"); got != 0 {
+		t.Errorf("kafkapg_ready = %v while waiting, want 0", got)
+	}
+
 	proxy.Restore()
 	svc.waitReady()
+	if got := svc.metric("kafkapg_ready"); got != 1 {
+		t.Errorf("kafkapg_ready = %v once ready, want 1", got)
+	}
 	svc.applyOne(pool, k, topic)
 	svc.stop()
+}
+
+// metric returns the value (summed over series) of a counter or gauge on the service's /metrics.
+func (s *service) metric(name string) float64 {
+	s.t.Helper()
+	sums, err := promscrape.Sums(context.Background(), "http://"+s.httpAddr+"/metrics")
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	return sums[name]
 }
 
 // service is cmd/processor's Run, running in the test.
@@ -155,12 +174,7 @@ func (s *service) waitNotReady(want string) {
 // waitReady waits until /readyz answers 200.
 func (s *service) waitReady() {
 	s.t.Helper()
-	testenv.Eventually(s.t, 30*time.Second, func() error {
-		if code, body, err := get("http://" + s.httpAddr + "/readyz"); err != nil || code != http.StatusOK {
-			return fmt.Errorf("/readyz = %d %q %v", code, body, err)
-		}
-		return nil
-	})
+	testenv.Eventually(s.t, 30*time.Second, func() error { return localrun.Ready(s.httpAddr) })
 }
 
 // applyOne produces one ledger event to topic and waits until the service has applied it.
