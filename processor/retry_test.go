@@ -128,6 +128,12 @@ func TestRetryRecordWaitsUntilDue(t *testing.T) {
 		if !f.FirstFailedAt.Equal(f.FailedAt) {
 			t.Errorf("first-failed-at %v != failed-at %v on the first failure", f.FirstFailedAt, f.FailedAt)
 		}
+		// The promise itself: never handled before the due time the record carries (jitter
+		// included), which the 1 s bound above cannot see.
+		if second.Before(f.DueAt) {
+			t.Errorf("attempt 2 started at %v, %v before its due time %v", second, f.DueAt.Sub(second), f.DueAt)
+		}
+		t.Logf("attempt 2 started %v after its due time", second.Sub(f.DueAt).Round(time.Millisecond))
 		var trace bool
 		for _, hd := range rr.Headers {
 			trace = trace || (hd.Key == "trace" && string(hd.Value) == "abc")
