@@ -348,9 +348,8 @@ func (w *worker) handleAll(recs []*Record) error {
 		}
 		if len(live) > 0 {
 			if err := w.p.handle(ctx, tx, live); err != nil {
-				var rerr *RecordError
-				if errors.As(err, &rerr) && rerr.Index >= 0 && rerr.Index < len(live) {
-					return &RecordError{Index: index[rerr.Index], Err: rerr.Err}
+				if k, cause := failedRecord(err, len(live)); k >= 0 && index != nil {
+					return &RecordError{Index: index[k], Err: cause} // an index in recs
 				}
 				return err
 			}
@@ -382,7 +381,7 @@ func (w *worker) handleAll(recs []*Record) error {
 // admit decides, inside the batch transaction, which of recs the handler applies now: on a
 // source partition, records whose key is held are parked behind it; in a retry tier, copies of
 // records that have moved on are skipped. It returns the records to apply and their indexes in
-// recs.
+// recs, or a nil index when it returns recs itself (the fast path: nothing held).
 func (w *worker) admit(ctx context.Context, tx pgx.Tx, recs []*Record, out *outcome) (live []*Record, index []int, err error) {
 	if w.tier > 0 {
 		return w.admitRetries(ctx, tx, recs, out)
@@ -394,7 +393,7 @@ func (w *worker) admit(ctx context.Context, tx pgx.Tx, recs []*Record, out *outc
 		}
 	}
 	if len(keys) == 0 {
-		return recs, identity(len(recs)), nil
+		return recs, nil, nil
 	}
 	held, err := w.p.retry.LockHeldKeys(ctx, tx, w.tp.Topic, w.tp.Partition, keys)
 	if err != nil {
@@ -432,14 +431,6 @@ func (w *worker) settle(ctx context.Context, tx pgx.Tx, live []*Record) error {
 		}
 	}
 	return nil
-}
-
-func identity(n int) []int {
-	out := make([]int, n)
-	for i := range out {
-		out[i] = i
-	}
-	return out
 }
 
 // applyFailed handles a record whose handler just failed with cause: it is retried alone (see
