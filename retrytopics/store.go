@@ -9,6 +9,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/sink"
 )
 
 // Store keeps the retry path's state in Postgres for one consumer group: records waiting in
@@ -153,7 +155,7 @@ func (s *Store) LockHeldKeys(ctx context.Context, tx pgx.Tx, topic string, parti
 func (s *Store) Park(ctx context.Context, tx pgx.Tx, recs []Rec) error {
 	b := &pgx.Batch{}
 	for _, r := range recs {
-		keys, vals := splitHeaders(r.Headers)
+		keys, vals := sink.SplitHeaders(r.Headers)
 		b.Queue(`INSERT INTO `+s.heldRecords+` (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp")
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`,
 			s.group, r.Topic, r.Partition, r.Offset, r.Key, r.Value, keys, vals, r.Timestamp)
@@ -268,7 +270,7 @@ const MaxStoredMessage = 8 << 10
 // if m.Block. Moving a record on from a tier returns ErrStale if its retry state is not at
 // m.Attempt.
 func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
-	keys, vals := splitHeaders(m.Headers)
+	keys, vals := sink.SplitHeaders(m.Headers)
 	if _, err := tx.Exec(ctx, `INSERT INTO `+s.deadLetters+` (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp",
 			error_class, error_message, attempts, first_failed_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)`,
@@ -359,7 +361,10 @@ func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key, limit int) ([]
 	var hvals [][]byte
 	_, err = pgx.ForEachRow(rows, []any{&r.Offset, &r.Value, &hkeys, &hvals, &r.Timestamp}, func() error {
 		r.Topic, r.Partition, r.Key = k.Topic, k.Partition, k.Key
-		r.Headers = joinHeaders(hkeys, hvals)
+		var err error
+		if r.Headers, err = sink.JoinHeaders(hkeys, hvals); err != nil {
+			return fmt.Errorf("parked record at offset %d: %w", r.Offset, err)
+		}
 		out = append(out, r)
 		r = Rec{}
 		return nil
@@ -490,24 +495,4 @@ func (s *Store) Stats(ctx context.Context, q Querier) (Stats, error) {
 		return st, fmt.Errorf("read retry tier stats: %w", err)
 	}
 	return st, nil
-}
-
-func splitHeaders(hs []kgo.RecordHeader) ([]string, [][]byte) {
-	keys := make([]string, len(hs))
-	vals := make([][]byte, len(hs))
-	for i, h := range hs {
-		keys[i], vals[i] = h.Key, h.Value
-	}
-	return keys, vals
-}
-
-func joinHeaders(keys []string, vals [][]byte) []kgo.RecordHeader {
-	if len(keys) == 0 {
-		return nil
-	}
-	out := make([]kgo.RecordHeader, 0, len(keys))
-	for i := range min(len(keys), len(vals)) {
-		out = append(out, kgo.RecordHeader{Key: keys[i], Value: vals[i]})
-	}
-	return out
 }

@@ -163,12 +163,10 @@ func (r *Relay) publishBatch(parent context.Context) (int, error) {
 			rows.Close()
 			return 0, fmt.Errorf("outbox: scan: %w", err)
 		}
-		if len(keys) != len(vals) {
+		var err error
+		if rec.Headers, err = JoinHeaders(keys, vals); err != nil {
 			rows.Close()
-			return 0, fmt.Errorf("outbox: row %d has %d header keys but %d values", id, len(keys), len(vals))
-		}
-		for i := range keys {
-			rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: keys[i], Value: vals[i]})
+			return 0, fmt.Errorf("outbox: row %d: %w", id, err)
 		}
 		ids = append(ids, id)
 		recs = append(recs, rec)

@@ -117,11 +117,7 @@ func (s *Sink) apply(ctx context.Context, pos *offsets.Position, next int64, app
 		adv = s.offsets.QueueAdvance(b, *pos, next)
 	}
 	for _, m := range msgs {
-		keys := make([]string, len(m.Headers))
-		vals := make([][]byte, len(m.Headers))
-		for i, h := range m.Headers {
-			keys[i], vals[i] = h.Key, h.Value
-		}
+		keys, vals := SplitHeaders(m.Headers)
 		b.Queue(s.outboxSQL, s.offsets.Group(), m.Topic, m.Partition, m.Key, m.Value, keys, vals)
 	}
 
