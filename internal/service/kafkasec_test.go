@@ -142,6 +142,12 @@ func TestKafkaTLS(t *testing.T) {
 // testCA makes a CA and a server certificate for 127.0.0.1 signed by it; it returns the
 // server's TLS config and the CA's PEM file.
 func testCA(t *testing.T, dir string) (*tls.Config, string) {
+	cfg, caFile, _, _ := testPKI(t, dir)
+	return cfg, caFile
+}
+
+// testPKI is testCA that also returns the CA, to issue client certificates with.
+func testPKI(t *testing.T, dir string) (*tls.Config, string, *x509.Certificate, *ecdsa.PrivateKey) {
 	t.Helper()
 	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -178,5 +184,74 @@ func testCA(t *testing.T, dir string) (*tls.Config, string) {
 	if err := os.WriteFile(caFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	return &tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{srvDER}, PrivateKey: srvKey}}, MinVersion: tls.VersionTLS12}, caFile
+	return &tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{srvDER}, PrivateKey: srvKey}}, MinVersion: tls.VersionTLS12}, caFile, caCert, caKey
+}
+
+// clientCert issues a client certificate signed by the CA and writes it and its key as PEM
+// files; it returns their paths and the certificate for the test's own clients.
+func clientCert(t *testing.T, dir string, ca *x509.Certificate, caKey *ecdsa.PrivateKey) (certFile, keyFile string, cert tls.Certificate) {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(3), Subject: pkix.Name{CommonName: "kafkapg"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	certFile, keyFile = filepath.Join(dir, "client.pem"), filepath.Join(dir, "client-key.pem")
+	if err := os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return certFile, keyFile, tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+}
+
+// TestKafkaMutualTLS: a broker that requires client certificates accepts the service with
+// KAFKA_TLS_CERT_FILE/KEY_FILE, and refuses it without (the service waits and says so).
+func TestKafkaMutualTLS(t *testing.T) {
+	pool, dbURL := testenv.Postgres(t)
+	dir := t.TempDir()
+	serverCfg, caFile, ca, caKey := testPKI(t, dir)
+	serverCfg.ClientAuth = tls.RequireAndVerifyClientCert
+	serverCfg.ClientCAs = x509.NewCertPool()
+	serverCfg.ClientCAs.AddCert(ca)
+	certFile, keyFile, cert := clientCert(t, dir, ca, caKey)
+	clientTLS := &tls.Config{RootCAs: x509.NewCertPool(), Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
+	clientTLS.RootCAs.AddCert(ca)
+	k := testenv.NewKfake(t, kfake.TLS(serverCfg))
+	k.ClientOpts = []kgo.Opt{kgo.DialTLSConfig(clientTLS)}
+	topic := k.CreateTopic(t, 1)
+
+	svc := startService(t, map[string]string{
+		"DATABASE_URL":        dbURL,
+		"KAFKA_BROKERS":       k.Brokers[0],
+		"KAFKA_TOPICS":        topic,
+		"KAFKA_TLS_CA_FILE":   caFile,
+		"KAFKA_TLS_CERT_FILE": certFile,
+		"KAFKA_TLS_KEY_FILE":  keyFile,
+	})
+	svc.waitReady()
+	svc.applyOne(pool, k, topic)
+	svc.stop()
+
+	svc = startService(t, map[string]string{
+		"DATABASE_URL":      dbURL,
+		"KAFKA_BROKERS":     k.Brokers[0],
+		"KAFKA_TOPICS":      topic,
+		"KAFKA_TLS_CA_FILE": caFile,
+	})
+	svc.waitNotReady("waiting for kafka")
+	svc.stop()
 }
