@@ -149,73 +149,66 @@ func testCA(t *testing.T, dir string) (*tls.Config, string) {
 // testPKI is testCA that also returns the CA, to issue client certificates with.
 func testPKI(t *testing.T, dir string) (*tls.Config, string, *x509.Certificate, *ecdsa.PrivateKey) {
 	t.Helper()
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ca := &x509.Certificate{
+	ca, caKey := issue(t, &x509.Certificate{
 		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "kafkapg test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
 		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, ca, ca, &caKey.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srvKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &x509.Certificate{
+	}, nil, nil)
+	srv, srvKey := issue(t, &x509.Certificate{
 		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "127.0.0.1"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
 		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
 		KeyUsage:    x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	caCert, err := x509.ParseCertificate(caDER)
+	}, ca, caKey)
+	caFile := writePEM(t, filepath.Join(dir, "ca.pem"), "CERTIFICATE", ca.Raw)
+	return &tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{srv.Raw}, PrivateKey: srvKey}}, MinVersion: tls.VersionTLS12}, caFile, ca, caKey
+}
+
+// issue makes a key and a certificate from tmpl, valid for an hour either side of now, signed by
+// parent (self-signed if parent is nil).
+func issue(t *testing.T, tmpl *x509.Certificate, parent *x509.Certificate, parentKey *ecdsa.PrivateKey) (*x509.Certificate, *ecdsa.PrivateKey) {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		t.Fatal(err)
 	}
-	srvDER, err := x509.CreateCertificate(rand.Reader, srv, caCert, &srvKey.PublicKey, caKey)
+	tmpl.NotBefore, tmpl.NotAfter = time.Now().Add(-time.Hour), time.Now().Add(time.Hour)
+	if parent == nil {
+		parent, parentKey = tmpl, key
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, &key.PublicKey, parentKey)
 	if err != nil {
 		t.Fatal(err)
 	}
-	caFile := filepath.Join(dir, "ca.pem")
-	if err := os.WriteFile(caFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}), 0o600); err != nil {
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
 		t.Fatal(err)
 	}
-	return &tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{srvDER}, PrivateKey: srvKey}}, MinVersion: tls.VersionTLS12}, caFile, caCert, caKey
+	return cert, key
+}
+
+// writePEM writes one PEM block to path and returns path.
+func writePEM(t *testing.T, path, typ string, der []byte) string {
+	t.Helper()
+	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }
 
 // clientCert issues a client certificate signed by the CA and writes it and its key as PEM
 // files; it returns their paths and the certificate for the test's own clients.
 func clientCert(t *testing.T, dir string, ca *x509.Certificate, caKey *ecdsa.PrivateKey) (certFile, keyFile string, cert tls.Certificate) {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
+	c, key := issue(t, &x509.Certificate{
 		SerialNumber: big.NewInt(3), Subject: pkix.Name{CommonName: "kafkapg"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
 		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
-	if err != nil {
-		t.Fatal(err)
-	}
+	}, ca, caKey)
 	keyDER, err := x509.MarshalECPrivateKey(key)
 	if err != nil {
 		t.Fatal(err)
 	}
-	certFile, keyFile = filepath.Join(dir, "client.pem"), filepath.Join(dir, "client-key.pem")
-	if err := os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	return certFile, keyFile, tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
+	certFile = writePEM(t, filepath.Join(dir, "client.pem"), "CERTIFICATE", c.Raw)
+	keyFile = writePEM(t, filepath.Join(dir, "client-key.pem"), "EC PRIVATE KEY", keyDER)
+	return certFile, keyFile, tls.Certificate{Certificate: [][]byte{c.Raw}, PrivateKey: key}
 }
 
 // TestKafkaMutualTLS: a broker that requires client certificates accepts the service with
