@@ -8,6 +8,11 @@
 // a batch is either applied and skipped past, or neither. Kafka's own committed offset is only
 // advisory (lag tools read it); on assignment a worker resumes from next_offset.
 //
+// A partition's first owner resolves where it starts (Kafka's committed offset if the group has
+// one, otherwise the log's start or end as configured; a retry tier always from its start) and
+// stores it at once (SetStart), before it fetches: every later owner starts from the same place,
+// however many rebalances happen before the first record is applied.
+//
 // # Fencing: why a stale owner cannot apply twice
 //
 // A consumer can keep running after it has lost a partition: a long GC pause, a network partition

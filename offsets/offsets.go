@@ -52,6 +52,7 @@ type Store struct {
 	advanceSQL string
 	readSQL    string
 	listSQL    string
+	startSQL   string
 }
 
 // Querier runs queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
@@ -79,6 +80,11 @@ func NewStore(schema, group string) *Store {
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
 		listSQL: `SELECT topic, partition, next_offset FROM ` + t + `
 			WHERE consumer_group = $1 AND topic = ANY($2) AND next_offset IS NOT NULL`,
+		startSQL: `UPDATE ` + t + ` AS o SET next_offset = s.next, updated_at = now()
+			FROM unnest($2::text[], $3::int[], $4::bigint[], $5::bigint[]) AS s(topic, partition, token, next)
+			WHERE o.consumer_group = $1 AND o.topic = s.topic AND o.partition = s.partition
+			AND o.owner_token = s.token AND o.next_offset IS NULL
+			RETURNING o.topic, o.partition`,
 	}
 }
 
@@ -125,6 +131,41 @@ func (s *Store) Claim(ctx context.Context, q Querier, owner string, parts []Part
 			return nil, fmt.Errorf("claim: no row returned for %s", p)
 		}
 		out[i] = pos
+	}
+	return out, nil
+}
+
+// SetStart stores the positions of partitions that have none yet: where their first owner
+// resolved to start (see the package doc). Each position in starts must carry the token of its
+// claim; a partition claimed by another owner since, or given a position meanwhile, is left
+// alone. It returns starts with Known set for the positions it stored.
+func (s *Store) SetStart(ctx context.Context, q Querier, starts []Position) ([]Position, error) {
+	if len(starts) == 0 {
+		return nil, nil
+	}
+	topics := make([]string, len(starts))
+	nums := make([]int32, len(starts))
+	tokens := make([]int64, len(starts))
+	nexts := make([]int64, len(starts))
+	for i, p := range starts {
+		topics[i], nums[i], tokens[i], nexts[i] = p.Topic, p.Partition, p.Token, p.Next
+	}
+	rows, err := q.Query(ctx, s.startSQL, s.group, topics, nums, tokens, nexts)
+	if err != nil {
+		return nil, fmt.Errorf("store start positions of %d partitions: %w", len(starts), err)
+	}
+	stored := map[Partition]bool{}
+	var tp Partition
+	if _, err := pgx.ForEachRow(rows, []any{&tp.Topic, &tp.Partition}, func() error {
+		stored[tp] = true
+		return nil
+	}); err != nil {
+		return nil, fmt.Errorf("store start positions of %d partitions: %w", len(starts), err)
+	}
+	out := make([]Position, len(starts))
+	for i, p := range starts {
+		p.Known = stored[p.TP()]
+		out[i] = p
 	}
 	return out, nil
 }

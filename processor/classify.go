@@ -1,6 +1,7 @@
 package processor
 
 import (
+	"context"
 	"errors"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -51,10 +52,14 @@ func (c ErrorClass) String() string {
 //     25P03, the transaction idled longer than Config.TxIdleTimeout, which is retryable: a
 //     handler that is that slow inside its transaction would otherwise be retried forever;
 //   - a failure to connect to Postgres: infrastructure;
+//   - the end of a context of the handler's own (a timeout it set), also when pgx closed the
+//     connection because of it (sink.ErrConnClosedByHandler, decided after checking that Postgres
+//     answers), and a handler that returned nil from a transaction one of its statements had
+//     aborted (sink.ErrTxAborted): retryable, whatever the handler's ErrorClassifier says;
 //   - anything else: retryable. That includes other Postgres errors (constraint violations, bad
-//     SQL), handler panics, timeouts the handler set itself, and errors from the handler's own
-//     dependencies (an HTTP API, say): wrap those with Infrastructure if an outage of that
-//     dependency should hold the partition instead of failing its records.
+//     SQL), handler panics, and errors from the handler's own dependencies (an HTTP API, say):
+//     wrap those with Infrastructure if an outage of that dependency should hold the partition
+//     instead of failing its records.
 //
 // Errors outside the handler (BEGIN, the offset update, COMMIT without a server answer) are
 // always treated as infrastructure and never reach Classify.
@@ -82,6 +87,11 @@ func Classify(err error) ErrorClass {
 		}
 		return ClassRetryable
 	}
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+		// A context of the handler's own (the transaction's is never done when an error is
+		// classified): a timeout it set, which the same record will hit again.
+		return ClassRetryable
+	}
 	var connectErr *pgconn.ConnectError
 	if errors.As(err, &connectErr) || pgconn.SafeToRetry(err) {
 		return ClassInfrastructure
@@ -90,12 +100,16 @@ func Classify(err error) ErrorClass {
 }
 
 // fixedClass is the class of errors no handler may reclassify: a transaction that idled past
-// TxIdleTimeout is retryable (even wrapped in Infrastructure: retrying a too-slow handler in
+// TxIdleTimeout, a handler that returned nil from an aborted transaction and a connection the
+// handler's own context closed are retryable (even wrapped in Infrastructure: retrying those in
 // place would never end); a lost connection, a commit with unknown outcome and Infrastructure
 // errors are infrastructure.
 func fixedClass(err error) (ErrorClass, bool) {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "25P03" { // idle_in_transaction_session_timeout
+		return ClassRetryable, true
+	}
+	if errors.Is(err, sink.ErrTxAborted) || errors.Is(err, sink.ErrConnClosedByHandler) {
 		return ClassRetryable, true
 	}
 	var infra *infrastructureError

@@ -34,7 +34,17 @@ type Record struct {
 	stage       retrytopics.Stage
 	ordered     bool      // its key orders it: a non-null key, from a source topic
 	foreign     bool      // read from a retry tier without valid kafkapg headers: no origin to retry
+	notOurs     bool      // read from a retry tier, but another group's or source topic's record: skipped
 	firstFailed time.Time // zero until its first failure
+}
+
+// size is what Config.MaxRecordBytes bounds: key, value and headers.
+func (r *Record) size() int {
+	n := len(r.Key) + len(r.Value)
+	for _, h := range r.Headers {
+		n += len(h.Key) + len(h.Value)
+	}
+	return n
 }
 
 func (r *Record) origin() retrytopics.Origin {

@@ -275,20 +275,22 @@ func deadlineOf(ctx context.Context) time.Time {
 }
 
 func (p *Processor) newClient() (*kgo.Client, error) {
-	start := kgo.NewOffset().AtStart()
-	if p.cfg.StartOffset == StartLatest {
-		start = kgo.NewOffset().AtEnd()
-	}
 	opts := []kgo.Opt{
 		kgo.SeedBrokers(p.cfg.Brokers...),
 		kgo.ClientID("kafkapg"),
 		kgo.ConsumerGroup(p.cfg.Group),
 		kgo.Balancers(kgo.CooperativeStickyBalancer()),
-		kgo.ConsumeResetOffset(start),
+		// Where a partition starts is resolved once, at its first claim, and stored in Postgres
+		// (see resolveStarts): KAFKA_START_OFFSET is applied there. This is only what an
+		// out-of-range position (records deleted by retention) resets to, and what tells
+		// resolveStarts that Kafka has no committed offset.
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.SessionTimeout(p.cfg.SessionTimeout),
 		kgo.RebalanceTimeout(p.cfg.RebalanceTimeout),
 		kgo.HeartbeatInterval(min(3*time.Second, p.cfg.SessionTimeout/3)),
 		kgo.BlockRebalanceOnPoll(),
+		// Records of aborted Kafka transactions never happened.
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		// A partition resumed after a pause joins the next fetch to its broker, which starts
 		// when the one in flight returns; with nothing else to fetch that takes FetchMaxWait.
 		kgo.FetchMaxWait(500 * time.Millisecond),
@@ -428,6 +430,9 @@ func (p *Processor) claimAssigned(ctx context.Context, assigned map[string]map[i
 		var err error
 		claims, err = p.store.Claim(ctx, p.pool, owner, parts)
 		if err == nil {
+			claims, err = p.resolveStarts(ctx, cl, assigned, claims)
+		}
+		if err == nil {
 			break
 		}
 		if ctx.Err() != nil {
@@ -435,7 +440,7 @@ func (p *Processor) claimAssigned(ctx context.Context, assigned map[string]map[i
 		}
 		p.metrics.infraRetries.Inc()
 		d := p.backoff.Delay(failures)
-		p.log.Warn("cannot claim assigned partitions in postgres; retrying", "err", err, "retry_in", d, "partitions", len(parts))
+		p.log.Warn("cannot claim assigned partitions; retrying", "err", err, "retry_in", d, "partitions", len(parts))
 		if !backoff.Sleep(ctx, nil, d) {
 			return nil, fmt.Errorf("claim assigned partitions: %w", ctx.Err())
 		}
@@ -453,7 +458,7 @@ func (p *Processor) claimAssigned(ctx context.Context, assigned map[string]map[i
 		if pos.Known {
 			assigned[pos.Topic][pos.Partition] = kgo.NewOffset().At(pos.Next).WithEpoch(-1)
 		}
-		from := "kafka position"
+		from := "kafka position (claimed by another owner since)"
 		if pos.Known {
 			from = fmt.Sprint(pos.Next)
 		}
@@ -462,6 +467,76 @@ func (p *Processor) claimAssigned(ctx context.Context, assigned map[string]map[i
 	p.metrics.assigned.Set(float64(len(p.workers)))
 	p.mu.Unlock()
 	return assigned, nil
+}
+
+// resolveStarts gives the claimed partitions that have no position in Postgres yet one, and stores
+// it, so that wherever and whenever the partition is assigned next, it starts from the same offset:
+// Kafka's committed offset if the group has one (a consumer before kafkapg, or a restored
+// database), otherwise the start of the log, or its end for a source topic with
+// StartOffset = StartLatest. A retry tier always starts from the beginning: its records must never
+// be skipped.
+func (p *Processor) resolveStarts(ctx context.Context, cl *kgo.Client, assigned map[string]map[int32]kgo.Offset, claims []offsets.Position) ([]offsets.Position, error) {
+	var starts []offsets.Position
+	topics := map[string]bool{}
+	for _, pos := range claims {
+		if !pos.Known {
+			starts = append(starts, pos)
+			topics[pos.Topic] = true
+		}
+	}
+	if len(starts) == 0 {
+		return claims, nil
+	}
+	adm := kadm.NewClient(cl)
+	names := slices.Sorted(maps.Keys(topics))
+	first, err := adm.ListStartOffsets(ctx, names...)
+	if err == nil {
+		err = first.Error()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list start offsets: %w", err)
+	}
+	var end kadm.ListedOffsets
+	if p.cfg.StartOffset == StartLatest {
+		if end, err = adm.ListEndOffsets(ctx, names...); err == nil {
+			err = end.Error()
+		}
+		if err != nil {
+			return nil, fmt.Errorf("list end offsets: %w", err)
+		}
+	}
+	for i, pos := range starts {
+		listed := first
+		if _, tier := p.tierOf[pos.Topic]; !tier && p.cfg.StartOffset == StartLatest {
+			listed = end
+		}
+		o, ok := listed.Lookup(pos.Topic, pos.Partition)
+		if !ok {
+			return nil, fmt.Errorf("no offsets listed for %s", pos.TP())
+		}
+		starts[i].Next = o.Offset
+		// ConsumeResetOffset is AtStart (-2): anything else is the offset committed to Kafka.
+		if committed := assigned[pos.Topic][pos.Partition].EpochOffset().Offset; committed >= 0 {
+			starts[i].Next = committed
+		}
+	}
+	stored, err := p.store.SetStart(ctx, p.pool, starts)
+	if err != nil {
+		return nil, err
+	}
+	byTP := map[offsets.Partition]offsets.Position{}
+	for _, pos := range stored {
+		if pos.Known {
+			byTP[pos.TP()] = pos
+		}
+	}
+	out := slices.Clone(claims)
+	for i, pos := range out {
+		if st, ok := byTP[pos.TP()]; ok {
+			out[i] = st
+		}
+	}
+	return out, nil
 }
 
 func (p *Processor) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {

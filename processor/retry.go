@@ -23,16 +23,22 @@ type tierRef struct {
 // fromTier turns a record consumed from a retry tier back into its source record, as its
 // kafkapg- headers describe it. A record whose headers are missing or garbled (not published by
 // kafkapg) is handled as a fresh record of its own, with a warning; having no origin to go back
-// to, it is dead-lettered if it fails rather than sent round the tiers.
+// to, it is dead-lettered if it fails rather than sent round the tiers. A record whose headers
+// name another consumer group or source topic belongs to them (tier topic names can collide:
+// source "a" in group "b.c" and source "a.b" in group "c" share a.b.c.retry.1): it is skipped.
 func (w *worker) fromTier(rec *Record) {
 	f, err := retrytopics.ParseFailure(rec.Headers)
-	if err == nil && f.Topic != w.source {
-		err = errors.New("its original topic " + f.Topic + " is not this tier's source topic " + w.source)
-	}
 	if err != nil {
 		w.log.Warn("record in a retry tier has missing or garbled kafkapg headers; handling it as a fresh record (attempt 1, no key order, dead-lettered if it fails)",
 			"offset", rec.consumed, "key_hash", keyHash(rec.Key), "err", err)
 		rec.ordered, rec.foreign = false, true
+		return
+	}
+	if f.Group != w.p.cfg.Group || f.Topic != w.source {
+		w.log.Debug("skipping a retry record of another group or source topic (their tier topic's name is the same as ours)",
+			"offset", rec.consumed, "its_group", f.Group, "its_topic", f.Topic)
+		rec.stage = retrytopics.FromTier
+		rec.notOurs = true
 		return
 	}
 	rec.Topic, rec.Partition, rec.Offset, rec.Timestamp = f.Topic, f.Partition, f.Offset, f.Timestamp
@@ -72,7 +78,7 @@ func dueAt(r *kgo.Record) time.Time {
 func (w *worker) admitRetries(ctx context.Context, tx pgx.Tx, recs []*Record, out *outcome) (live []*Record, index []int, err error) {
 	var origins []retrytopics.Origin
 	for _, r := range recs {
-		if r.stage == retrytopics.FromTier {
+		if r.stage == retrytopics.FromTier && !r.notOurs {
 			origins = append(origins, r.origin())
 		}
 	}
@@ -82,15 +88,23 @@ func (w *worker) admitRetries(ctx context.Context, tx pgx.Tx, recs []*Record, ou
 			return nil, nil, err
 		}
 	}
+	taken := map[retrytopics.Origin]bool{}
 	for i, r := range recs {
+		if r.notOurs {
+			continue
+		}
 		if r.stage == retrytopics.FromTier {
 			st, ok := states[r.origin()]
-			if !ok || st.Attempt != r.Attempt {
+			// A copy is applied only if the record's retry state is at the copy's attempt, and only
+			// one copy per batch: the relay publishes at least once, so two copies of the same
+			// attempt can arrive together (the state changes only when this transaction commits).
+			if !ok || st.Attempt != r.Attempt || taken[r.origin()] {
 				out.duplicates++
 				w.log.Info("skipping a duplicate copy of a retry record", "offset", r.consumed, "key_hash", keyHash(r.Key), "origin", r.origin(), "attempt", r.Attempt,
-					"state_attempt", st.Attempt, "in_retry_path", ok)
+					"state_attempt", st.Attempt, "in_retry_path", ok, "copy_in_this_batch", taken[r.origin()])
 				continue
 			}
+			taken[r.origin()] = true
 			r.firstFailed = st.FirstFailedAt
 		}
 		live = append(live, r)

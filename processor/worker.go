@@ -457,10 +457,16 @@ type failure struct {
 func failedRecord(err error, n int) (int, error) {
 	var rerr *RecordError
 	if errors.As(err, &rerr) && rerr.Index >= 0 && rerr.Index < n {
+		if rerr.Err == nil {
+			return rerr.Index, errNilRecordError
+		}
 		return rerr.Index, rerr.Err
 	}
 	return -1, err
 }
+
+// errNilRecordError is the cause of a record a batch handler named with RecordFailed(i, nil).
+var errNilRecordError = errors.New("the handler reported this record failed (RecordFailed) without an error")
 
 // retryAlone retries, alone and with backoff, a record whose handler just failed with cause, for
 // Config.LocalAttempts tries in all, as long as the error is retryable. attempt runs one more
@@ -585,23 +591,42 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 }
 
 // handle runs the handler over recs inside tx, recovering panics. A record larger than
-// MaxRecordBytes fails, permanently, without reaching the handler.
+// MaxRecordBytes fails, permanently, without reaching the handler. A handler that returns nil
+// but left tx unusable (a statement of its failed, or its connection closed) fails: nothing of
+// kafkapg's own may run in that transaction, and it could not commit.
 func (p *Processor) handle(ctx context.Context, tx pgx.Tx, recs []*Record) error {
 	for i, r := range recs {
-		if n := len(r.Key) + len(r.Value); n > p.cfg.MaxRecordBytes {
-			return &RecordError{Index: i, Err: Permanent(fmt.Errorf("%w: key and value are %d bytes, more than MAX_RECORD_BYTES (%d)",
+		if n := r.size(); n > p.cfg.MaxRecordBytes {
+			return &RecordError{Index: i, Err: Permanent(fmt.Errorf("%w: key, value and headers are %d bytes, more than MAX_RECORD_BYTES (%d)",
 				ErrRecordTooLarge, n, p.cfg.MaxRecordBytes))}
 		}
 	}
 	start := time.Now()
 	defer func() { p.metrics.handlerDuration.Observe(time.Since(start).Seconds()) }()
 	if p.batch != nil {
-		return p.call(recs, func() error { return p.batch.HandleBatch(ctx, tx, recs) })
+		return p.call(recs, func() error { return usable(tx, p.batch.HandleBatch(ctx, tx, recs)) })
 	}
 	for i, r := range recs {
-		if err := p.call(recs[i:i+1], func() error { return p.cfg.Handler.Handle(ctx, tx, r) }); err != nil {
+		if err := p.call(recs[i:i+1], func() error { return usable(tx, p.cfg.Handler.Handle(ctx, tx, r)) }); err != nil {
 			return &RecordError{Index: i, Err: err}
 		}
+	}
+	return nil
+}
+
+// errConnClosed is a handler's nil return from a transaction whose connection closed under it;
+// sink.Apply tells whether Postgres or the handler's own context closed it.
+var errConnClosed = errors.New("the transaction's connection closed during the handler")
+
+// usable returns err, the handler's return, or if it is nil, why tx cannot go on.
+func usable(tx pgx.Tx, err error) error {
+	switch {
+	case err != nil:
+		return err
+	case tx.Conn().IsClosed():
+		return errConnClosed
+	case tx.Conn().PgConn().TxStatus() == 'E':
+		return sink.ErrTxAborted
 	}
 	return nil
 }

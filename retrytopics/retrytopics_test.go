@@ -63,7 +63,7 @@ func normalized(f retrytopics.Failure) retrytopics.Failure {
 	f.FailedAt = f.FailedAt.UTC()
 	f.FirstFailedAt = f.FirstFailedAt.UTC()
 	f.DueAt = f.DueAt.UTC()
-	f.Message = retrytopics.Truncate(f.Message, retrytopics.MaxErrorMessage)
+	f.Message = retrytopics.Text(f.Message, retrytopics.MaxErrorMessage)
 	return f
 }
 
@@ -653,4 +653,50 @@ func TestParseFailureWithoutFirstFailedAt(t *testing.T) {
 	if !f.FirstFailedAt.Equal(f.FailedAt) || f.FailedAt.IsZero() {
 		t.Errorf("FirstFailedAt = %v, want FailedAt %v", f.FirstFailedAt, f.FailedAt)
 	}
+}
+
+func TestText(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name string
+		s    string
+		n    int
+		want string
+	}{
+		{name: "plain text unchanged", s: "handler failed: timeout", n: 100, want: "handler failed: timeout"},
+		{name: "NUL escaped", s: "bad \x00 byte", n: 100, want: `bad \x00 byte`},
+		{name: "invalid UTF-8 escaped", s: "bad payload b\x00\xff\xfex\xc3(", n: 100, want: `bad payload b\x00\xff\xfex\xc3(`},
+		{name: "valid multibyte kept", s: "café \xff", n: 100, want: `café \xff`},
+		{name: "escapes count towards n", s: "\x00\x00\x00\x00", n: 11, want: `\x00\x00…`},
+		{name: "long plain text truncated", s: strings.Repeat("a", 50), n: 10, want: "aaaaaaa…"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			if got := retrytopics.Text(tt.s, tt.n); got != tt.want {
+				t.Errorf("Text(%q, %d) = %q, want %q", tt.s, tt.n, got, tt.want)
+			}
+		})
+	}
+}
+
+// FuzzText: whatever bytes an error message carries, Text makes text Postgres's text type and a
+// Kafka header reader take: valid UTF-8, no NUL, at most n bytes; text that was fine is unchanged.
+func FuzzText(f *testing.F) {
+	f.Add("bad payload \x00\xff", 20)
+	f.Add("ok", 5)
+	f.Add(strings.Repeat("é\x00", 100), 7)
+	f.Fuzz(func(t *testing.T, s string, n int) {
+		n = n % 4096
+		if n < 0 {
+			n = -n
+		}
+		got := retrytopics.Text(s, n)
+		if !utf8.ValidString(got) || strings.IndexByte(got, 0) >= 0 || len(got) > n {
+			t.Fatalf("Text(%q, %d) = %q: want valid UTF-8, no NUL, at most n bytes", s, n, got)
+		}
+		if utf8.ValidString(s) && !strings.Contains(s, "\x00") && len(s) <= n && got != s {
+			t.Fatalf("Text(%q, %d) = %q: text that fits must be unchanged", s, n, got)
+		}
+	})
 }

@@ -134,7 +134,7 @@ func (s *Store) HeldKeys(ctx context.Context, q Querier, topic string, partition
 // keys that are held.
 func (s *Store) LockHeldKeys(ctx context.Context, tx pgx.Tx, topic string, partition int32, keys [][]byte) (map[string]bool, error) {
 	rows, err := tx.Query(ctx, `SELECT key FROM `+s.heldKeys+`
-		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = ANY($4::bytea[])
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = ANY(ARRAY(SELECT sha256(k) FROM unnest($4::bytea[]) AS k)) AND key = ANY($4::bytea[])
 		ORDER BY key FOR UPDATE`, s.group, topic, partition, keys)
 	if err != nil {
 		return nil, fmt.Errorf("lock held keys: %w", err)
@@ -158,7 +158,7 @@ func (s *Store) Park(ctx context.Context, tx pgx.Tx, recs []Rec) error {
 		keys, vals := sink.SplitHeaders(r.Headers)
 		b.Queue(`INSERT INTO `+s.heldRecords+` (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp")
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`,
-			s.group, r.Topic, r.Partition, r.Offset, r.Key, r.Value, keys, vals, r.Timestamp)
+			s.group, r.Topic, r.Partition, r.Offset, r.Key, r.Value, keys, vals, r.Timestamp.UnixMilli())
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("park %d records behind held keys: %w", len(recs), err)
@@ -228,13 +228,13 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message)
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)`,
-			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, Truncate(m.Message, MaxStoredMessage)); err != nil {
+			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, Text(m.Message, MaxStoredMessage)); err != nil {
 			return fmt.Errorf("store retry state of %s: %w", m.Origin, err)
 		}
 	case FromTier:
 		tag, err := tx.Exec(ctx, `UPDATE `+s.retries+` SET attempt = $6, due_at = $7, error_class = $8, error_message = $9, updated_at = now()
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4 AND attempt = $5`,
-			s.group, m.Topic, m.Partition, m.Offset, m.Attempt, next, m.DueAt, m.Class, Truncate(m.Message, MaxStoredMessage))
+			s.group, m.Topic, m.Partition, m.Offset, m.Attempt, next, m.DueAt, m.Class, Text(m.Message, MaxStoredMessage))
 		if err != nil {
 			return fmt.Errorf("update retry state of %s: %w", m.Origin, err)
 		}
@@ -254,7 +254,7 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 		}
 	case FromHeld:
 		if _, err := tx.Exec(ctx, `UPDATE `+s.heldKeys+` SET state = 'retrying', head_offset = $5, updated_at = now()
-			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4`,
+			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4`,
 			s.group, m.Topic, m.Partition, m.Key, m.Offset); err != nil {
 			return fmt.Errorf("make %s its key's head: %w", m.Origin, err)
 		}
@@ -270,14 +270,8 @@ const MaxStoredMessage = 8 << 10
 // if m.Block. Moving a record on from a tier returns ErrStale if its retry state is not at
 // m.Attempt.
 func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
-	keys, vals := sink.SplitHeaders(m.Headers)
-	if _, err := tx.Exec(ctx, `INSERT INTO `+s.deadLetters+` (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp",
-			error_class, error_message, attempts, first_failed_at)
-		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)`,
-		s.group, m.Topic, m.Partition, m.Offset, m.Key, m.Value, keys, vals, m.Timestamp,
-		m.Class, Truncate(m.Message, MaxStoredMessage), m.Attempt, m.FirstFailedAt); err != nil {
-		return fmt.Errorf("store dead letter %s: %w", m.Origin, err)
-	}
+	// The record leaves where it was first, which fails (ErrStale) if it is not there any more: a
+	// stale copy must never get as far as a second dead letter.
 	switch m.From {
 	case FromTier:
 		tag, err := tx.Exec(ctx, `DELETE FROM `+s.retries+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4 AND attempt = $5`,
@@ -293,6 +287,14 @@ func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
 			return err
 		}
 	}
+	keys, vals := sink.SplitHeaders(m.Headers)
+	if _, err := tx.Exec(ctx, `INSERT INTO `+s.deadLetters+` (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp",
+			error_class, error_message, attempts, first_failed_at)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)`,
+		s.group, m.Topic, m.Partition, m.Offset, m.Key, m.Value, keys, vals, m.Timestamp.UnixMilli(),
+		m.Class, Text(m.Message, MaxStoredMessage), m.Attempt, m.FirstFailedAt); err != nil {
+		return fmt.Errorf("store dead letter %s: %w", m.Origin, err)
+	}
 	if !m.Held {
 		return nil
 	}
@@ -305,7 +307,7 @@ func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
 		}
 	case m.Block:
 		if _, err := tx.Exec(ctx, `UPDATE `+s.heldKeys+` SET state = 'blocked', head_offset = $5, updated_at = now()
-			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4`,
+			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4`,
 			s.group, m.Topic, m.Partition, m.Key, m.Offset); err != nil {
 			return fmt.Errorf("block key of %s: %w", m.Origin, err)
 		}
@@ -341,7 +343,7 @@ func (s *Store) ReadyKeys(ctx context.Context, q Querier, limit int) ([]Key, err
 func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key, limit int) ([]Rec, error) {
 	var one int
 	err := tx.QueryRow(ctx, `SELECT 1 FROM `+s.heldKeys+`
-		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4 AND state = 'ready'
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4 AND state = 'ready'
 		FOR UPDATE SKIP LOCKED`, s.group, k.Topic, k.Partition, k.Key).Scan(&one)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, nil
@@ -350,17 +352,17 @@ func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key, limit int) ([]
 		return nil, fmt.Errorf("lock ready key: %w", err)
 	}
 	rows, err := tx.Query(ctx, `SELECT "offset", value, header_keys, header_values, "timestamp" FROM `+s.heldRecords+`
-		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
 		ORDER BY "offset" LIMIT $5`, s.group, k.Topic, k.Partition, k.Key, limit)
 	if err != nil {
 		return nil, fmt.Errorf("read parked records: %w", err)
 	}
 	var out []Rec
 	var r Rec
-	var hkeys []string
-	var hvals [][]byte
-	_, err = pgx.ForEachRow(rows, []any{&r.Offset, &r.Value, &hkeys, &hvals, &r.Timestamp}, func() error {
-		r.Topic, r.Partition, r.Key = k.Topic, k.Partition, k.Key
+	var hkeys, hvals [][]byte
+	var ms int64
+	_, err = pgx.ForEachRow(rows, []any{&r.Offset, &r.Value, &hkeys, &hvals, &ms}, func() error {
+		r.Topic, r.Partition, r.Key, r.Timestamp = k.Topic, k.Partition, k.Key, time.UnixMilli(ms).UTC()
 		var err error
 		if r.Headers, err = sink.JoinHeaders(hkeys, hvals); err != nil {
 			return fmt.Errorf("parked record at offset %d: %w", r.Offset, err)
@@ -416,17 +418,17 @@ func (s *Store) unpark(ctx context.Context, tx pgx.Tx, o Origin) error {
 // record parked before it was taken.
 func (s *Store) release(ctx context.Context, tx pgx.Tx, k Key) error {
 	b := &pgx.Batch{}
-	b.Queue(`SELECT 1 FROM `+s.heldKeys+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4 FOR UPDATE`,
+	b.Queue(`SELECT 1 FROM `+s.heldKeys+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4 FOR UPDATE`,
 		s.group, k.Topic, k.Partition, k.Key)
 	b.Queue(`UPDATE `+s.heldKeys+` h SET state = 'ready', head_offset = NULL, updated_at = now()
-		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
 		AND EXISTS (SELECT 1 FROM `+s.heldRecords+` r
-			WHERE r.consumer_group = h.consumer_group AND r.topic = h.topic AND r.partition = h.partition AND r.key = h.key)`,
+			WHERE r.consumer_group = h.consumer_group AND r.topic = h.topic AND r.partition = h.partition AND r.key_hash = h.key_hash AND r.key = h.key)`,
 		s.group, k.Topic, k.Partition, k.Key)
 	b.Queue(`DELETE FROM `+s.heldKeys+` h
-		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
 		AND NOT EXISTS (SELECT 1 FROM `+s.heldRecords+` r
-			WHERE r.consumer_group = h.consumer_group AND r.topic = h.topic AND r.partition = h.partition AND r.key = h.key)`,
+			WHERE r.consumer_group = h.consumer_group AND r.topic = h.topic AND r.partition = h.partition AND r.key_hash = h.key_hash AND r.key = h.key)`,
 		s.group, k.Topic, k.Partition, k.Key)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("release held key: %w", err)
@@ -439,7 +441,7 @@ func (s *Store) release(ctx context.Context, tx pgx.Tx, k Key) error {
 // released.
 func (s *Store) Unblock(ctx context.Context, db Execer, topic string, partition int32, key []byte) (int64, error) {
 	tag, err := db.Exec(ctx, `UPDATE `+s.heldKeys+` SET state = 'ready', head_offset = NULL, updated_at = now()
-		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND ($4::bytea IS NULL OR key = $4) AND state = 'blocked'`,
+		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND ($4::bytea IS NULL OR (key_hash = sha256($4::bytea) AND key = $4)) AND state = 'blocked'`,
 		s.group, topic, partition, key)
 	if err != nil {
 		return 0, fmt.Errorf("release blocked keys: %w", err)

@@ -157,8 +157,7 @@ func (r *Relay) publishBatch(parent context.Context) (int, error) {
 	for rows.Next() {
 		var id int64
 		rec := &kgo.Record{}
-		var keys []string
-		var vals [][]byte
+		var keys, vals [][]byte
 		if err := rows.Scan(&id, &rec.Topic, &rec.Partition, &rec.Key, &rec.Value, &keys, &vals); err != nil {
 			rows.Close()
 			return 0, fmt.Errorf("outbox: scan: %w", err)

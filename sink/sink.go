@@ -52,6 +52,19 @@ var ErrConnLost = errors.New("connection to postgres lost during the transaction
 // resolves to nil or offsets.ErrAlreadyAdvanced.
 var ErrCommitUnknown = errors.New("commit outcome unknown")
 
+// ErrTxAborted is the error of an apply function that returned nil although one of its statements
+// failed: Postgres has aborted the transaction, which can only roll back. It is the record's
+// failure (a handler that swallowed an error), returned inside a HandlerError.
+var ErrTxAborted = errors.New("a statement failed but the handler returned nil: the transaction is aborted and cannot commit " +
+	"(to carry on after an expected error, run the statement in a savepoint (tx.Begin) or use ON CONFLICT)")
+
+// ErrConnClosedByHandler is the error of an apply function during which the connection closed
+// while Postgres stayed up: a statement the handler ran under a context of its own (a timeout)
+// was interrupted, and pgx closes the connection when that happens. It is the record's failure,
+// returned inside a HandlerError.
+var ErrConnClosedByHandler = errors.New("the transaction's connection was closed during the handler while postgres stayed up " +
+	"(a statement interrupted by a context of the handler's own, such as a timeout)")
+
 // Sink applies batches transactionally for one consumer group.
 type Sink struct {
 	pool      *pgxpool.Pool
@@ -149,21 +162,14 @@ func (s *Sink) apply(ctx context.Context, pos *offsets.Position, next int64, app
 	}
 
 	if apply != nil {
-		if err := apply(ctx, tx); err != nil {
-			// The connection died under the handler: whatever the handler saw, the failure is
-			// Postgres's. An error the server sent (pgx closes the connection after a FATAL one,
-			// such as the idle-in-transaction timeout) is left for classification to judge.
-			var pgErr *pgconn.PgError
-			if tx.Conn().IsClosed() && !errors.As(err, &pgErr) {
-				return fmt.Errorf("%w: %w", ErrConnLost, err)
-			}
-			return &HandlerError{Err: err}
+		if err := s.applied(ctx, tx, apply(ctx, tx)); err != nil {
+			return err
 		}
 	}
 
 	if err := tx.Commit(ctx); err != nil {
 		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) {
+		if errors.As(err, &pgErr) || errors.Is(err, pgx.ErrTxCommitRollback) {
 			// The server answered: the transaction did not commit. A deferred constraint or a
 			// serialization failure; classification decides whose fault it is.
 			return &HandlerError{Err: fmt.Errorf("commit: %w", err)}
@@ -174,4 +180,55 @@ func (s *Sink) apply(ctx context.Context, pos *offsets.Position, next int64, app
 		s.written()
 	}
 	return nil
+}
+
+// applied judges how apply's run inside tx ended, err being what it returned: nil if the
+// transaction may commit, a *HandlerError if it failed by the records' (the handler's) fault, an
+// error wrapping ErrConnLost if Postgres failed under it.
+func (s *Sink) applied(ctx context.Context, tx pgx.Tx, err error) error {
+	var pgErr *pgconn.PgError
+	switch {
+	case !tx.Conn().IsClosed():
+		if err != nil {
+			return &HandlerError{Err: err}
+		}
+		if tx.Conn().PgConn().TxStatus() == 'E' {
+			return &HandlerError{Err: ErrTxAborted}
+		}
+		return nil
+	case errors.As(err, &pgErr):
+		// The server sent the error (pgx closes the connection after a FATAL one, such as the
+		// idle-in-transaction timeout): classification judges it.
+		return &HandlerError{Err: err}
+	}
+	// The connection is gone. If Postgres answers a fresh connection and the transaction's own
+	// context is not done, nothing outside the handler broke it: pgx closes the connection when
+	// a statement is interrupted by its context, so a timeout the handler set itself (or a
+	// context it cancelled) did. Retrying that in place would fail the same way for ever.
+	if ctx.Err() == nil && s.answers(ctx) {
+		if err != nil {
+			return &HandlerError{Err: fmt.Errorf("%w: %w", ErrConnClosedByHandler, err)}
+		}
+		return &HandlerError{Err: ErrConnClosedByHandler}
+	}
+	if err == nil {
+		err = errors.New("the handler returned nil")
+	}
+	return fmt.Errorf("%w: %w", ErrConnLost, err)
+}
+
+// answerTimeout bounds the check that Postgres answers a fresh connection.
+const answerTimeout = 3 * time.Second
+
+// answers reports whether Postgres answers a fresh connection (not one of the pool's, which may
+// all be busy) within answerTimeout.
+func (s *Sink) answers(ctx context.Context) bool {
+	ctx, cancel := context.WithTimeout(ctx, answerTimeout)
+	defer cancel()
+	conn, err := pgx.ConnectConfig(ctx, s.pool.Config().ConnConfig.Copy())
+	if err != nil {
+		return false
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	return conn.Ping(ctx) == nil
 }

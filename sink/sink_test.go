@@ -68,12 +68,11 @@ func TestApplyCommitsEffectsOffsetAndOutboxTogether(t *testing.T) {
 	if !stored.Known || stored.Next != 10 {
 		t.Fatalf("stored offset %+v, want 10", stored)
 	}
-	var keys []string
-	var vals [][]byte
+	var keys, vals [][]byte
 	if err := pool.QueryRow(ctx, `SELECT header_keys, header_values FROM kafkapg.outbox`).Scan(&keys, &vals); err != nil {
 		t.Fatal(err)
 	}
-	if len(keys) != 2 || keys[1] != "null" || vals[1] != nil || string(vals[0]) != "1" {
+	if len(keys) != 2 || string(keys[1]) != "null" || vals[1] != nil || string(vals[0]) != "1" {
 		t.Fatalf("headers stored as %q %q", keys, vals)
 	}
 }

@@ -64,12 +64,21 @@ type Beginner interface {
 // Migrate applies every migration that schemaName does not have yet and returns the versions it
 // applied. It creates the schema if needed.
 func Migrate(ctx context.Context, db Beginner, schemaName string) ([]int, error) {
+	return migrate(ctx, db, schemaName, -1)
+}
+
+// migrate is Migrate up to version upTo (all if negative).
+func migrate(ctx context.Context, db Beginner, schemaName string, upTo int) ([]int, error) {
 	if schemaName == "" {
 		return nil, fmt.Errorf("schema name is empty")
 	}
 	ms, err := Migrations()
 	if err != nil {
 		return nil, err
+	}
+	all := len(ms)
+	if upTo >= 0 {
+		ms = ms[:min(upTo, len(ms))]
 	}
 	ident := pgx.Identifier{schemaName}.Sanitize()
 
@@ -97,8 +106,11 @@ func Migrate(ctx context.Context, db Beginner, schemaName string) ([]int, error)
 		if err := tx.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM schema_migrations`).Scan(&current); err != nil {
 			return err
 		}
+		if current > all {
+			return fmt.Errorf("schema %s is at version %d, newer than this binary knows (%d): upgrade kafkapg", ident, current, all)
+		}
 		if current > len(ms) {
-			return fmt.Errorf("schema %s is at version %d, newer than this binary knows (%d): upgrade kafkapg", ident, current, len(ms))
+			return nil
 		}
 		for _, m := range ms[current:] {
 			if _, err := tx.Exec(ctx, m.SQL); err != nil {

@@ -1,0 +1,4 @@
+package schema
+
+// MigrateTo is Migrate up to version upTo, for the upgrade test.
+var MigrateTo = migrate

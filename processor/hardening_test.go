@@ -1,0 +1,517 @@
+package processor_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/retrytopics"
+)
+
+// The tests in this file use kafkapg as a team that brings its own handler would: a table
+// without any unique constraint (a record applied twice shows as two rows), and the mistakes
+// such handlers make: binary data in error messages, timeouts of their own, errors swallowed.
+
+// effectsSchema is a careless handler's table: no primary key, no unique constraint.
+const effectsSchema = `CREATE TABLE effects (
+	id      bigserial,
+	topic   text    NOT NULL,
+	part    integer NOT NULL,
+	off     bigint  NOT NULL,
+	attempt integer NOT NULL,
+	value   bytea
+)`
+
+// careless is a handler that inserts one effects row per record after before (if set) has had its
+// say: a non-nil error from before fails the record, except errReturnNil, which makes the
+// handler return nil at once.
+type careless struct {
+	before func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error
+}
+
+var errReturnNil = errors.New("return nil without the insert")
+
+func (c careless) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+	if c.before != nil {
+		if err := c.before(ctx, tx, rec); errors.Is(err, errReturnNil) {
+			return nil
+		} else if err != nil {
+			return err
+		}
+	}
+	return insertEffect(ctx, tx, rec)
+}
+
+func insertEffect(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+	_, err := tx.Exec(ctx, `INSERT INTO effects (topic, part, off, attempt, value) VALUES ($1, $2, $3, $4, $5)`,
+		rec.Topic, rec.Partition, rec.Offset, rec.Attempt, rec.Value)
+	return err
+}
+
+// carelessHarness is a harness with the effects table.
+func carelessHarness(t *testing.T, k *testenv.Kafka, partitions int32) *harness {
+	t.Helper()
+	h := newHarness(t, k, partitions)
+	if _, err := h.pool.Exec(context.Background(), effectsSchema); err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+// effect is one effects row.
+type effect struct {
+	value   string
+	attempt int
+}
+
+// effects returns the effects rows in the order they were applied.
+func (h *harness) effects() []effect {
+	h.t.Helper()
+	rows, err := h.pool.Query(context.Background(), `SELECT value, attempt FROM effects ORDER BY id`)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	var out []effect
+	var v []byte
+	var a int
+	if _, err := pgx.ForEachRow(rows, []any{&v, &a}, func() error {
+		out = append(out, effect{string(v), a})
+		return nil
+	}); err != nil {
+		h.t.Fatal(err)
+	}
+	return out
+}
+
+// waitEffects waits until every value has at least one effect, then checks that each has exactly
+// one (applied once) and returns the attempt each was applied at.
+func (h *harness) waitEffects(values []string, timeout time.Duration) map[string]int {
+	h.t.Helper()
+	testenv.Eventually(h.t, timeout, func() error {
+		seen := map[string]bool{}
+		for _, e := range h.effects() {
+			seen[e.value] = true
+		}
+		var missing []string
+		for _, v := range values {
+			if !seen[v] {
+				missing = append(missing, fmt.Sprintf("%q", v))
+			}
+		}
+		if len(missing) > 0 {
+			return fmt.Errorf("not applied yet: %s", strings.Join(missing, ", "))
+		}
+		return nil
+	})
+	return h.appliedOnce()
+}
+
+// appliedOnce fails the test if any record was applied more than once, and returns the attempt
+// each value was applied at.
+func (h *harness) appliedOnce() map[string]int {
+	h.t.Helper()
+	count := map[string]int{}
+	at := map[string]int{}
+	for _, e := range h.effects() {
+		count[e.value]++
+		at[e.value] = e.attempt
+	}
+	for v, n := range count {
+		if n != 1 {
+			h.t.Errorf("%q applied %d times", v, n)
+		}
+	}
+	return at
+}
+
+// deadLetter is a dead_letters row as an operator reads it.
+type deadLetter struct {
+	value      []byte
+	class, msg string
+	headerKeys [][]byte
+}
+
+// deadLetters returns the dead_letters rows by value.
+func (h *harness) deadLetters() map[string]deadLetter {
+	h.t.Helper()
+	rows, err := h.pool.Query(context.Background(), `SELECT value, error_class, error_message, header_keys FROM kafkapg.dead_letters`)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	out := map[string]deadLetter{}
+	var d deadLetter
+	if _, err := pgx.ForEachRow(rows, []any{&d.value, &d.class, &d.msg, &d.headerKeys}, func() error {
+		out[string(d.value)] = d
+		d = deadLetter{}
+		return nil
+	}); err != nil {
+		h.t.Fatal(err)
+	}
+	return out
+}
+
+// waitRetryPathEmpty waits until nothing is left in the retry path or the outbox.
+func (h *harness) waitRetryPathEmpty(timeout time.Duration) {
+	h.t.Helper()
+	testenv.Eventually(h.t, timeout, func() error {
+		var outbox int
+		if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.outbox`).Scan(&outbox); err != nil {
+			return err
+		}
+		if outbox > 0 {
+			return fmt.Errorf("%d outbox rows not yet published", outbox)
+		}
+		if n := h.retryPathRows(); n != "" {
+			return fmt.Errorf("retry path not empty: %s", n)
+		}
+		return nil
+	})
+}
+
+// TestDuplicateRetryCopiesInOneBatchApplyOnce: the relay publishes at least once, so a tier can
+// hold two copies of a retry record; when the tier's consumer was down, both arrive in one fetch,
+// due together, and land in one batch. The record must be applied once, whatever the handler's
+// tables look like.
+func TestDuplicateRetryCopiesInOneBatchApplyOnce(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := carelessHarness(t, k, 1)
+		cfg := h.config(careless{before: func(_ context.Context, _ pgx.Tx, rec *processor.Record) error {
+			if rec.Attempt == 1 && string(rec.Value) == "dup" {
+				return errors.New("first delivery fails")
+			}
+			return nil
+		}})
+		cfg.RetryTiers = []time.Duration{500 * time.Millisecond}
+		cfg.LocalAttempts = 1
+		r := h.start(cfg)
+		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k"), Value: []byte("dup")})
+		tier := retrytopics.TierTopic(h.topic, h.group, 1)
+		var copies []*kgo.Record
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if copies = k.ReadAll(t, tier); len(copies) == 0 {
+				return errors.New("the retry record is not in tier 1 yet")
+			}
+			return nil
+		})
+		// The tier's consumer goes down before the record is due; a second copy is published, as
+		// a relay killed between Kafka's ack and its delete would.
+		r.stop(t)
+		if got := h.effects(); len(got) != 0 {
+			t.Fatalf("applied before its due time: %v", got)
+		}
+		dup := *copies[0]
+		dup.Topic = tier
+		k.Produce(t, &dup)
+
+		cfg2 := h.config(cfg.Handler)
+		cfg2.RetryTiers, cfg2.LocalAttempts = cfg.RetryTiers, cfg.LocalAttempts
+		r = h.start(cfg2)
+		h.waitEffects([]string{"dup"}, 30*time.Second)
+		h.waitRetryPathEmpty(30 * time.Second)
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if n := r.counter("kafkapg_retry_duplicates_skipped_total"); n != 1 {
+				return fmt.Errorf("%v duplicate copies skipped, want 1", n)
+			}
+			return nil
+		})
+		if at := h.appliedOnce(); at["dup"] != 2 {
+			t.Errorf("dup applied at attempt %d, want 2", at["dup"])
+		}
+	})
+}
+
+// TestLatestStartNeverLosesTierRecords: KAFKA_START_OFFSET=latest is about where a new group
+// starts on its source topics. A retry tier always starts at its beginning: a tier partition whose
+// first record is still waiting for its due time when the processor restarts (a deploy) has no
+// position anywhere yet, and must not skip that record.
+func TestLatestStartNeverLosesTierRecords(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := carelessHarness(t, k, 1)
+		handler := careless{before: func(_ context.Context, _ pgx.Tx, rec *processor.Record) error {
+			if rec.Attempt == 1 && string(rec.Value) == "late" {
+				return errors.New("first delivery fails")
+			}
+			return nil
+		}}
+		cfg := h.config(handler)
+		cfg.StartOffset = processor.StartLatest
+		cfg.RetryTiers = []time.Duration{3 * time.Second}
+		cfg.LocalAttempts = 1
+		r := h.start(cfg)
+		waitJoined(t, r)
+		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k"), Value: []byte("late")})
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if n := len(k.ReadAll(t, retrytopics.TierTopic(h.topic, h.group, 1))); n == 0 {
+				return errors.New("the retry record is not in tier 1 yet")
+			}
+			return nil
+		})
+		r.stop(t) // a deploy, before the record is due
+		cfg2 := h.config(handler)
+		cfg2.StartOffset = processor.StartLatest
+		cfg2.RetryTiers = cfg.RetryTiers
+		cfg2.LocalAttempts = 1
+		h.start(cfg2)
+		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k"), Value: []byte("after")})
+		at := h.waitEffects([]string{"late", "after"}, 30*time.Second)
+		if at["late"] != 2 {
+			t.Errorf("late applied at attempt %d, want 2", at["late"])
+		}
+		if got := h.effects(); got[0].value != "late" {
+			t.Errorf("applied in the order %v; the key's records must keep their order", got)
+		}
+		h.waitRetryPathEmpty(30 * time.Second)
+	})
+}
+
+// TestLatestStartIsResolvedOnce: with KAFKA_START_OFFSET=latest, a partition's start is resolved
+// the first time the group is assigned it, and kept: records produced while the group is between
+// owners (a deploy) are not skipped because the next owner resolves "latest" again.
+func TestLatestStartIsResolvedOnce(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := carelessHarness(t, k, 2)
+		h.k.Produce(t, &kgo.Record{Topic: h.topic, Partition: 0, Value: []byte("before the group existed")})
+		cfg := h.config(careless{})
+		cfg.StartOffset = processor.StartLatest
+		r := h.start(cfg)
+		waitJoined(t, r)
+		r.stop(t)
+		var want []string
+		for i := range 6 {
+			want = append(want, fmt.Sprintf("during the deploy %d", i))
+			h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte{byte(i)}, Value: []byte(want[i])})
+		}
+		cfg2 := h.config(careless{})
+		cfg2.StartOffset = processor.StartLatest
+		h.start(cfg2)
+		h.waitEffects(want, 30*time.Second)
+		for _, e := range h.effects() {
+			if e.value == "before the group existed" {
+				t.Errorf("a record produced before the group first started was applied with KAFKA_START_OFFSET=latest")
+			}
+		}
+	})
+}
+
+// waitJoined waits until r is a member of its group with its partitions claimed.
+func waitJoined(t *testing.T, r *running) {
+	t.Helper()
+	testenv.Eventually(t, 30*time.Second, func() error {
+		if err := r.p.Ready(context.Background()); err != nil {
+			return err
+		}
+		if r.gauge("kafkapg_assigned_partitions") == 0 {
+			return errors.New("no partitions assigned yet")
+		}
+		return nil
+	})
+}
+
+// binary is what a handler that formats a record's value into its error puts in the message:
+// NUL bytes and invalid UTF-8.
+var binary = []byte{'b', 0x00, 0xff, 0xfe, 'x', 0xc3, 0x28}
+
+// badHeaderKey is a header key Kafka carries as bytes and Postgres's text type refuses.
+var badHeaderKey = string([]byte{0xff, 0x00, 'k'})
+
+// TestBinaryErrorsAndHeadersMoveOn: a handler error that formats binary data into its message, and
+// a header key with NUL and invalid UTF-8, must not stop a record from moving: to a tier, behind
+// its key, from there to a tier again, to the dead-letter table. The header key arrives at the
+// handler byte for byte, and the dead letter keeps it.
+func TestBinaryErrorsAndHeadersMoveOn(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := carelessHarness(t, k, 1)
+		var mu sync.Mutex
+		var headerSeen []string
+		cfg := h.config(careless{before: func(_ context.Context, _ pgx.Tx, rec *processor.Record) error {
+			mu.Lock()
+			for _, hd := range rec.Headers {
+				if hd.Key == badHeaderKey {
+					headerSeen = append(headerSeen, string(rec.Value))
+				}
+			}
+			mu.Unlock()
+			switch v := string(rec.Value); {
+			case strings.HasPrefix(v, "flaky") && rec.Attempt == 1:
+				return fmt.Errorf("bad payload %s in %s", binary, rec.Value)
+			case v == "poison":
+				return processor.Permanent(fmt.Errorf("poison payload %s", binary))
+			}
+			return nil
+		}})
+		cfg.RetryTiers = []time.Duration{200 * time.Millisecond}
+		cfg.LocalAttempts = 1
+		h.start(cfg)
+		hdr := []kgo.RecordHeader{{Key: badHeaderKey, Value: []byte{0}}, {Key: "ok", Value: []byte("v")}}
+		rec := func(key, value string) *kgo.Record {
+			return &kgo.Record{Topic: h.topic, Key: []byte(key), Value: []byte(value), Headers: hdr}
+		}
+		// flaky-1 goes to the tier; flaky-2 and after wait behind it; flaky-2, taken from
+		// where it waited, fails again and goes to the tier itself; after waits behind it.
+		h.k.Produce(t, rec("K", "flaky-1"), rec("K", "flaky-2"), rec("K", "after"), rec("P", "poison"), rec("Q", "other"))
+		at := h.waitEffects([]string{"flaky-1", "flaky-2", "after", "other"}, 30*time.Second)
+		h.waitRetryPathEmpty(30 * time.Second)
+		if at["flaky-1"] != 2 || at["flaky-2"] != 2 || at["after"] != 1 {
+			t.Errorf("applied at attempts %v; want flaky-1 and flaky-2 at 2, after at 1", at)
+		}
+		var order []string
+		for _, e := range h.effects() {
+			if e.value != "other" {
+				order = append(order, e.value)
+			}
+		}
+		if fmt.Sprint(order) != "[flaky-1 flaky-2 after]" {
+			t.Errorf("key K applied in the order %v", order)
+		}
+		dl := h.deadLetters()
+		d, ok := dl["poison"]
+		if !ok || len(dl) != 1 {
+			t.Fatalf("dead letters %v, want exactly the poison record", dl)
+		}
+		if !utf8.ValidString(d.msg) || strings.ContainsRune(d.msg, 0) || !strings.Contains(d.msg, "poison payload") {
+			t.Errorf("dead letter message %q: want it readable (valid UTF-8, no NUL) and saying what failed", d.msg)
+		}
+		if len(d.headerKeys) != 2 || string(d.headerKeys[0]) != badHeaderKey {
+			t.Errorf("dead letter header keys %q, want the record's own, byte for byte", d.headerKeys)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if len(headerSeen) < 5 {
+			t.Errorf("the binary header key reached the handler with %v only", headerSeen)
+		}
+	})
+}
+
+// TestHandlerOwnTimeoutIsTheRecordsFailure: a handler that puts its own timeout around a slow
+// query makes pgx close the connection when it fires. That is the record's failure (retryable,
+// as documented), not Postgres being down: the record moves on through the tiers while the rest
+// of the partition flows. Also when the handler swallows the timeout and returns nil.
+func TestHandlerOwnTimeoutIsTheRecordsFailure(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := carelessHarness(t, k, 1)
+		cfg := h.config(careless{before: func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			v := string(rec.Value)
+			if !strings.HasPrefix(v, "slow") || rec.Attempt > 1 {
+				return nil
+			}
+			qctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+			defer cancel()
+			_, err := tx.Exec(qctx, `SELECT pg_sleep(2)`)
+			if v == "slow-swallowed" {
+				return errReturnNil // "best effort": the error is dropped, the connection is gone
+			}
+			return err
+		}})
+		cfg.RetryTiers = []time.Duration{200 * time.Millisecond}
+		cfg.LocalAttempts = 2
+		r := h.start(cfg)
+		h.k.Produce(t,
+			&kgo.Record{Topic: h.topic, Key: []byte("a"), Value: []byte("slow")},
+			&kgo.Record{Topic: h.topic, Key: []byte("b"), Value: []byte("slow-swallowed")},
+			&kgo.Record{Topic: h.topic, Key: []byte("c"), Value: []byte("fast")})
+		at := h.waitEffects([]string{"slow", "slow-swallowed", "fast"}, 60*time.Second)
+		if at["slow"] != 2 || at["slow-swallowed"] != 2 || at["fast"] != 1 {
+			t.Errorf("applied at attempts %v; want the slow ones at 2 (after the tier), fast at 1", at)
+		}
+		if n := r.counter("kafkapg_records_retried_total"); n != 2 {
+			t.Errorf("%v records sent to the retry tier, want 2", n)
+		}
+	})
+}
+
+// TestSwallowedStatementErrorIsTheRecordsFailure: a handler that ignores a failed statement and
+// returns nil leaves its transaction aborted: COMMIT then rolls back. That is the record's failure
+// (it goes through the tiers and is dead-lettered, with a message that says what happened), not a
+// commit with an unknown outcome to retry for ever; the other records are applied.
+func TestSwallowedStatementErrorIsTheRecordsFailure(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := carelessHarness(t, k, 1)
+		if _, err := h.pool.Exec(context.Background(), `CREATE TABLE seen (id text PRIMARY KEY); INSERT INTO seen VALUES ('x')`); err != nil {
+			t.Fatal(err)
+		}
+		cfg := h.config(careless{before: func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			if string(rec.Value) != "swallow" {
+				return nil
+			}
+			if err := insertEffect(ctx, tx, rec); err != nil {
+				return err
+			}
+			// "Ignore the duplicate": the unique violation is dropped, the transaction is not.
+			_, _ = tx.Exec(ctx, `INSERT INTO seen VALUES ('x')`)
+			return errReturnNil
+		}})
+		cfg.RetryTiers = []time.Duration{100 * time.Millisecond}
+		cfg.LocalAttempts = 2
+		h.start(cfg)
+		h.k.Produce(t,
+			&kgo.Record{Topic: h.topic, Key: []byte("a"), Value: []byte("one")},
+			&kgo.Record{Topic: h.topic, Key: []byte("b"), Value: []byte("swallow")},
+			&kgo.Record{Topic: h.topic, Key: []byte("c"), Value: []byte("two")})
+		h.waitEffects([]string{"one", "two"}, 30*time.Second)
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if _, ok := h.deadLetters()["swallow"]; !ok {
+				return errors.New("the record whose handler swallowed an error is not dead-lettered yet")
+			}
+			return nil
+		})
+		d := h.deadLetters()["swallow"]
+		if !strings.Contains(d.msg, "aborted") {
+			t.Errorf("dead letter says %q; want it to say the transaction was aborted by a statement the handler did not report", d.msg)
+		}
+		for _, e := range h.effects() {
+			if e.value == "swallow" {
+				t.Error("the record whose transaction was aborted has an effect")
+			}
+		}
+	})
+}
+
+// TestAbortedTransactionsAreNotApplied: records of a producer's aborted Kafka transaction never
+// happened; only committed ones (and non-transactional ones) are applied.
+func TestAbortedTransactionsAreNotApplied(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := carelessHarness(t, k, 1)
+		h.start(h.config(careless{}))
+		txcl := k.Client(t, kgo.TransactionalID("tx-"+h.group), kgo.DefaultProduceTopic(h.topic))
+		ctx := context.Background()
+		for _, end := range []kgo.TransactionEndTry{kgo.TryAbort, kgo.TryCommit} {
+			if err := txcl.BeginTransaction(); err != nil {
+				t.Fatal(err)
+			}
+			v := "committed"
+			if end == kgo.TryAbort {
+				v = "aborted"
+			}
+			if err := txcl.ProduceSync(ctx, &kgo.Record{Value: []byte(v)}).FirstErr(); err != nil {
+				t.Fatal(err)
+			}
+			if err := txcl.EndTransaction(ctx, end); err != nil {
+				t.Fatal(err)
+			}
+		}
+		h.k.Produce(t, &kgo.Record{Topic: h.topic, Value: []byte("plain")})
+		h.waitEffects([]string{"committed", "plain"}, 30*time.Second)
+		for _, e := range h.effects() {
+			if e.value == "aborted" {
+				t.Error("a record of an aborted transaction was applied")
+			}
+		}
+	})
+}
