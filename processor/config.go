@@ -115,6 +115,11 @@ type Config struct {
 	// between two statements of its transaction has the transaction ended and retried. Defaults
 	// to 30s. [DB_TX_IDLE_TIMEOUT]
 	TxIdleTimeout time.Duration
+	// StallTimeout is how long a partition may have records to apply and commit nothing before it
+	// counts as stalled (kafkapg_stalled_partitions, with the cause, and an error log), and how long
+	// a held key may go without progress before it counts as stuck (kafkapg_stuck_keys). Defaults
+	// to 2m. [STALL_TIMEOUT]
+	StallTimeout time.Duration
 	// ShutdownTimeout bounds Run's shutdown after ctx is done: drain, final commits, leaving the
 	// group. Defaults to 10s. [SHUTDOWN_TIMEOUT]
 	ShutdownTimeout time.Duration
@@ -198,6 +203,9 @@ func (c *Config) withDefaults() *Config {
 	}
 	if out.TxIdleTimeout == 0 {
 		out.TxIdleTimeout = 30 * time.Second
+	}
+	if out.StallTimeout == 0 {
+		out.StallTimeout = 2 * time.Minute
 	}
 	if out.ShutdownTimeout == 0 {
 		out.ShutdownTimeout = 10 * time.Second
@@ -327,6 +335,7 @@ func (c *Config) validate() error {
 		{"DrainTimeout", c.DrainTimeout},
 		{"TxIdleTimeout (DB_TX_IDLE_TIMEOUT)", c.TxIdleTimeout},
 		{"ShutdownTimeout (SHUTDOWN_TIMEOUT)", c.ShutdownTimeout},
+		{"StallTimeout (STALL_TIMEOUT)", c.StallTimeout},
 	} {
 		if d.v < 0 {
 			errs = append(errs, fmt.Errorf("%s must not be negative, got %v", d.name, d.v))

@@ -74,7 +74,7 @@ func (d *drainer) run() {
 	defer tick.Stop()
 	for {
 		var keys []retrytopics.Key
-		err := d.p.inPlace(d.ctx, d.stopping, d.log, false, func() (err error) {
+		err := d.p.inPlace(d.ctx, d.stopping, d.log, false, nil, func() (err error) {
 			keys, err = d.p.retry.ReadyKeys(d.ctx, d.p.pool, drainBatch)
 			return err
 		})
@@ -187,7 +187,7 @@ func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error
 	err := d.transact(func(ctx context.Context, tx pgx.Tx) error {
 		parked, err := d.p.retry.TakeParked(ctx, tx, k, limit)
 		if err != nil {
-			return Infrastructure(err)
+			return own(err)
 		}
 		recs = recs[:0]
 		for _, r := range parked {
@@ -199,7 +199,7 @@ func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error
 		if err := d.p.handle(ctx, tx, recs); err != nil {
 			return err
 		}
-		return Infrastructure(d.p.retry.AppliedParked(ctx, tx, k, parked))
+		return own(d.p.retry.AppliedParked(ctx, tx, k, parked))
 	}, true)
 	var first *Record
 	if len(recs) > 0 {
@@ -219,7 +219,7 @@ func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error
 // retried alone (see retryAlone), then moved to the first retry tier or dead-lettered. more says
 // whether the key goes on with its next record.
 func (d *drainer) retryFirst(k retrytopics.Key, rec *Record, cause error) (more bool, err error) {
-	f, settled, err := d.p.retryAlone(d.ctx, d.stopping, k.Topic, true, cause, func() error {
+	f, settled, err := d.p.retryAlone(d.ctx, d.stopping, nil, k.Topic, true, cause, func() error {
 		_, first, err := d.applyParked(k, 1)
 		if errors.Is(err, retrytopics.ErrStale) || (first != nil && first.Offset != rec.Offset) {
 			more = true // another processor moved the record on meanwhile; look again
@@ -244,13 +244,13 @@ func (d *drainer) route(k retrytopics.Key, rec *Record, f failure) (more bool, e
 	err = d.transact(func(ctx context.Context, tx pgx.Tx) error {
 		head, err := d.p.retry.TakeParked(ctx, tx, k, 1)
 		if err != nil {
-			return Infrastructure(err)
+			return own(err)
 		}
 		if len(head) == 0 || head[0].Offset != rec.Offset {
 			// Another processor moved the record on meanwhile: roll back, message included.
 			return retrytopics.ErrStale
 		}
-		return Infrastructure(d.p.write(ctx, tx, m))
+		return own(d.p.write(ctx, tx, m))
 	}, false, m.msg)
 	if errors.Is(err, retrytopics.ErrStale) {
 		return true, nil // look again
@@ -265,7 +265,7 @@ func (d *drainer) route(k retrytopics.Key, rec *Record, f failure) (more bool, e
 // transact runs one transaction that stores msgs in the outbox and runs apply (see
 // Processor.inPlace); apply must fail for the messages not to be stored.
 func (d *drainer) transact(apply func(context.Context, pgx.Tx) error, blame bool, msgs ...sink.Message) error {
-	return d.p.inPlace(d.ctx, d.stopping, d.log, blame, func() error {
+	return d.p.inPlace(d.ctx, d.stopping, d.log, blame, nil, func() error {
 		return d.p.sink.Transact(d.ctx, apply, msgs)
 	})
 }

@@ -515,3 +515,69 @@ func TestAbortedTransactionsAreNotApplied(t *testing.T) {
 		}
 	})
 }
+
+// TestStallsAreReportedWithTheirCause: a partition that cannot move on shows up in
+// kafkapg_stalled_partitions with why, and a failure of kafkapg's own statements that waiting
+// will not fix (here: a table renamed underneath) is counted and logged as an error, not retried
+// silently; it resumes once the cause is gone.
+func TestStallsAreReportedWithTheirCause(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := carelessHarness(t, k, 2)
+		release := make(chan struct{})
+		var releaseOnce sync.Once
+		t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) })
+		cfg := h.config(careless{before: func(ctx context.Context, _ pgx.Tx, rec *processor.Record) error {
+			switch string(rec.Value) {
+			case "stuck":
+				<-release // a handler that ignores its context
+			case "fails":
+				if rec.Attempt == 1 {
+					return errors.New("to the tier")
+				}
+			}
+			return nil
+		}})
+		cfg.StallTimeout = time.Second
+		cfg.RetryTiers = []time.Duration{100 * time.Millisecond}
+		cfg.LocalAttempts = 1
+		r := h.start(cfg)
+		waitJoined(t, r)
+
+		// The retry path's table is renamed underneath: moving a record to the tier fails the
+		// same way every time.
+		if _, err := h.pool.Exec(context.Background(), `ALTER TABLE kafkapg.retries RENAME TO retries_away`); err != nil {
+			t.Fatal(err)
+		}
+		manual := k.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner()))
+		if err := manual.ProduceSync(context.Background(),
+			&kgo.Record{Topic: h.topic, Partition: 0, Value: []byte("fails")},
+			&kgo.Record{Topic: h.topic, Partition: 1, Value: []byte("stuck")}).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+		testenv.Eventually(t, 30*time.Second, func() error {
+			e, hd := r.labeled("kafkapg_stalled_partitions", "cause", "error"), r.labeled("kafkapg_stalled_partitions", "cause", "handler")
+			if e != 1 || hd != 1 {
+				return fmt.Errorf("stalled partitions: %v by error, %v by the handler; want 1 and 1", e, hd)
+			}
+			return nil
+		})
+		if n := r.counter("kafkapg_internal_errors_total"); n == 0 {
+			t.Error("kafkapg_internal_errors_total stayed at 0 while kafkapg's own statement failed")
+		}
+		if _, err := h.pool.Exec(context.Background(), `ALTER TABLE kafkapg.retries_away RENAME TO retries`); err != nil {
+			t.Fatal(err)
+		}
+		releaseOnce.Do(func() { close(release) })
+		at := h.waitEffects([]string{"fails", "stuck"}, 30*time.Second)
+		if at["fails"] != 2 {
+			t.Errorf("fails applied at attempt %d, want 2", at["fails"])
+		}
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if n := r.gauge("kafkapg_stalled_partitions"); n != 0 {
+				return fmt.Errorf("%v partitions still reported stalled", n)
+			}
+			return nil
+		})
+	})
+}

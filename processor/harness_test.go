@@ -266,3 +266,25 @@ func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimSuffix(string(p), "\n"))
 	return len(p), nil
 }
+
+// labeled returns the sum of the series of metric name whose label has the given value.
+func (r *running) labeled(name, label, value string) float64 {
+	mfs, err := r.reg.Gather()
+	if err != nil {
+		panic(err)
+	}
+	total := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, lp := range m.GetLabel() {
+				if lp.GetName() == label && lp.GetValue() == value {
+					total += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+				}
+			}
+		}
+	}
+	return total
+}

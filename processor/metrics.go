@@ -45,6 +45,10 @@ type metrics struct {
 
 	// Group-wide consumer lag: broker end offsets against the offsets stored in Postgres.
 	lag *prometheus.GaugeVec
+
+	// Progress: partitions of this process that make none, and failures nobody should wait out.
+	stalled        *prometheus.GaugeVec
+	internalErrors prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -157,6 +161,14 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "circuit_breaker_held_records",
 			Help: "Records held in place by the open circuit breaker (one per partition at most).",
 		}),
+		stalled: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Name: "stalled_partitions",
+			Help: "Partitions of this process that have had records to apply and committed nothing for STALL_TIMEOUT, by cause: infrastructure, error (kafkapg's own statements fail: a bug or a changed schema), breaker, handler.",
+		}, []string{"cause"}),
+		internalErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: ns, Name: "internal_errors_total",
+			Help: "Transactions of kafkapg's own that failed in a way waiting will not fix (a bug, or the database changed underneath), each logged as an error and retried.",
+		}),
 		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Name: "consumer_lag_records",
 			Help: "Records of each source partition not yet applied: the broker's end offset minus the next offset stored in Postgres (group-wide).",
@@ -165,7 +177,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, c := range []prometheus.Collector{m.breakerOpen, m.breakerOpened, m.breakerHeld, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
 		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.parked, m.duplicates, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
-		m.tierRecords, m.tierOverdue, m.deadLetterDB} {
+		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -199,6 +211,9 @@ func (m *metrics) initLabels(topics []string, group string, tiers int) {
 	}
 	for _, e := range []string{"assigned", "revoked", "lost"} {
 		m.rebalances.WithLabelValues(e)
+	}
+	for _, c := range stallCauses {
+		m.stalled.WithLabelValues(c)
 	}
 }
 

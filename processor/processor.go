@@ -376,6 +376,7 @@ func (p *Processor) refreshStats(ctx context.Context) {
 				p.log.Debug("cannot compute consumer lag", "err", err)
 			}
 		}
+		p.checkStalls()
 		select {
 		case <-ctx.Done():
 			return

@@ -41,6 +41,8 @@ type worker struct {
 	applied  prometheus.Counter // kafkapg_records_applied_total of the source topic, looked up once
 	consumed prometheus.Counter // kafkapg_records_consumed_total of the partition's topic, looked up once
 
+	prog progress // whether it moves on (see checkStalls)
+
 	// held is a superset of the partition's held keys (source partitions only): only this
 	// partition's owner ever adds a key to held_keys, and it loads the set when it starts, so a
 	// key not in it cannot be held and its records need no check in Postgres.
@@ -151,6 +153,7 @@ func (w *worker) take() []*kgo.Record {
 			linger := w.p.cfg.BatchMaxWait - time.Since(w.firstAt)
 			switch {
 			case ready == 0:
+				w.prog.idle() // nothing is due
 				wait = max(time.Until(nextDue), time.Millisecond)
 			case ready >= limit || ready < n || linger <= 0:
 				batch := w.queue[:ready:ready]
@@ -166,10 +169,13 @@ func (w *worker) take() []*kgo.Record {
 					w.syncPause()
 				}
 				w.mu.Unlock()
+				w.prog.working()
 				return batch
 			default:
 				wait = linger
 			}
+		} else {
+			w.prog.idle()
 		}
 		w.mu.Unlock()
 		var timeout <-chan time.Time
@@ -244,7 +250,7 @@ func (w *worker) loadHeld() error {
 	if w.tier > 0 {
 		return nil
 	}
-	return w.p.inPlace(w.ctx, w.stopping, w.log, false, func() error {
+	return w.p.inPlace(w.ctx, w.stopping, w.log, false, &w.prog, func() error {
 		keys, err := w.p.retry.HeldKeys(w.ctx, w.p.pool, w.tp.Topic, w.tp.Partition)
 		if err != nil {
 			return err
@@ -344,7 +350,7 @@ func (w *worker) handleAll(recs []*Record) error {
 		out = outcome{}
 		live, index, err := w.admit(ctx, tx, recs, &out)
 		if err != nil {
-			return Infrastructure(err)
+			return own(err)
 		}
 		if len(live) > 0 {
 			if err := w.p.handle(ctx, tx, live); err != nil {
@@ -355,7 +361,7 @@ func (w *worker) handleAll(recs []*Record) error {
 			}
 		}
 		if err := w.settle(ctx, tx, live); err != nil {
-			return Infrastructure(err)
+			return own(err)
 		}
 		out.applied = len(live)
 		return nil
@@ -436,7 +442,7 @@ func (w *worker) settle(ctx context.Context, tx pgx.Tx, live []*Record) error {
 // applyFailed handles a record whose handler just failed with cause: it is retried alone (see
 // retryAlone), then sent to the next retry tier or dead-lettered.
 func (w *worker) applyFailed(rec *Record, cause error) error {
-	f, settled, err := w.p.retryAlone(w.ctx, w.stopping, w.source, w.tier == 0, cause, func() error {
+	f, settled, err := w.p.retryAlone(w.ctx, w.stopping, &w.prog, w.source, w.tier == 0, cause, func() error {
 		return w.handleAll([]*Record{rec})
 	})
 	if settled {
@@ -476,7 +482,7 @@ var errNilRecordError = errors.New("the handler reported this record failed (Rec
 // for it to move on. While the circuit breaker is open, a record that used its local tries is
 // held here, and retried when the breaker closes or lets it through as a probe; fresh says the
 // record is on its first delivery, whose failure counts for the breaker.
-func (p *Processor) retryAlone(ctx context.Context, stopping <-chan struct{}, topic string, fresh bool, cause error, attempt func() error) (f failure, settled bool, err error) {
+func (p *Processor) retryAlone(ctx context.Context, stopping <-chan struct{}, prog *progress, topic string, fresh bool, cause error, attempt func() error) (f failure, settled bool, err error) {
 	counted, probing := false, false
 	for tries := 1; ; tries++ {
 		_, cause = failedRecord(cause, 1)
@@ -502,9 +508,15 @@ func (p *Processor) retryAlone(ctx context.Context, stopping <-chan struct{}, to
 			if !hold {
 				return failure{cause: cause, class: class, tries: tries}, false, nil
 			}
+			if prog != nil {
+				prog.waiting(stallBreaker, cause)
+			}
 			var ok bool
 			if probing, ok = p.breaker.wait(ctx, stopping); !ok {
 				return f, true, errStopped
+			}
+			if prog != nil {
+				prog.waiting("", nil)
 			}
 		}
 		err := attempt()
@@ -534,7 +546,7 @@ func (p *Processor) retryAlone(ctx context.Context, stopping <-chan struct{}, to
 func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(context.Context, pgx.Tx) error, blame bool) error {
 	last := recs[len(recs)-1]
 	next := last.consumed + 1
-	return w.p.inPlace(w.ctx, w.stopping, w.log.With("from_offset", recs[0].consumed), blame, func() error {
+	return w.p.inPlace(w.ctx, w.stopping, w.log.With("from_offset", recs[0].consumed), blame, &w.prog, func() error {
 		start := time.Now()
 		err := w.p.sink.Apply(w.ctx, w.pos, next, apply, msgs)
 		if errors.Is(err, offsets.ErrAlreadyAdvanced) {
@@ -545,6 +557,7 @@ func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(contex
 			return err
 		}
 		w.pos = w.pos.Advanced(next)
+		w.prog.advanced()
 		w.cl.MarkCommitOffsets(map[string]map[int32]kgo.EpochOffset{
 			w.tp.Topic: {w.tp.Partition: {Epoch: last.leaderEpoch, Offset: next}},
 		})
@@ -554,16 +567,21 @@ func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(contex
 	})
 }
 
-// inPlace runs tx until it succeeds, retrying in place with backoff while the failure is the
-// infrastructure's, until ctx is done or stopping is closed (then it returns errStopped). It
-// returns at once an error wrapping offsets.ErrFenced or retrytopics.ErrStale, and, if blame is
-// set, a *sink.HandlerError that is not classified as infrastructure: a failure of the record.
-func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *slog.Logger, blame bool, tx func() error) error {
+// inPlace runs tx until it succeeds, retrying in place with backoff while the failure is not the
+// record's, until ctx is done or stopping is closed (then it returns errStopped). It returns at
+// once an error wrapping offsets.ErrFenced or retrytopics.ErrStale, and, if blame is set, a
+// *sink.HandlerError that is not classified as infrastructure: a failure of the record.
+//
+// What it retries is either the infrastructure's failure (Postgres down, or a dependency the
+// handler reports with Infrastructure), which passes by waiting, or a failure of kafkapg's own
+// statements that waiting will not fix (a bug, a table changed underneath): the latter is logged
+// as an error and counted in kafkapg_internal_errors_total. prog, if not nil, is told which.
+func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *slog.Logger, blame bool, prog *progress, tx func() error) error {
 	for failures := 0; ; {
 		err := tx()
 		if err == nil {
 			if failures > 0 {
-				log.Info("postgres is back; processing resumes", "after_failures", failures)
+				log.Info("transactions succeed again; processing resumes", "after_failures", failures)
 			}
 			return nil
 		}
@@ -574,16 +592,23 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 			return err
 		}
 		var herr *sink.HandlerError
-		if blame && errors.As(err, &herr) && p.classify(herr.Err) != ClassInfrastructure {
+		var oerr *ownError
+		if errors.As(err, &herr) && !errors.As(herr.Err, &oerr) && blame && p.classify(herr.Err) != ClassInfrastructure {
 			return herr
 		}
 		failures++
-		p.metrics.infraRetries.Inc()
-		d := p.backoff.Delay(failures)
-		if failures == 1 || failures%10 == 0 {
-			log.Warn("transaction failed for a reason outside the record; retrying in place",
-				"err", err, "failures", failures, "retry_in", d)
+		cause := stallInfrastructure
+		if Classify(err) == ClassInfrastructure {
+			p.metrics.infraRetries.Inc()
+		} else {
+			cause = stallError
+			p.metrics.internalErrors.Inc()
 		}
+		if prog != nil {
+			prog.waiting(cause, err)
+		}
+		d := p.backoff.Delay(failures)
+		stallLog(log, cause, err, failures, d)
 		if !backoff.Sleep(ctx, stopping, d) {
 			return errStopped
 		}

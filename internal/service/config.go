@@ -53,6 +53,7 @@ type Env struct {
 	BreakerProbeInterval time.Duration `envconfig:"BREAKER_PROBE_INTERVAL" default:"1s"`
 	BreakerProbeMax      time.Duration `envconfig:"BREAKER_PROBE_MAX" default:"30s"`
 	DBTxIdleTimeout      time.Duration `envconfig:"DB_TX_IDLE_TIMEOUT" default:"30s"`
+	StallTimeout         time.Duration `envconfig:"STALL_TIMEOUT" default:"2m"`
 	LogLevel             string        `envconfig:"LOG_LEVEL" default:"info"`
 	LogFormat            string        `envconfig:"LOG_FORMAT" default:"json"`
 
@@ -177,6 +178,7 @@ func (e *Env) validate() error {
 	positive("RETRY_BACKOFF_MAX", e.RetryBackoffMax)
 	positive("SHUTDOWN_TIMEOUT", e.ShutdownTimeout)
 	positive("DB_TX_IDLE_TIMEOUT", e.DBTxIdleTimeout)
+	positive("STALL_TIMEOUT", e.StallTimeout)
 	if e.BatchMaxWait < 0 {
 		errs = append(errs, fmt.Errorf("BATCH_MAX_WAIT must not be negative, got %v", e.BatchMaxWait))
 	}

@@ -276,6 +276,7 @@ func (env *Env) processorConfig(h processor.Handler, log *slog.Logger, reg prome
 		BreakerProbeInterval: env.BreakerProbeInterval,
 		BreakerProbeMax:      env.BreakerProbeMax,
 		TxIdleTimeout:        env.DBTxIdleTimeout,
+		StallTimeout:         env.StallTimeout,
 		KafkaOptions:         env.KafkaOpts,
 		Logger:               log,
 		Registerer:           reg,

@@ -1,0 +1,145 @@
+package processor
+
+import (
+	"log/slog"
+	"sync"
+	"time"
+)
+
+// Why a partition makes no progress: the values of kafkapg_stalled_partitions' cause label.
+const (
+	// stallInfrastructure: its transactions fail because Postgres (or a dependency the handler
+	// reports with Infrastructure) is down; they are retried in place.
+	stallInfrastructure = "infrastructure"
+	// stallError: kafkapg's own statements fail in a way waiting will not fix (a bug, or the
+	// database changed underneath: a table dropped, a column altered). Retried in place, loudly.
+	stallError = "error"
+	// stallBreaker: a failing record is held in place by the open circuit breaker.
+	stallBreaker = "breaker"
+	// stallHandler: the handler (or the local retries of a record) has not finished: a handler
+	// that ignores its context, or one far slower than it should be.
+	stallHandler = "handler"
+)
+
+var stallCauses = []string{stallInfrastructure, stallError, stallBreaker, stallHandler}
+
+// progress tracks whether a partition worker moves on: it is stalled once it has had records to
+// apply and committed nothing for Config.StallTimeout. Its worker reports to it; the stats loop
+// reads it (checkStalls).
+type progress struct {
+	mu       sync.Mutex
+	busy     bool      // records are waiting to be applied, or being applied
+	since    time.Time // when it last committed, or became busy
+	cause    string    // why it is retrying or waiting in place; "" while the handler runs
+	err      error     // the failure it is retrying, if any
+	reported bool      // this stall was logged
+}
+
+// working says that records wait to be applied.
+func (pr *progress) working() {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	if !pr.busy {
+		pr.busy, pr.since = true, time.Now()
+	}
+}
+
+// idle says that nothing waits to be applied (or nothing is due).
+func (pr *progress) idle() {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	pr.busy, pr.cause, pr.err, pr.reported = false, "", nil, false
+}
+
+// advanced says that a transaction committed.
+func (pr *progress) advanced() {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	pr.since, pr.cause, pr.err, pr.reported = time.Now(), "", nil, false
+}
+
+// waiting says why the worker waits in place (a stall cause), and on what error.
+func (pr *progress) waiting(cause string, err error) {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	pr.cause, pr.err = cause, err
+}
+
+// stalled returns the cause and error of a stall older than timeout, and whether this is the
+// first time it is seen (to log it once).
+func (pr *progress) stalled(now time.Time, timeout time.Duration) (cause string, err error, stalledFor time.Duration, first, ok bool) {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	if !pr.busy || now.Sub(pr.since) < timeout {
+		return "", nil, 0, false, false
+	}
+	cause = pr.cause
+	if cause == "" {
+		cause = stallHandler
+	}
+	first = !pr.reported
+	pr.reported = true
+	return cause, pr.err, now.Sub(pr.since), first, true
+}
+
+// checkStalls counts the partitions of this process that are stalled, by cause, into
+// kafkapg_stalled_partitions, and logs each stall once, with its cause, when it is first seen.
+func (p *Processor) checkStalls() {
+	now := time.Now()
+	counts := map[string]int{}
+	p.mu.Lock()
+	ws := make([]*worker, 0, len(p.workers))
+	for _, w := range p.workers {
+		ws = append(ws, w)
+	}
+	p.mu.Unlock()
+	for _, w := range ws {
+		cause, err, d, first, ok := w.prog.stalled(now, p.cfg.StallTimeout)
+		if !ok {
+			continue
+		}
+		counts[cause]++
+		if first {
+			attrs := []any{"cause", cause, "for", d.Round(time.Second), "stall_timeout", p.cfg.StallTimeout}
+			if err != nil {
+				attrs = append(attrs, "err", err)
+			}
+			w.log.Error("partition has made no progress; see the cause (kafkapg_stalled_partitions)", attrs...)
+		}
+	}
+	for _, c := range stallCauses {
+		p.metrics.stalled.WithLabelValues(c).Set(float64(counts[c]))
+	}
+}
+
+// stallLog logs the first and every tenth failure of a retry in place: infrastructure failures
+// as warnings, failures that waiting will not fix as errors (they are bugs, or a database changed
+// underneath, and must be seen).
+func stallLog(log *slog.Logger, cause string, err error, failures int, retryIn time.Duration) {
+	if failures != 1 && failures%10 != 0 {
+		return
+	}
+	if cause == stallError {
+		log.Error("a transaction of kafkapg's own fails in a way waiting will not fix (a bug, or the database was changed underneath); retrying in place until it is fixed",
+			"err", err, "failures", failures, "retry_in", retryIn)
+		return
+	}
+	log.Warn("transaction failed for a reason outside the record; retrying in place",
+		"err", err, "failures", failures, "retry_in", retryIn)
+}
+
+// ownError marks the failure of one of kafkapg's own statements inside a transaction that also
+// runs the handler: it is never the record's fault. inPlace retries it in place, quietly if
+// Postgres is down (Classify says infrastructure), loudly otherwise.
+type ownError struct{ err error }
+
+func (e *ownError) Error() string { return e.err.Error() }
+func (e *ownError) Unwrap() error { return e.err }
+
+// own marks err as the failure of a statement of kafkapg's own. own(nil) is nil.
+func own(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &ownError{err: err}
+}
