@@ -195,6 +195,7 @@ func TestDuplicateRetryCopiesInOneBatchApplyOnce(t *testing.T) {
 		cfg.RetryTiers = []time.Duration{500 * time.Millisecond}
 		cfg.LocalAttempts = 1
 		r := h.start(cfg)
+		waitJoined(t, r) // the tier topic exists
 		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k"), Value: []byte("dup")})
 		tier := retrytopics.TierTopic(h.topic, h.group, 1)
 		var copies []*kgo.Record
@@ -579,5 +580,76 @@ func TestStallsAreReportedWithTheirCause(t *testing.T) {
 			}
 			return nil
 		})
+	})
+}
+
+// TestRefusedRetryCopyIsDeadLettered: a record just under MAX_RECORD_BYTES that fails retryably
+// gets a retry copy (value plus kafkapg's headers) larger than Kafka takes. It must not wedge the
+// outbox (the records of other keys sent to the tier with it are published and applied) nor hold
+// its key for ever: it is dead-lettered where it stands, whole in its dead_letters row, its DLQ
+// copy without the value, and its key's next record is applied.
+func TestRefusedRetryCopyIsDeadLettered(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := carelessHarness(t, k, 1)
+		cfg := h.config(careless{before: func(_ context.Context, _ pgx.Tx, rec *processor.Record) error {
+			if rec.Attempt == 1 && string(rec.Key) != "b" {
+				return errors.New("first delivery fails")
+			}
+			if rec.Attempt == 1 && len(rec.Value) > 1000 {
+				return errors.New("the big one fails too")
+			}
+			return nil
+		}})
+		cfg.RetryTiers = []time.Duration{200 * time.Millisecond}
+		cfg.LocalAttempts = 1
+		r := h.start(cfg)
+		big := make([]byte, 1_000_000) // under MAX_RECORD_BYTES (1 MiB) and the broker's limit
+		for i := range big {
+			big[i] = byte(i*7919 + i>>8)
+		}
+		producer := k.Client(t, kgo.ProducerBatchMaxBytes(2<<20), kgo.ProducerBatchCompression(kgo.NoCompression()))
+		if err := producer.ProduceSync(context.Background(),
+			&kgo.Record{Topic: h.topic, Key: []byte("a"), Value: []byte("x1")},
+			&kgo.Record{Topic: h.topic, Key: []byte("b"), Value: big},
+			&kgo.Record{Topic: h.topic, Key: []byte("c"), Value: []byte("x2")},
+			&kgo.Record{Topic: h.topic, Key: []byte("b"), Value: []byte("b-after")}).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+		at := h.waitEffects([]string{"x1", "x2", "b-after"}, 60*time.Second)
+		if at["x1"] != 2 || at["x2"] != 2 || at["b-after"] != 1 {
+			t.Errorf("applied at attempts %v; want x1 and x2 at 2, b-after at 1", at)
+		}
+		h.waitRetryPathEmpty(30 * time.Second)
+		var value []byte
+		var class, msg string
+		var attempts int
+		if err := h.pool.QueryRow(context.Background(), `SELECT value, error_class, error_message, attempts FROM kafkapg.dead_letters`).Scan(&value, &class, &msg, &attempts); err != nil {
+			t.Fatalf("dead_letters: %v", err)
+		}
+		if len(value) != len(big) || class != "retryable" || attempts != 1 || !strings.Contains(msg, "refused") {
+			t.Errorf("dead letter: %d-byte value, class %s, %d attempts, %q; want the whole value, retryable, 1 attempt, saying Kafka refused its retry copy",
+				len(value), class, attempts, msg)
+		}
+		var dlq []*kgo.Record
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if dlq = k.ReadAll(t, h.dlq()); len(dlq) == 0 {
+				return errors.New("no DLQ copy yet")
+			}
+			return nil
+		})
+		omitted := ""
+		for _, hd := range dlq[0].Headers {
+			if hd.Key == retrytopics.HeaderValueOmitted {
+				omitted = string(hd.Value)
+			}
+		}
+		if len(dlq) != 1 || string(dlq[0].Key) != "b" || len(dlq[0].Value) != 0 || omitted != "1000000" {
+			t.Errorf("DLQ holds %d records, the first %q with a %d-byte value and value-omitted %q; want the big record without its value",
+				len(dlq), dlq[0].Key, len(dlq[0].Value), omitted)
+		}
+		if n := r.counter("kafkapg_records_dead_lettered_total"); n != 1 {
+			t.Errorf("records_dead_lettered_total = %v, want 1", n)
+		}
 	})
 }

@@ -165,11 +165,14 @@ func (p *Processor) Run(ctx context.Context) error {
 	}
 
 	relay := sink.NewRelay(p.pool, cl, sink.RelayConfig{
-		Schema:    p.cfg.Schema,
-		Group:     p.cfg.Group,
-		Logger:    p.log.With("component", "outbox"),
-		Backoff:   p.backoff,
-		Published: func(topic string) { p.metrics.published.WithLabelValues(topic).Inc() },
+		Schema:        p.cfg.Schema,
+		Group:         p.cfg.Group,
+		Logger:        p.log.With("component", "outbox"),
+		Backoff:       p.backoff,
+		TxIdleTimeout: p.cfg.TxIdleTimeout,
+		Published:     func(topic string) { p.metrics.published.WithLabelValues(topic).Inc() },
+		Refused:       p.refused,
+		SetAside:      func(topic string) { p.metrics.setAside.WithLabelValues(topic).Inc() },
 	})
 	p.relay.Store(relay)
 	relayCtx, stopRelay := context.WithCancel(context.WithoutCancel(ctx))

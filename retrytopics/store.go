@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/internal/safetext"
 	"github.com/kafkapg/kafkapg/sink"
 )
 
@@ -91,6 +92,9 @@ const (
 	FromTier
 	// FromHeld: the record was parked behind its key and has just been taken from held_records.
 	FromHeld
+	// FromRetryCopy: the record's copy for the next retry tier could not be published (Kafka
+	// refused it); its retry state expects the delivery attempt after Move.Attempt.
+	FromRetryCopy
 )
 
 // ErrStale means the retry state of a record is not what its copy in a tier says: the copy is a
@@ -228,13 +232,13 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message)
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)`,
-			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, Text(m.Message, MaxStoredMessage)); err != nil {
+			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, safetext.Text(m.Message, MaxStoredMessage)); err != nil {
 			return fmt.Errorf("store retry state of %s: %w", m.Origin, err)
 		}
 	case FromTier:
 		tag, err := tx.Exec(ctx, `UPDATE `+s.retries+` SET attempt = $6, due_at = $7, error_class = $8, error_message = $9, updated_at = now()
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4 AND attempt = $5`,
-			s.group, m.Topic, m.Partition, m.Offset, m.Attempt, next, m.DueAt, m.Class, Text(m.Message, MaxStoredMessage))
+			s.group, m.Topic, m.Partition, m.Offset, m.Attempt, next, m.DueAt, m.Class, safetext.Text(m.Message, MaxStoredMessage))
 		if err != nil {
 			return fmt.Errorf("update retry state of %s: %w", m.Origin, err)
 		}
@@ -273,14 +277,18 @@ func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
 	// The record leaves where it was first, which fails (ErrStale) if it is not there any more: a
 	// stale copy must never get as far as a second dead letter.
 	switch m.From {
-	case FromTier:
+	case FromTier, FromRetryCopy:
+		at := m.Attempt
+		if m.From == FromRetryCopy {
+			at++
+		}
 		tag, err := tx.Exec(ctx, `DELETE FROM `+s.retries+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4 AND attempt = $5`,
-			s.group, m.Topic, m.Partition, m.Offset, m.Attempt)
+			s.group, m.Topic, m.Partition, m.Offset, at)
 		if err != nil {
 			return fmt.Errorf("forget retry state of %s: %w", m.Origin, err)
 		}
 		if tag.RowsAffected() != 1 {
-			return fmt.Errorf("%s at attempt %d: %w", m.Origin, m.Attempt, ErrStale)
+			return fmt.Errorf("%s at attempt %d: %w", m.Origin, at, ErrStale)
 		}
 	case FromHeld:
 		if err := s.unpark(ctx, tx, m.Origin); err != nil {
@@ -292,7 +300,7 @@ func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
 			error_class, error_message, attempts, first_failed_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)`,
 		s.group, m.Topic, m.Partition, m.Offset, m.Key, m.Value, keys, vals, m.Timestamp.UnixMilli(),
-		m.Class, Text(m.Message, MaxStoredMessage), m.Attempt, m.FirstFailedAt); err != nil {
+		m.Class, safetext.Text(m.Message, MaxStoredMessage), m.Attempt, m.FirstFailedAt); err != nil {
 		return fmt.Errorf("store dead letter %s: %w", m.Origin, err)
 	}
 	if !m.Held {

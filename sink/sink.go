@@ -25,6 +25,15 @@ type Message struct {
 	Headers   []kgo.RecordHeader
 }
 
+// size is what the message weighs in a produce batch: key, value and headers.
+func (m Message) size() int {
+	n := len(m.Key) + len(m.Value)
+	for _, h := range m.Headers {
+		n += len(h.Key) + len(h.Value)
+	}
+	return n
+}
+
 // Partitioner is the kgo partitioner a Relay's client must use: it publishes each message to its
 // Partition modulo the topic's partition count.
 func Partitioner() kgo.Partitioner {

@@ -113,6 +113,7 @@ func TestLoadEnvDefaults(t *testing.T) {
 		BreakerProbeInterval:  time.Second,
 		BreakerProbeMax:       30 * time.Second,
 		DBTxIdleTimeout:       30 * time.Second,
+		StallTimeout:          2 * time.Minute,
 		LogLevel:              "info",
 		LogFormat:             "json",
 	}
@@ -399,6 +400,12 @@ func TestProcessorConfig(t *testing.T) {
 		{"KAFKA_START_OFFSET=latest", with("KAFKA_START_OFFSET", "latest"), func(c *processor.Config) string {
 			if c.StartOffset != processor.StartLatest {
 				return fmt.Sprintf("StartOffset = %q", c.StartOffset)
+			}
+			return ""
+		}},
+		{"STALL_TIMEOUT", with("STALL_TIMEOUT", "45s"), func(c *processor.Config) string {
+			if c.StallTimeout != 45*time.Second {
+				return fmt.Sprintf("StallTimeout = %v", c.StallTimeout)
 			}
 			return ""
 		}},

@@ -41,3 +41,9 @@ ALTER TABLE held_records ALTER COLUMN "timestamp" TYPE bigint
     USING round(extract(epoch FROM "timestamp") * 1000)::bigint;
 ALTER TABLE dead_letters ALTER COLUMN "timestamp" TYPE bigint
     USING round(extract(epoch FROM "timestamp") * 1000)::bigint;
+
+-- 4. A record Kafka refuses for good (too large, invalid) must not hold up the rest of the outbox:
+--    the relay hands it to whoever wrote it (the processor turns a refused retry copy into a dead
+--    letter), and a row nobody can publish is set aside here, with Kafka's answer, for an operator.
+ALTER TABLE outbox ADD COLUMN refused_at timestamptz;
+ALTER TABLE outbox ADD COLUMN refused_error text;

@@ -1,0 +1,148 @@
+package safetext_test
+
+import (
+	"strings"
+	"testing"
+	"unicode/utf8"
+
+	"github.com/kafkapg/kafkapg/internal/safetext"
+)
+
+func TestTruncate(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name string
+		s    string
+		n    int
+		want string
+	}{
+		{name: "empty", s: "", n: 0, want: ""},
+		{name: "shorter than n", s: "hello", n: 10, want: "hello"},
+		{name: "exactly n", s: "hello", n: 5, want: "hello"},
+		{name: "ascii cut", s: "hello world", n: 8, want: "hello…"},
+		{name: "ascii one over", s: "hello", n: 4, want: "h…"},
+		{name: "two-byte rune not split", s: "héllo", n: 5, want: "h…"},
+		{name: "two-byte rune kept whole", s: "héllo", n: 6, want: "héllo"},
+		{name: "three-byte runes", s: "日本語", n: 8, want: "日…"},
+		{name: "three-byte rune boundary", s: "日本語日", n: 9, want: "日本…"},
+		{name: "four-byte rune fits", s: "😀😀", n: 7, want: "😀…"},
+		{name: "four-byte rune split", s: "😀😀", n: 6, want: "…"},
+		{name: "marker alone", s: "abcdef", n: 3, want: "…"},
+		{name: "multibyte exact fit", s: "日本語", n: 9, want: "日本語"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			if got := safetext.Truncate(tt.s, tt.n); got != tt.want {
+				t.Errorf("Truncate(%q, %d) = %q, want %q", tt.s, tt.n, got, tt.want)
+			}
+		})
+	}
+}
+
+func TestTruncateProperties(t *testing.T) {
+	t.Parallel()
+	inputs := []string{
+		"", "a", "abc", "abcd", "hello, world",
+		"é", "éé", "aé", "日本語のテキスト", "😀", "a😀b😀c", "ü日😀a",
+		strings.Repeat("x", 50), strings.Repeat("ß", 20),
+	}
+	const mark = "…"
+	for _, s := range inputs {
+		// n below len(mark) is TestTruncateSmallerThanMarker's.
+		for n := len(mark); n <= len(s)+2; n++ {
+			got := safetext.Truncate(s, n)
+			if len(got) > n {
+				t.Errorf("Truncate(%q, %d) = %q: %d bytes, more than n", s, n, got, len(got))
+			}
+			if !utf8.ValidString(got) {
+				t.Errorf("Truncate(%q, %d) = %q: not valid UTF-8", s, n, got)
+			}
+			if len(s) <= n {
+				if got != s {
+					t.Errorf("Truncate(%q, %d) = %q, want s unchanged", s, n, got)
+				}
+				continue
+			}
+			prefix, ok := strings.CutSuffix(got, mark)
+			if !ok || !strings.HasPrefix(s, prefix) {
+				t.Errorf("Truncate(%q, %d) = %q, want a prefix of s followed by %q", s, n, got, mark)
+			}
+			// The cut keeps as much as fits: one more rune would not.
+			if ok && n >= len(mark) && len(prefix) < len(s) {
+				_, size := utf8.DecodeRuneInString(s[len(prefix):])
+				if len(prefix)+size+len(mark) <= n {
+					t.Errorf("Truncate(%q, %d) = %q cut more than needed", s, n, got)
+				}
+			}
+		}
+	}
+}
+
+func TestTruncateSmallerThanMarker(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name string
+		s    string
+		n    int
+	}{
+		{name: "n=0 ascii", s: "abcdef", n: 0},
+		{name: "n=1 ascii", s: "abcdef", n: 1},
+		{name: "n=2 ascii", s: "abcdef", n: 2},
+		{name: "n=1 two-byte rune", s: "éé", n: 1},
+		{name: "n=2 three-byte rune", s: "日本", n: 2},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			got := safetext.Truncate(tt.s, tt.n)
+			if len(got) > tt.n || !utf8.ValidString(got) {
+				t.Errorf("Truncate(%q, %d) = %q (%d bytes), want valid UTF-8 of at most %d bytes", tt.s, tt.n, got, len(got), tt.n)
+			}
+		})
+	}
+}
+
+func TestText(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name string
+		s    string
+		n    int
+		want string
+	}{
+		{name: "plain text unchanged", s: "handler failed: timeout", n: 100, want: "handler failed: timeout"},
+		{name: "NUL escaped", s: "bad \x00 byte", n: 100, want: `bad \x00 byte`},
+		{name: "invalid UTF-8 escaped", s: "bad payload b\x00\xff\xfex\xc3(", n: 100, want: `bad payload b\x00\xff\xfex\xc3(`},
+		{name: "valid multibyte kept", s: "café \xff", n: 100, want: `café \xff`},
+		{name: "escapes count towards n", s: "\x00\x00\x00\x00", n: 11, want: `\x00\x00…`},
+		{name: "long plain text truncated", s: strings.Repeat("a", 50), n: 10, want: "aaaaaaa…"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			if got := safetext.Text(tt.s, tt.n); got != tt.want {
+				t.Errorf("Text(%q, %d) = %q, want %q", tt.s, tt.n, got, tt.want)
+			}
+		})
+	}
+}
+
+func FuzzText(f *testing.F) {
+	f.Add("bad payload \x00\xff", 20)
+	f.Add("ok", 5)
+	f.Add(strings.Repeat("é\x00", 100), 7)
+	f.Fuzz(func(t *testing.T, s string, n int) {
+		n = n % 4096
+		if n < 0 {
+			n = -n
+		}
+		got := safetext.Text(s, n)
+		if !utf8.ValidString(got) || strings.IndexByte(got, 0) >= 0 || len(got) > n {
+			t.Fatalf("Text(%q, %d) = %q: want valid UTF-8, no NUL, at most n bytes", s, n, got)
+		}
+		if utf8.ValidString(s) && !strings.Contains(s, "\x00") && len(s) <= n && got != s {
+			t.Fatalf("Text(%q, %d) = %q: text that fits must be unchanged", s, n, got)
+		}
+	})
+}
