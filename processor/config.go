@@ -59,9 +59,13 @@ type Config struct {
 	// has; 0 applies whatever has arrived at once. Under load batches fill while the previous one
 	// is being applied, so this only matters for trickles. Defaults to 20ms. [BATCH_MAX_WAIT]
 	BatchMaxWait time.Duration
-	// MaxBufferedBytes is how many bytes of fetched records (keys and values) a partition may
-	// hold, waiting to be applied, before fetching from it pauses; it resumes at half. Defaults
-	// to 4 MiB.
+	// MaxBufferedBytes bounds the memory that fetched records take while they wait to be applied
+	// or are being applied, across all partitions (source and retry tiers): fetching stops while
+	// they cost this much, and each partition pauses at its equal share of it (resuming at half),
+	// so one partition that cannot move on does not starve the others. A record costs its key,
+	// value and headers plus about 400 bytes of bookkeeping. franz-go's fetch buffers come on
+	// top: at most one fetch per broker of up to a quarter of this (see the README for the whole
+	// bound). Defaults to 64 MiB. [MAX_BUFFERED_BYTES]
 	MaxBufferedBytes int
 
 	// RetryTiers are the delays of the retry tiers. A record that still fails with a retryable
@@ -172,7 +176,7 @@ func (c *Config) withDefaults() *Config {
 		out.BatchMaxWait = 0
 	}
 	if out.MaxBufferedBytes == 0 {
-		out.MaxBufferedBytes = 4 << 20
+		out.MaxBufferedBytes = 64 << 20
 	}
 	if out.RetryTiers == nil {
 		out.RetryTiers = DefaultRetryTiers
@@ -298,8 +302,8 @@ func (c *Config) validate() error {
 	if c.BatchMaxRecords < 1 {
 		errs = append(errs, fmt.Errorf("BatchMaxRecords (BATCH_MAX_RECORDS) must be at least 1, got %d", c.BatchMaxRecords))
 	}
-	if c.MaxBufferedBytes < 1 {
-		errs = append(errs, fmt.Errorf("MaxBufferedBytes must be positive, got %d", c.MaxBufferedBytes))
+	if c.MaxBufferedBytes < 1<<20 {
+		errs = append(errs, fmt.Errorf("MaxBufferedBytes (MAX_BUFFERED_BYTES) must be at least 1 MiB (1048576), got %d", c.MaxBufferedBytes))
 	}
 	if c.MaxRecordBytes < 1 {
 		errs = append(errs, fmt.Errorf("MaxRecordBytes (MAX_RECORD_BYTES) must be at least 1, got %d", c.MaxRecordBytes))

@@ -143,7 +143,7 @@ func TestConfigWithDefaults(t *testing.T) {
 		{"StartOffset", z.StartOffset, StartEarliest},
 		{"BatchMaxRecords", z.BatchMaxRecords, 500},
 		{"BatchMaxWait", z.BatchMaxWait, 20 * time.Millisecond},
-		{"MaxBufferedBytes", z.MaxBufferedBytes, 4 << 20},
+		{"MaxBufferedBytes", z.MaxBufferedBytes, 64 << 20},
 		{"LocalAttempts", z.LocalAttempts, 3},
 		{"BackoffBase", z.BackoffBase, 200 * time.Millisecond},
 		{"BackoffMax", z.BackoffMax, 5 * time.Second},

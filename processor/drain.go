@@ -46,6 +46,10 @@ func newDrainer(p *Processor) *drainer {
 	}
 }
 
+// pageBytes bounds the values of the parked records one drainer goroutine takes at once: all of
+// them together hold at most a quarter of Config.MaxBufferedBytes.
+func (d *drainer) pageBytes() int { return d.p.cfg.MaxBufferedBytes / 4 / drainWorkers }
+
 // notify wakes the drainer: a key may have become ready.
 func (d *drainer) notify() {
 	select {
@@ -185,7 +189,7 @@ func (d *drainer) applyNext(k retrytopics.Key) (more bool, err error) {
 func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error) {
 	var recs []*Record
 	err := d.transact(func(ctx context.Context, tx pgx.Tx) error {
-		parked, err := d.p.retry.TakeParked(ctx, tx, k, limit)
+		parked, err := d.p.retry.TakeParked(ctx, tx, k, limit, d.pageBytes())
 		if err != nil {
 			return own(err)
 		}
@@ -242,7 +246,7 @@ func (d *drainer) retryFirst(k retrytopics.Key, rec *Record, cause error) (more 
 func (d *drainer) route(k retrytopics.Key, rec *Record, f failure) (more bool, err error) {
 	m := d.p.plan(rec, k.Topic, f)
 	err = d.transact(func(ctx context.Context, tx pgx.Tx) error {
-		head, err := d.p.retry.TakeParked(ctx, tx, k, 1)
+		head, err := d.p.retry.TakeParked(ctx, tx, k, 1, d.pageBytes())
 		if err != nil {
 			return own(err)
 		}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/plugin/kprom"
@@ -28,19 +29,21 @@ import (
 // Processor consumes topics in a consumer group and applies each record through a Handler,
 // exactly once in effect. See the package documentation.
 type Processor struct {
-	cfg     *Config
-	pool    *pgxpool.Pool
-	log     *slog.Logger
-	metrics *metrics
-	kprom   *kprom.Metrics
-	store   *offsets.Store
-	sink    *sink.Sink
-	batch   BatchHandler // cfg.Handler as a BatchHandler, if it is one
-	backoff backoff.Policy
-	retry   *retrytopics.Store
-	tierOf  map[string]tierRef // retry-tier topic -> its source topic and tier
-	drainer *drainer
-	breaker *breaker
+	cfg      *Config
+	pool     *pgxpool.Pool
+	log      *slog.Logger
+	metrics  *metrics
+	kprom    *kprom.Metrics
+	store    *offsets.Store
+	sink     *sink.Sink
+	batch    BatchHandler // cfg.Handler as a BatchHandler, if it is one
+	backoff  backoff.Policy
+	retry    *retrytopics.Store
+	tierOf   map[string]tierRef // retry-tier topic -> its source topic and tier
+	drainer  *drainer
+	breaker  *breaker
+	buf      *buffer      // fetched records in memory, across partitions
+	nWorkers atomic.Int32 // len(workers), read without the lock
 
 	client  atomic.Pointer[kgo.Client]
 	relay   atomic.Pointer[sink.Relay]
@@ -88,6 +91,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 		workers: map[offsets.Partition]*worker{},
 		retry:   retrytopics.NewStore(c.Schema, c.Group),
 		tierOf:  map[string]tierRef{},
+		buf:     newBuffer(c.MaxBufferedBytes),
 	}
 	for _, t := range c.Topics {
 		for n := 1; n <= len(c.RetryTiers); n++ {
@@ -95,6 +99,12 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 		}
 	}
 	m.initLabels(c.Topics, c.Group, len(c.RetryTiers))
+	if err := c.Registerer.Register(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Namespace: "kafkapg", Name: "buffered_bytes",
+		Help: "What the fetched records this process holds in memory (waiting or being applied) cost, counted against MAX_BUFFERED_BYTES.",
+	}, func() float64 { return float64(p.buf.used.Load()) })); err != nil {
+		return nil, fmt.Errorf("processor: register metrics: %w", err)
+	}
 	p.drainer = newDrainer(p)
 	p.breaker = newBreaker(breakerConfig{
 		threshold:  c.BreakerThreshold,
@@ -297,6 +307,10 @@ func (p *Processor) newClient() (*kgo.Client, error) {
 		// A partition resumed after a pause joins the next fetch to its broker, which starts
 		// when the one in flight returns; with nothing else to fetch that takes FetchMaxWait.
 		kgo.FetchMaxWait(500 * time.Millisecond),
+		// franz-go holds one fetch per broker until it is polled: keep those within the budget's
+		// reach too (see Config.MaxBufferedBytes).
+		kgo.FetchMaxBytes(int32(min(max(p.cfg.MaxBufferedBytes/8, 1<<20), 50<<20))),
+		kgo.FetchMaxPartitionBytes(int32(min(max(p.cfg.MaxBufferedBytes/128, 128<<10), 1<<20))),
 		kgo.AutoCommitMarks(),
 		// The outbox relay publishes retry and dead-letter records to their source record's
 		// partition number.
@@ -392,6 +406,11 @@ func (p *Processor) refreshStats(ctx context.Context) {
 func (p *Processor) poll(ctx context.Context, cl *kgo.Client) {
 	maxPoll := 4 * p.cfg.BatchMaxRecords
 	for {
+		// The records fetched and not yet applied cost MaxBufferedBytes: fetch no more until
+		// some are applied (franz-go buffers at most one fetch per broker meanwhile).
+		if !p.buf.wait(ctx) {
+			return
+		}
 		fetches := cl.PollRecords(ctx, maxPoll)
 		if ctx.Err() != nil || fetches.IsClientClosed() {
 			cl.AllowRebalance()
@@ -468,6 +487,7 @@ func (p *Processor) claimAssigned(ctx context.Context, assigned map[string]map[i
 		}
 		p.log.Info("partition claimed", "topic", pos.Topic, "partition", pos.Partition, "token", pos.Token, "from_offset", from)
 	}
+	p.nWorkers.Store(int32(len(p.workers)))
 	p.metrics.assigned.Set(float64(len(p.workers)))
 	p.mu.Unlock()
 	return assigned, nil
@@ -571,6 +591,10 @@ func (p *Processor) onLost(_ context.Context, cl *kgo.Client, lost map[string][]
 	p.log.Warn("partitions lost (session expired or fatal group error)", "partitions", lost)
 }
 
+// partitionShare is how much of the buffer budget one partition may fill before its fetching
+// pauses: an equal share of every partition this process owns (source and retry tiers).
+func (p *Processor) partitionShare() int64 { return p.buf.share(int(p.nWorkers.Load())) }
+
 // worker returns the worker of tp, or nil.
 func (p *Processor) worker(tp offsets.Partition) *worker {
 	p.mu.Lock()
@@ -599,6 +623,7 @@ func (p *Processor) removeWorkers(which map[string][]int32) []*worker {
 			}
 		}
 	}
+	p.nWorkers.Store(int32(len(p.workers)))
 	p.metrics.assigned.Set(float64(len(p.workers)))
 	return out
 }

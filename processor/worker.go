@@ -45,18 +45,22 @@ type worker struct {
 
 	// held is a superset of the partition's held keys (source partitions only): only this
 	// partition's owner ever adds a key to held_keys, and it loads the set when it starts, so a
-	// key not in it cannot be held and its records need no check in Postgres.
-	held map[string]struct{}
+	// key not in it cannot be held and its records need no check in Postgres. A key leaves it
+	// when its next record finds it released, and on every reload (every heldRefresh), so that
+	// keys that never come back do not stay in it for ever.
+	held       map[string]struct{}
+	heldLoaded time.Time
 
-	mu          sync.Mutex
-	queue       []*kgo.Record
-	queuedBytes int       // keys and values in queue
-	firstAt     time.Time // when the oldest queued record arrived
-	full        bool      // the queue holds MaxBufferedBytes or more
-	waiting     bool      // the first queued record is not due yet (retry tiers)
-	paused      bool      // fetching from the partition is paused (full or waiting)
-	closed      bool      // no more records are accepted
-	wake        chan struct{}
+	mu         sync.Mutex
+	queue      []*kgo.Record
+	queuedCost int64     // cost of the records in queue (see buffer)
+	flightCost int64     // cost of the batch being applied
+	firstAt    time.Time // when the oldest queued record arrived
+	full       bool      // the queue holds the partition's share of the buffer budget
+	waiting    bool      // the first queued record is not due yet (retry tiers)
+	paused     bool      // fetching from the partition is paused (full or waiting)
+	closed     bool      // no more records are accepted
+	wake       chan struct{}
 
 	stopping chan struct{} // closed by stop: finish the transaction in flight, start nothing new
 	stopOnce sync.Once
@@ -88,8 +92,14 @@ func newWorker(p *Processor, cl *kgo.Client, pos offsets.Position) *worker {
 	return w
 }
 
-// push queues fetched records. It pauses fetching from the partition when the queue is full.
-func (w *worker) push(recs []*kgo.Record) {
+// push queues fetched records. It pauses fetching from the partition when its queue holds the
+// partition's share of the buffer budget.
+func (w *worker) push(fetched []*kgo.Record) {
+	recs := make([]*kgo.Record, len(fetched))
+	for i, r := range fetched {
+		recs[i] = detach(r)
+	}
+	n := costOf(recs)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.closed {
@@ -99,11 +109,10 @@ func (w *worker) push(recs []*kgo.Record) {
 		w.firstAt = time.Now()
 	}
 	w.queue = append(w.queue, recs...)
+	w.queuedCost += n
+	w.p.buf.add(n)
 	w.consumed.Add(float64(len(recs)))
-	for _, r := range recs {
-		w.queuedBytes += len(r.Key) + len(r.Value)
-	}
-	if !w.full && w.queuedBytes >= w.p.cfg.MaxBufferedBytes {
+	if !w.full && w.queuedCost >= w.p.partitionShare() {
 		w.full = true
 		w.syncPause()
 	}
@@ -111,6 +120,16 @@ func (w *worker) push(recs []*kgo.Record) {
 	case w.wake <- struct{}{}:
 	default:
 	}
+}
+
+// release says the batch take returned last is no longer in memory: it was applied, or left to the
+// partition's next owner.
+func (w *worker) release() {
+	w.mu.Lock()
+	n := w.flightCost
+	w.flightCost = 0
+	w.mu.Unlock()
+	w.p.buf.release(n)
 }
 
 // syncPause pauses or resumes fetching from the partition to match full and waiting. w.mu is held.
@@ -158,13 +177,15 @@ func (w *worker) take() []*kgo.Record {
 			case ready >= limit || ready < n || linger <= 0:
 				batch := w.queue[:ready:ready]
 				w.queue = w.queue[ready:]
-				for _, r := range batch {
-					w.queuedBytes -= len(r.Key) + len(r.Value)
-				}
+				n := costOf(batch)
+				w.queuedCost -= n
+				w.flightCost = n
 				if len(w.queue) > 0 {
 					w.firstAt = time.Now()
 				}
-				if w.full && w.queuedBytes <= w.p.cfg.MaxBufferedBytes/2 {
+				// Fetch the next records while this batch is applied (the global budget still
+				// counts the batch until release).
+				if w.full && w.queuedCost <= w.p.partitionShare()/2 {
 					w.full = false
 					w.syncPause()
 				}
@@ -196,13 +217,17 @@ func (w *worker) take() []*kgo.Record {
 	}
 }
 
-// stop asks the worker to finish the transaction in flight and exit.
+// stop asks the worker to finish the transaction in flight and exit. Its queued records are
+// dropped: the partition's next owner fetches them again.
 func (w *worker) stop() {
 	w.stopOnce.Do(func() {
 		w.mu.Lock()
 		w.closed = true
 		w.queue = nil
+		n := w.queuedCost
+		w.queuedCost = 0
 		w.mu.Unlock()
+		w.p.buf.release(n)
 		close(w.stopping)
 	})
 }
@@ -221,11 +246,17 @@ func (w *worker) run() {
 	defer w.cancel()
 	err := w.loadHeld()
 	for err == nil {
+		if len(w.held) > 0 && time.Since(w.heldLoaded) > heldRefresh {
+			if err = w.loadHeld(); err != nil {
+				break
+			}
+		}
 		batch := w.take()
 		if batch == nil {
 			return
 		}
 		err = w.applyRange(w.records(batch))
+		w.release()
 	}
 	switch {
 	case errors.Is(err, errStopped):
@@ -245,7 +276,11 @@ func (w *worker) run() {
 	}
 }
 
+// heldRefresh is how often a partition with held keys reloads them (see worker.held).
+const heldRefresh = time.Minute
+
 // loadHeld reads the partition's held keys (source partitions), retrying while Postgres fails.
+// It runs on the worker's goroutine, between batches: every key the worker held is committed.
 func (w *worker) loadHeld() error {
 	if w.tier > 0 {
 		return nil
@@ -255,11 +290,13 @@ func (w *worker) loadHeld() error {
 		if err != nil {
 			return err
 		}
+		first := w.held == nil
 		w.held = make(map[string]struct{}, len(keys))
 		for _, k := range keys {
 			w.held[string(k)] = struct{}{}
 		}
-		if len(keys) > 0 {
+		w.heldLoaded = time.Now()
+		if first && len(keys) > 0 {
 			w.log.Info("partition has held keys; their records keep waiting behind them", "held_keys", len(keys))
 		}
 		return nil

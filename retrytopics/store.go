@@ -345,10 +345,11 @@ func (s *Store) ReadyKeys(ctx context.Context, q Querier, limit int) ([]Key, err
 	return out, nil
 }
 
-// TakeParked locks a ready key and returns up to limit of its parked records, in offset order.
-// It returns none if the key is not ready, is locked by another transaction, or has nothing
-// parked any more (it is then released).
-func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key, limit int) ([]Rec, error) {
+// TakeParked locks a ready key and returns its parked records in offset order: up to limit of
+// them, and no more than maxBytes of values (at least one record, whatever its size). It returns
+// none if the key is not ready, is locked by another transaction, or has nothing parked any more
+// (it is then released).
+func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key, limit, maxBytes int) ([]Rec, error) {
 	var one int
 	err := tx.QueryRow(ctx, `SELECT 1 FROM `+s.heldKeys+`
 		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4 AND state = 'ready'
@@ -359,9 +360,15 @@ func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key, limit int) ([]
 	if err != nil {
 		return nil, fmt.Errorf("lock ready key: %w", err)
 	}
-	rows, err := tx.Query(ctx, `SELECT "offset", value, header_keys, header_values, "timestamp" FROM `+s.heldRecords+`
-		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
-		ORDER BY "offset" LIMIT $5`, s.group, k.Topic, k.Partition, k.Key, limit)
+	// The values before a row are summed from their sizes, which Postgres knows without reading
+	// them: values past the budget are never read.
+	rows, err := tx.Query(ctx, `SELECT "offset", value, header_keys, header_values, "timestamp" FROM (
+			SELECT "offset", value, header_keys, header_values, "timestamp",
+				coalesce(sum(coalesce(octet_length(value), 0)) OVER (ORDER BY "offset" ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+			FROM `+s.heldRecords+`
+			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
+			ORDER BY "offset" LIMIT $5) page
+		WHERE before < $6 ORDER BY "offset"`, s.group, k.Topic, k.Partition, k.Key, limit, max(maxBytes, 1))
 	if err != nil {
 		return nil, fmt.Errorf("read parked records: %w", err)
 	}

@@ -1,13 +1,18 @@
 package retrytopics_test
 
 import (
+	"bytes"
 	"context"
+	"crypto/rand"
 	"errors"
+	"fmt"
+	"math"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/testenv"
 	"github.com/kafkapg/kafkapg/retrytopics"
@@ -83,7 +88,7 @@ func TestStoreKeyHandOver(t *testing.T) {
 		t.Fatalf("ReadyKeys = %v, %v; want the key, ready for its parked record", keys, err)
 	}
 	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
-		recs, err := s.TakeParked(ctx, tx, keys[0], 10)
+		recs, err := s.TakeParked(ctx, tx, keys[0], 10, 1<<20)
 		if err != nil {
 			return err
 		}
@@ -126,5 +131,68 @@ func TestStoreBlockAndRelease(t *testing.T) {
 	}
 	if st := stats(t, s, pool); st.BlockedKeys != 0 {
 		t.Errorf("blocked keys after Unblock: %+v", st)
+	}
+}
+
+// TestStoreTakesAnyRecordContent: whatever a Kafka record may carry goes through the retry path
+// byte for byte: a key too long for a btree entry, header keys with NUL and invalid UTF-8, any
+// int64 timestamp, an error message with binary data. Parked records are taken in pages bounded in
+// bytes as well as in count.
+func TestStoreTakesAnyRecordContent(t *testing.T) {
+	s, pool := newStore(t)
+	key := make([]byte, 100_000)
+	rand.Read(key) // incompressible: no btree entry could hold it
+	hdr := []kgo.RecordHeader{{Key: "\xff\x00k", Value: []byte{0}}}
+	rec := func(off int64, ms int64, size int) retrytopics.Rec {
+		return retrytopics.Rec{Origin: retrytopics.Origin{Topic: "t", Partition: 0, Offset: off}, Key: key,
+			Value: bytes.Repeat([]byte{byte(off)}, size), Headers: hdr, Timestamp: time.UnixMilli(ms).UTC()}
+	}
+	head := rec(1, math.MaxInt64, 10)
+	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
+		return s.ToTier(ctx, tx, retrytopics.Move{Rec: head, Held: true, From: retrytopics.FromSource, Attempt: 1,
+			Class: "retryable", Message: "bad payload \x00\xff\xfe", FirstFailedAt: time.Now(), DueAt: time.Now()})
+	})
+	parked := []retrytopics.Rec{rec(2, math.MinInt64, 1000), rec(3, -1, 1000), rec(4, 0, 1000), rec(5, 1, 1000)}
+	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
+		if held, err := s.LockHeldKeys(ctx, tx, "t", 0, [][]byte{key}); err != nil || !held[string(key)] {
+			return fmt.Errorf("LockHeldKeys = %v, %v; want the long key held", held, err)
+		}
+		return s.Park(ctx, tx, parked)
+	})
+	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
+		return s.Applied(ctx, tx, head, true)
+	})
+	k := retrytopics.Key{Topic: "t", Partition: 0, Key: key}
+	for _, tt := range []struct {
+		limit, maxBytes int
+		want            []int64
+	}{
+		{limit: 10, maxBytes: 2500, want: []int64{2, 3, 4}}, // the third starts at 2000 bytes, within the budget
+		{limit: 10, maxBytes: 1, want: []int64{2}},          // at least one record
+		{limit: 2, maxBytes: 1 << 20, want: []int64{2, 3}},
+	} {
+		var got []retrytopics.Rec
+		err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) (err error) {
+			got, err = s.TakeParked(context.Background(), tx, k, tt.limit, tt.maxBytes)
+			return err // rolled back below: each case sees all of them
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var offs []int64
+		for _, r := range got {
+			offs = append(offs, r.Offset)
+		}
+		if fmt.Sprint(offs) != fmt.Sprint(tt.want) {
+			t.Errorf("TakeParked(limit %d, %d bytes) took offsets %v, want %v", tt.limit, tt.maxBytes, offs, tt.want)
+		}
+		for i, r := range got {
+			want := parked[i]
+			if !bytes.Equal(r.Key, key) || !bytes.Equal(r.Value, want.Value) || !r.Timestamp.Equal(want.Timestamp) ||
+				len(r.Headers) != 1 || r.Headers[0].Key != hdr[0].Key {
+				t.Errorf("parked record %d came back as timestamp %v, %d-byte key, headers %q; want it byte for byte (timestamp %v)",
+					r.Offset, r.Timestamp, len(r.Key), r.Headers, want.Timestamp)
+			}
+		}
 	}
 }

@@ -39,6 +39,7 @@ type Env struct {
 	BatchMaxWait          time.Duration `envconfig:"BATCH_MAX_WAIT" default:"20ms"`
 	RetryLocalAttempts    int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3"`
 	MaxRecordBytes        int           `envconfig:"MAX_RECORD_BYTES" default:"1048576"`
+	MaxBufferedBytes      int           `envconfig:"MAX_BUFFERED_BYTES" default:"67108864"`
 	RetryBackoffBase      time.Duration `envconfig:"RETRY_BACKOFF_BASE" default:"200ms"`
 	RetryBackoffMax       time.Duration `envconfig:"RETRY_BACKOFF_MAX" default:"5s"`
 	// RetryTiers is parsed by LoadEnv into Tiers. Set but empty means no retry tiers.
@@ -190,6 +191,9 @@ func (e *Env) validate() error {
 	}
 	if e.MaxRecordBytes < 1 {
 		errs = append(errs, fmt.Errorf("MAX_RECORD_BYTES must be at least 1, got %d", e.MaxRecordBytes))
+	}
+	if e.MaxBufferedBytes < 1<<20 {
+		errs = append(errs, fmt.Errorf("MAX_BUFFERED_BYTES must be at least 1048576 (1 MiB), got %d", e.MaxBufferedBytes))
 	}
 	if e.BreakerThreshold < 0 || e.BreakerThreshold > 1 {
 		errs = append(errs, fmt.Errorf("BREAKER_THRESHOLD is a share of records between 0 and 1 (0 disables the breaker), got %v", e.BreakerThreshold))

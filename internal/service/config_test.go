@@ -114,6 +114,7 @@ func TestLoadEnvDefaults(t *testing.T) {
 		BreakerProbeMax:       30 * time.Second,
 		DBTxIdleTimeout:       30 * time.Second,
 		StallTimeout:          2 * time.Minute,
+		MaxBufferedBytes:      64 << 20,
 		LogLevel:              "info",
 		LogFormat:             "json",
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -16,6 +17,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/KimMachineGun/automemlimit/memlimit"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
@@ -155,6 +157,14 @@ func openPool(ctx context.Context, env *DBEnv) (*pgxpool.Pool, error) {
 // handler's tables, serves /metrics, /healthz and /readyz on HTTP_ADDR, and processes records.
 func Run(ctx context.Context, env *Env, log *slog.Logger) error {
 	b := handlers[env.Handler]
+	// The Go runtime does not know its container's memory limit: without a soft limit, the
+	// garbage collector lets the heap grow to twice what is live, which a memory-limited pod pays
+	// for with an OOM kill. GOMEMLIMIT, if set, wins.
+	if limit, err := memlimit.Set(memlimit.WithLogger(log)); err != nil {
+		log.Warn("cannot read the container's memory limit; GOMEMLIMIT not set", "err", err)
+	} else if limit < math.MaxInt64 {
+		log.Info("soft memory limit", "gomemlimit_bytes", limit, "max_buffered_bytes", env.MaxBufferedBytes)
+	}
 	pool, err := openPool(ctx, &env.DBEnv)
 	if err != nil {
 		return err
@@ -262,6 +272,7 @@ func (env *Env) processorConfig(h processor.Handler, log *slog.Logger, reg prome
 		BatchMaxWait:         batchWait,
 		LocalAttempts:        env.RetryLocalAttempts,
 		MaxRecordBytes:       env.MaxRecordBytes,
+		MaxBufferedBytes:     env.MaxBufferedBytes,
 		RetryTiers:           env.Tiers,
 		OnDeadLetter:         env.OnDeadLetter,
 		DisableTopicCreation: !env.KafkaCreateTopics,

@@ -1,0 +1,69 @@
+package processor
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// TestDetach: a detached record equals the fetched one, keeps null keys and values null, and
+// shares no byte with franz-go's buffers (which it would keep alive).
+func TestDetach(t *testing.T) {
+	t.Parallel()
+	fetch := []byte("keyvalue\x00hv")
+	r := &kgo.Record{Topic: "t", Partition: 3, Offset: 42, LeaderEpoch: 7, Timestamp: time.UnixMilli(123),
+		Key: fetch[0:3], Value: fetch[3:8], Headers: []kgo.RecordHeader{{Key: "h\xff", Value: fetch[8:11]}, {Key: "n"}}}
+	d := detach(r)
+	if string(d.Key) != "key" || string(d.Value) != "value" || d.Offset != 42 || d.LeaderEpoch != 7 || d.Partition != 3 || d.Topic != "t" ||
+		!d.Timestamp.Equal(r.Timestamp) || len(d.Headers) != 2 || d.Headers[0].Key != "h\xff" || string(d.Headers[0].Value) != "\x00hv" ||
+		d.Headers[1].Value != nil {
+		t.Fatalf("detach(%+v) = %+v", r, d)
+	}
+	for i := range fetch {
+		fetch[i] = 'X'
+	}
+	if string(d.Key) != "key" || string(d.Value) != "value" || string(d.Headers[0].Value) != "\x00hv" {
+		t.Errorf("the detached record changed with franz-go's buffer: %q %q %q", d.Key, d.Value, d.Headers[0].Value)
+	}
+	if d.Key = append(d.Key, '!'); string(d.Value) != "value" {
+		t.Errorf("appending to the key overwrote the value: %q", d.Value)
+	}
+	null := detach(&kgo.Record{Key: nil, Value: []byte{}})
+	if null.Key != nil || null.Value == nil {
+		t.Errorf("null key and empty value came back as %#v and %#v", null.Key, null.Value)
+	}
+}
+
+// TestBufferWaitsForRelease: the poll loop waits while the buffer is at its limit and goes on as
+// soon as a release brings it under.
+func TestBufferWaitsForRelease(t *testing.T) {
+	t.Parallel()
+	b := newBuffer(1000)
+	b.add(999)
+	if !b.wait(context.Background()) {
+		t.Fatal("wait under the limit did not return at once")
+	}
+	b.add(1)
+	waited := make(chan bool)
+	go func() { waited <- b.wait(context.Background()) }()
+	select {
+	case <-waited:
+		t.Fatal("wait returned at the limit")
+	case <-time.After(50 * time.Millisecond):
+	}
+	b.release(1)
+	if ok := <-waited; !ok {
+		t.Fatal("wait returned false")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	b.add(5)
+	cancel()
+	if b.wait(ctx) {
+		t.Error("wait over the limit with a cancelled context returned true")
+	}
+	if got := b.share(1000); got != minPartitionShare {
+		t.Errorf("share of 1000 partitions = %d, want the minimum %d", got, minPartitionShare)
+	}
+}
