@@ -27,6 +27,16 @@ const (
 // DefaultRetryTiers are the retry tiers used when Config.RetryTiers is nil.
 var DefaultRetryTiers = []time.Duration{time.Second, 10 * time.Second, time.Minute}
 
+// Consumer group protocols (Config.GroupProtocol).
+const (
+	// GroupProtocolAuto uses Kafka 4's consumer group protocol (KIP-848: the broker assigns
+	// partitions, with no group-wide join barrier) where the broker offers it, and the classic
+	// protocol otherwise.
+	GroupProtocolAuto = "auto"
+	// GroupProtocolClassic always uses the classic protocol (JoinGroup/SyncGroup).
+	GroupProtocolClassic = "classic"
+)
+
 // Start offsets for partitions with no stored position.
 const (
 	StartEarliest = "earliest"
@@ -101,8 +111,15 @@ type Config struct {
 	// [RETRY_BACKOFF_MAX]
 	BackoffMax time.Duration
 
+	// GroupProtocol is the consumer group protocol: GroupProtocolAuto (Kafka 4's consumer
+	// protocol where the broker offers it, classic otherwise) or GroupProtocolClassic. Defaults
+	// to GroupProtocolAuto. [KAFKA_GROUP_PROTOCOL]
+	GroupProtocol string
 	// SessionTimeout is the Kafka group session timeout: how long a silent member keeps its
-	// partitions. Defaults to 45s. [KAFKA_SESSION_TIMEOUT]
+	// partitions. Under the consumer protocol it is the group's, kept by the broker: the
+	// processor asks the broker to set it (and a heartbeat interval of a third of it, at most
+	// 1s) for the group, and logs a warning if the broker refuses (its limits, missing
+	// permission), in which case the broker's own apply. Defaults to 45s. [KAFKA_SESSION_TIMEOUT]
 	SessionTimeout time.Duration
 	// RebalanceTimeout is how long the group waits for members to rejoin during a rebalance.
 	// A member that died mid-rebalance holds up the whole group until it passes, so it is kept
@@ -166,6 +183,9 @@ func (c *Config) withDefaults() *Config {
 	}
 	if out.StartOffset == "" {
 		out.StartOffset = StartEarliest
+	}
+	if out.GroupProtocol == "" {
+		out.GroupProtocol = GroupProtocolAuto
 	}
 	if out.BatchMaxRecords == 0 {
 		out.BatchMaxRecords = 500
@@ -282,6 +302,9 @@ func (c *Config) validate() error {
 	}
 	if c.StartOffset != StartEarliest && c.StartOffset != StartLatest {
 		errs = append(errs, fmt.Errorf("StartOffset (KAFKA_START_OFFSET) must be %q or %q, got %q", StartEarliest, StartLatest, c.StartOffset))
+	}
+	if c.GroupProtocol != GroupProtocolAuto && c.GroupProtocol != GroupProtocolClassic {
+		errs = append(errs, fmt.Errorf("GroupProtocol (KAFKA_GROUP_PROTOCOL) must be %q or %q, got %q", GroupProtocolAuto, GroupProtocolClassic, c.GroupProtocol))
 	}
 	if len(c.RetryTiers) > retrytopics.MaxTiers {
 		errs = append(errs, fmt.Errorf("RetryTiers (RETRY_TIERS) has %d tiers; at most %d are allowed", len(c.RetryTiers), retrytopics.MaxTiers))

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,7 +16,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 	"github.com/twmb/franz-go/plugin/kprom"
 	"github.com/twmb/franz-go/plugin/kslog"
 
@@ -45,10 +48,14 @@ type Processor struct {
 	buf      *buffer      // fetched records in memory, across partitions
 	nWorkers atomic.Int32 // len(workers), read without the lock
 
-	client  atomic.Pointer[kgo.Client]
-	relay   atomic.Pointer[sink.Relay]
-	joined  atomic.Bool
-	running atomic.Bool
+	client atomic.Pointer[kgo.Client]
+	// clientCtx is the Kafka client's context; cutClient ends everything the client waits for
+	// (a join held by the broker), at the end of a shutdown that left the group by hand.
+	clientCtx context.Context
+	cutClient context.CancelFunc
+	relay     atomic.Pointer[sink.Relay]
+	joined    atomic.Bool
+	running   atomic.Bool
 	// waiting says what startup is waiting for (Kafka, a source topic), for Ready.
 	waiting atomic.Pointer[string]
 	// lameDuck is set when shutdown begins: Ready fails from then on.
@@ -105,6 +112,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 	}, func() float64 { return float64(p.buf.used.Load()) })); err != nil {
 		return nil, fmt.Errorf("processor: register metrics: %w", err)
 	}
+	p.clientCtx, p.cutClient = context.WithCancel(context.Background())
 	p.drainer = newDrainer(p)
 	p.breaker = newBreaker(breakerConfig{
 		threshold:  c.BreakerThreshold,
@@ -197,6 +205,10 @@ func (p *Processor) Run(ctx context.Context) error {
 	defer stopStats()
 	go p.refreshStats(statsCtx)
 
+	if p.cfg.GroupProtocol != GroupProtocolClassic {
+		p.setGroupTimeouts(ctx, cl)
+	}
+
 	// Joining starts only now, so the rebalance callbacks always find p.client set.
 	topics := slices.Concat(p.cfg.Topics, slices.Sorted(maps.Keys(p.tierOf)))
 	cl.AddConsumeTopics(topics...)
@@ -260,9 +272,12 @@ func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Re
 	}
 	ccancel()
 
-	// Leaving the group and closing the client wait for the group's state machine, which can be
-	// stuck in a join (a member died mid-rebalance). Do not let that hold the shutdown past its
-	// timeout: the group expels us at the session timeout anyway.
+	// Leaving the group and closing the client wait for the group's state machine. Under the
+	// classic protocol that can be stuck in a join that waits for a dead member (the broker
+	// answers no member's join until every member has joined, or the session or rebalance timeout
+	// passes). A clean leave takes milliseconds: if it has not happened by then, leave by hand and
+	// cut the client loose, so that the group reassigns our partitions as soon as the join
+	// completes, without waiting for our session to expire too.
 	closed := make(chan struct{})
 	go func() {
 		defer close(closed)
@@ -271,12 +286,98 @@ func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Re
 		}
 		cl.CloseAllowingRebalance()
 	}()
+	grace := time.NewTimer(min(leaveGrace, max(time.Until(deadlineOf(sctx))/2, 0)))
+	defer grace.Stop()
 	select {
 	case <-closed:
+	case <-grace.C:
+		p.log.Info("leaving the group is held up (a rebalance waiting for a member?); leaving by hand")
+		p.leaveByHand(sctx, cl)
+		p.cutClient()
+		select {
+		case <-closed:
+		case <-sctx.Done():
+			p.log.Warn("kafka client did not close within the shutdown timeout; stopping anyway")
+		}
 	case <-sctx.Done():
 		p.log.Warn("kafka client did not close within the shutdown timeout; stopping anyway (the group expels this member at its session timeout)")
 	}
+	p.cutClient()
 	p.log.Info("processor stopped", "took", time.Since(begun).Round(time.Millisecond))
+}
+
+// leaveGrace is how long shutdown lets the Kafka client leave the group by itself.
+const leaveGrace = 2 * time.Second
+
+// leaveByHand sends the group coordinator a LeaveGroup for this member (classic protocol), which
+// the coordinator takes even while a join is pending. Under the consumer protocol it is refused,
+// harmlessly.
+func (p *Processor) leaveByHand(ctx context.Context, cl *kgo.Client) {
+	member, _ := cl.GroupMetadata()
+	if member == "" {
+		return
+	}
+	req := kmsg.NewPtrLeaveGroupRequest()
+	req.Group = p.cfg.Group
+	req.MemberID = member
+	m := kmsg.NewLeaveGroupRequestMember()
+	m.MemberID = member
+	req.Members = append(req.Members, m)
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	resp, err := req.RequestWith(ctx, cl)
+	if err == nil {
+		err = kerr.ErrorForCode(resp.ErrorCode)
+	}
+	if err != nil {
+		p.log.Debug("leaving the group by hand", "err", err)
+		return
+	}
+	p.log.Info("left the group by hand", "member", member)
+}
+
+// setGroupTimeouts asks the broker to give this group, under the consumer protocol, the session
+// timeout and heartbeat interval the classic protocol would have: there they are the group's,
+// kept by the broker (group.consumer.session.timeout.ms and .heartbeat.interval.ms, 45 s and 5 s
+// by default, bounded by the broker's group.consumer.min/max settings), not the client's. A broker
+// that refuses keeps its own; the warning says which.
+func (p *Processor) setGroupTimeouts(ctx context.Context, cl *kgo.Client) {
+	set := func(configs map[string]time.Duration) error {
+		req := kmsg.NewPtrIncrementalAlterConfigsRequest()
+		res := kmsg.NewIncrementalAlterConfigsRequestResource()
+		res.ResourceType = kmsg.ConfigResourceTypeGroupConfig
+		res.ResourceName = p.cfg.Group
+		for _, name := range slices.Sorted(maps.Keys(configs)) {
+			c := kmsg.NewIncrementalAlterConfigsRequestResourceConfig()
+			c.Name = name
+			c.Op = kmsg.IncrementalAlterConfigOpSet
+			c.Value = kmsg.StringPtr(strconv.FormatInt(configs[name].Milliseconds(), 10))
+			res.Configs = append(res.Configs, c)
+		}
+		req.Resources = append(req.Resources, res)
+		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		resp, err := req.RequestWith(ctx, cl)
+		if err != nil {
+			return err
+		}
+		for _, r := range resp.Resources {
+			if err := kerr.ErrorForCode(r.ErrorCode); err != nil {
+				if r.ErrorMessage != nil {
+					return fmt.Errorf("%w: %s", err, *r.ErrorMessage)
+				}
+				return err
+			}
+		}
+		return nil
+	}
+	session, heartbeat := p.cfg.SessionTimeout, p.heartbeatInterval()
+	// Both or neither: a session timeout set alone could fall below the broker's heartbeat interval.
+	if err := set(map[string]time.Duration{"consumer.session.timeout.ms": session, "consumer.heartbeat.interval.ms": heartbeat}); err != nil {
+		p.log.Warn("the broker refused this group's session timeout and heartbeat interval (consumer protocol): its own group.consumer.session.timeout.ms "+
+			"and group.consumer.heartbeat.interval.ms apply (45s and 5s unless configured), not KAFKA_SESSION_TIMEOUT",
+			"wanted_session_timeout", session, "wanted_heartbeat_interval", heartbeat, "err", err)
+	}
 }
 
 func deadlineOf(ctx context.Context) time.Time {
@@ -285,6 +386,12 @@ func deadlineOf(ctx context.Context) time.Time {
 		return time.Now()
 	}
 	return d
+}
+
+// heartbeatInterval is how often members heartbeat: how soon they learn that the group changed
+// (a member died, partitions moved).
+func (p *Processor) heartbeatInterval() time.Duration {
+	return min(time.Second, p.cfg.SessionTimeout/3)
 }
 
 func (p *Processor) newClient() (*kgo.Client, error) {
@@ -300,7 +407,7 @@ func (p *Processor) newClient() (*kgo.Client, error) {
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.SessionTimeout(p.cfg.SessionTimeout),
 		kgo.RebalanceTimeout(p.cfg.RebalanceTimeout),
-		kgo.HeartbeatInterval(min(3*time.Second, p.cfg.SessionTimeout/3)),
+		kgo.HeartbeatInterval(p.heartbeatInterval()),
 		kgo.BlockRebalanceOnPoll(),
 		// Records of aborted Kafka transactions never happened.
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
@@ -328,6 +435,13 @@ func (p *Processor) newClient() (*kgo.Client, error) {
 		kgo.WithLogger(kslog.New(p.cfg.Logger.With("component", "kafka"))),
 		kgo.WithHooks(p.kprom),
 	}
+	if p.cfg.GroupProtocol != GroupProtocolClassic {
+		// Kafka 4's consumer group protocol where the broker offers it (franz-go falls back to
+		// classic otherwise): no group-wide join barrier, so a dead member no longer holds up
+		// the rest of the group, nor a member that wants to leave.
+		opts = append(opts, kgo.ServerSideBalancer())
+	}
+	opts = append(opts, kgo.WithContext(p.clientCtx))
 	opts = append(opts, p.cfg.KafkaOptions...)
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {

@@ -83,6 +83,9 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready chan<- stri
 			return advertised{ln, *advertise}, nil
 		}),
 		kfake.GroupMinSessionTimeout(100 * time.Millisecond), // lets tests use short sessions
+		// Consumer-protocol members get the broker's heartbeat interval even when their group sets
+		// its own (a kfake gap; Kafka uses the group's): 1s suits sessions down to a few seconds.
+		kfake.BrokerConfigs(map[string]string{"group.consumer.heartbeat.interval.ms": "1000"}),
 	}
 	if *autoCreate {
 		opts = append(opts, kfake.AllowAutoTopicCreation())

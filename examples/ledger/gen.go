@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 )
@@ -37,10 +38,15 @@ func (it Item) Dead(maxAttempt int) bool {
 	case KindPoison, KindMalformed:
 		return true
 	case KindFlaky:
-		return it.Event.FailAttempts >= maxAttempt
+		// An oversized one cannot travel through the retry tiers: its retry copy is over Kafka's
+		// limit, so its first failure dead-letters it.
+		return it.Event.FailAttempts >= maxAttempt || it.Event.Pad != ""
 	}
 	return false
 }
+
+// Oversized reports whether the item's record is just under a mebibyte (GenConfig.OversizedPerMille).
+func (it Item) Oversized() bool { return it.Event.Pad != "" }
 
 // Record returns the Kafka record for the item, keyed by account so that an account's events
 // share a partition.
@@ -57,7 +63,15 @@ type GenConfig struct {
 	FlakyPerMille     int
 	// MaxFailAttempts bounds the fail_attempts of flaky events (1..MaxFailAttempts). Defaults to 1.
 	MaxFailAttempts int
-	Seed            uint64
+	// Mistakes gives every other flaky event one of the Mistakes, for Careless to make.
+	Mistakes bool
+	// OversizedPerMille makes that share of the flaky events about 999,500 bytes large (each
+	// a different size): under the default MAX_RECORD_BYTES (1 MiB), so they reach the handler,
+	// but their retry copies (value plus kafkapg's headers) are over Kafka's producer limit
+	// (1,000,012 bytes), so they are dead-lettered at their first failure. Producing them needs a
+	// producer limit above a mebibyte (kgo.ProducerBatchMaxBytes).
+	OversizedPerMille int
+	Seed              uint64
 	// Prefix makes event ids unique across generators. Defaults to "e".
 	Prefix string
 }
@@ -76,6 +90,7 @@ func Generate(cfg GenConfig) []Item {
 	}
 	rng := rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15))
 	seqs := make([]int64, cfg.Accounts)
+	oversized := 0
 	items := make([]Item, 0, cfg.Events)
 	for i := range cfg.Events {
 		a := rng.IntN(cfg.Accounts)
@@ -107,6 +122,15 @@ func Generate(cfg GenConfig) []Item {
 		}
 		if it.Kind == KindFlaky {
 			it.Event.FailAttempts = 1 + rng.IntN(cfg.MaxFailAttempts)
+			if cfg.Mistakes && rng.IntN(2) == 0 {
+				it.Event.Mistake = Mistakes[rng.IntN(len(Mistakes))]
+			}
+			if cfg.OversizedPerMille > 0 && rng.IntN(1000) < cfg.OversizedPerMille { // no draw when off: seeds keep their events
+				// A size of its own: the DLQ copy, without its value, is told by it.
+				base, _ := json.Marshal(it.Event)
+				it.Event.Pad = strings.Repeat("p", 999_600+oversized-len(base)-len(`,"pad":""`))
+				oversized++
+			}
 		}
 		it.Value, _ = json.Marshal(it.Event)
 		items = append(items, it)

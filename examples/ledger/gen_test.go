@@ -307,3 +307,37 @@ func ExampleGenerate() {
 	// ok        acct-0 seq=4 dead=false
 	// flaky     acct-1 seq=2 dead=true
 }
+
+// TestGenerateMistakesAndOversized: with Mistakes, flaky events carry every kind of mistake (and
+// some none); oversized ones are under a mebibyte, of distinct sizes (their DLQ copies are matched
+// by size), and dead at their first failure.
+func TestGenerateMistakesAndOversized(t *testing.T) {
+	t.Parallel()
+	cfg := mixed
+	cfg.Events, cfg.FlakyPerMille, cfg.Mistakes, cfg.OversizedPerMille = 4000, 300, true, 20
+	mistakes := map[string]int{}
+	sizes := map[int]bool{}
+	for _, it := range ledger.Generate(cfg) {
+		if it.Kind != ledger.KindFlaky {
+			continue
+		}
+		mistakes[it.Event.Mistake]++
+		if it.Oversized() {
+			if n := len(it.Value); n < 999_500 || n >= 1<<20 || sizes[n] {
+				t.Errorf("oversized value of %d bytes: want 999,500 up to 1 MiB, each size once", n)
+			}
+			sizes[len(it.Value)] = true
+			if !it.Dead(100) {
+				t.Error("an oversized flaky event is not expected to be dead-lettered")
+			}
+		}
+	}
+	for _, m := range append(ledger.Mistakes, "") {
+		if mistakes[m] == 0 {
+			t.Errorf("no flaky event with mistake %q among %v", m, mistakes)
+		}
+	}
+	if len(sizes) == 0 {
+		t.Error("no oversized event")
+	}
+}

@@ -13,7 +13,8 @@
 //   - invalid JSON, or a missing event_id or account: permanent error;
 //   - "poison": true: permanent error;
 //   - "fail_attempts": N: a retryable error while the delivery Attempt is at most N (retries
-//     within one delivery do not change Attempt);
+//     within one delivery do not change Attempt); Careless fails those attempts the way its
+//     "mistake" says;
 //   - otherwise the event is inserted into ledger_entries and its amount added to the account's
 //     balance in ledger_balances, with last_seq set to seq.
 //
@@ -39,6 +40,11 @@ type Event struct {
 	Seq          int64  `json:"seq"`
 	FailAttempts int    `json:"fail_attempts,omitempty"`
 	Poison       bool   `json:"poison,omitempty"`
+	// Mistake says how Careless fails the event's attempts up to FailAttempts (Handler fails them
+	// all the same way): one of the Mistake constants, or empty for a plain error.
+	Mistake string `json:"mistake,omitempty"`
+	// Pad makes the record large (see GenConfig.OversizedPerMille); the handlers ignore it.
+	Pad string `json:"pad,omitempty"`
 }
 
 // Schema creates the ledger tables (if missing) in the connection's current schema.

@@ -165,8 +165,12 @@ func VerifyWith(ctx context.Context, db Querier, items []Item, maxAttempt int, o
 // once only if allowDuplicates (tests that kill processes); it returns how many duplicates it saw.
 func CheckDeadLetters(items []Item, dlq []*kgo.Record, maxAttempt int, allowDuplicates bool) (dups int, err error) {
 	byValue := map[string]Item{}
+	oversized := map[string]Item{} // by key and size: their DLQ copies carry no value
 	for _, it := range items {
 		byValue[string(it.Value)] = it
+		if it.Oversized() {
+			oversized[fmt.Sprintf("%s/%d", it.Key, len(it.Value))] = it
+		}
 	}
 	var problems []string
 	add := func(format string, args ...any) {
@@ -176,6 +180,16 @@ func CheckDeadLetters(items []Item, dlq []*kgo.Record, maxAttempt int, allowDupl
 	}
 	seen := map[string]int{}
 	for _, r := range dlq {
+		value := r.Value
+		for _, h := range r.Headers {
+			if h.Key == retrytopics.HeaderValueOmitted {
+				if it, ok := oversized[fmt.Sprintf("%s/%s", r.Key, h.Value)]; ok {
+					value = it.Value
+				}
+			}
+		}
+		r := *r
+		r.Value = value
 		it, ok := byValue[string(r.Value)]
 		switch {
 		case !ok:

@@ -31,6 +31,7 @@ type Env struct {
 	KafkaGroupID          string        `envconfig:"KAFKA_GROUP_ID" required:"true"`
 	KafkaTopics           []string      `envconfig:"KAFKA_TOPICS" required:"true"`
 	KafkaStartOffset      string        `envconfig:"KAFKA_START_OFFSET" default:"earliest"`
+	KafkaGroupProtocol    string        `envconfig:"KAFKA_GROUP_PROTOCOL" default:"auto"`
 	KafkaSessionTimeout   time.Duration `envconfig:"KAFKA_SESSION_TIMEOUT" default:"45s"`
 	KafkaRebalanceTimeout time.Duration `envconfig:"KAFKA_REBALANCE_TIMEOUT" default:"30s"`
 	Handler               string        `envconfig:"HANDLER" required:"true"`
@@ -164,6 +165,9 @@ func (e *Env) validate() error {
 		if _, ok := handlers[e.Handler]; !ok {
 			errs = append(errs, fmt.Errorf("HANDLER=%q is not a built-in handler (have: %s)", e.Handler, strings.Join(HandlerNames(), ", ")))
 		}
+	}
+	if e.KafkaGroupProtocol != "auto" && e.KafkaGroupProtocol != "classic" {
+		errs = append(errs, fmt.Errorf("KAFKA_GROUP_PROTOCOL must be auto or classic, got %q", e.KafkaGroupProtocol))
 	}
 	if e.KafkaStartOffset != "earliest" && e.KafkaStartOffset != "latest" {
 		errs = append(errs, fmt.Errorf("KAFKA_START_OFFSET must be earliest or latest, got %q", e.KafkaStartOffset))

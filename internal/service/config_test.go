@@ -114,6 +114,7 @@ func TestLoadEnvDefaults(t *testing.T) {
 		BreakerProbeMax:       30 * time.Second,
 		DBTxIdleTimeout:       30 * time.Second,
 		StallTimeout:          2 * time.Minute,
+		KafkaGroupProtocol:    "auto",
 		MaxBufferedBytes:      64 << 20,
 		LogLevel:              "info",
 		LogFormat:             "json",
@@ -229,7 +230,7 @@ func TestLoadEnvErrors(t *testing.T) {
 		{name: "dead-letter policy unknown", vars: with("ON_DEAD_LETTER", "drop"), want: []string{"ON_DEAD_LETTER must be skip or block", `"drop"`}},
 		{name: "topic creation not a boolean", vars: with("KAFKA_CREATE_TOPICS", "maybe"), want: []string{"KAFKA_CREATE_TOPICS", `"maybe"`, "boolean"}},
 		{name: "max record bytes zero", vars: with("MAX_RECORD_BYTES", "0"), want: []string{"MAX_RECORD_BYTES must be at least 1"}},
-		{name: "unknown handler", vars: with("HANDLER", "nope"), want: []string{`HANDLER="nope"`, "not a built-in handler", "(have: ledger)"}},
+		{name: "unknown handler", vars: with("HANDLER", "nope"), want: []string{`HANDLER="nope"`, "not a built-in handler", "(have: ledger, ledger-careless)"}},
 		{name: "start offset middle", vars: with("KAFKA_START_OFFSET", "middle"), want: []string{"KAFKA_START_OFFSET", "earliest or latest", `"middle"`}},
 		{name: "backoff max below base", vars: with("RETRY_BACKOFF_BASE", "2s", "RETRY_BACKOFF_MAX", "1s"), want: []string{"RETRY_BACKOFF_MAX (1s)", "RETRY_BACKOFF_BASE (2s)"}},
 		{name: "backoff base above default max", vars: with("RETRY_BACKOFF_BASE", "10s"), want: []string{"RETRY_BACKOFF_MAX (5s)", "RETRY_BACKOFF_BASE (10s)"}},
@@ -347,8 +348,8 @@ func TestLoadDBEnv(t *testing.T) {
 func TestHandlerNames(t *testing.T) {
 	t.Parallel()
 	got := HandlerNames()
-	if !slices.Equal(got, []string{"ledger"}) {
-		t.Fatalf("HandlerNames() = %q, want [ledger]", got)
+	if !slices.Equal(got, []string{"ledger", "ledger-careless"}) {
+		t.Fatalf("HandlerNames() = %q, want [ledger ledger-careless]", got)
 	}
 	for _, n := range got {
 		if handlers[n].handler == nil || handlers[n].setup == nil {

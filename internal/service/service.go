@@ -37,20 +37,22 @@ type builtin struct {
 }
 
 var handlers = map[string]builtin{
-	"ledger": {
-		handler: ledger.Handler{},
-		setup: func(ctx context.Context, pool *pgxpool.Pool) error {
-			// Replicas start together: concurrent CREATE TABLE IF NOT EXISTS can fail on
-			// Postgres's catalog (23505 on pg_type), so take turns under an advisory lock.
-			return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-				if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('kafkapg.handler-setup:ledger', 0))`); err != nil {
-					return err
-				}
-				_, err := tx.Exec(ctx, ledger.Schema)
+	"ledger":          {handler: ledger.Handler{}, setup: setupUnderLock("ledger", ledger.Schema)},
+	"ledger-careless": {handler: ledger.Careless{}, setup: setupUnderLock("ledger-careless", ledger.CarelessSchema)},
+}
+
+// setupUnderLock runs a handler's schema SQL under an advisory lock: replicas start together, and
+// concurrent CREATE TABLE IF NOT EXISTS can fail on Postgres's catalog (23505 on pg_type).
+func setupUnderLock(name, sql string) func(ctx context.Context, pool *pgxpool.Pool) error {
+	return func(ctx context.Context, pool *pgxpool.Pool) error {
+		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('kafkapg.handler-setup:' || $1, 0))`, name); err != nil {
 				return err
-			})
-		},
-	},
+			}
+			_, err := tx.Exec(ctx, sql)
+			return err
+		})
+	}
 }
 
 // HandlerNames lists the built-in handlers.
@@ -268,6 +270,7 @@ func (env *Env) processorConfig(h processor.Handler, log *slog.Logger, reg prome
 		Handler:              h,
 		Schema:               env.DBSchema,
 		StartOffset:          start,
+		GroupProtocol:        env.KafkaGroupProtocol,
 		BatchMaxRecords:      env.BatchMaxRecords,
 		BatchMaxWait:         batchWait,
 		LocalAttempts:        env.RetryLocalAttempts,

@@ -48,6 +48,10 @@ func NewKfake(t testing.TB, opts ...kfake.Opt) *Kafka {
 	base := []kfake.Opt{
 		kfake.NumBrokers(1),
 		kfake.GroupMinSessionTimeout(100 * time.Millisecond),
+		// kfake (2026-09) tells consumer-protocol members the broker's heartbeat interval even
+		// when the group sets its own (real Kafka uses the group's): keep it below the tests'
+		// session timeouts.
+		kfake.BrokerConfigs(map[string]string{"group.consumer.heartbeat.interval.ms": "500"}),
 	}
 
 	c, err := kfake.NewCluster(append(base, opts...)...)

@@ -40,6 +40,8 @@ func main() {
 	flag.IntVar(&c.events, "events", 20000, "ledger events to produce")
 	flag.DurationVar(&c.settle, "settle", 4*time.Minute, "how long to wait, after the faults stop, for every event to be applied or dead-lettered")
 	flag.BoolVar(&c.keep, "keep", false, "keep the work directory (logs) even if the run passes")
+	flag.StringVar(&c.handler, "handler", "ledger", "the processors' HANDLER: ledger, or ledger-careless (no unique constraint, binary errors, own timeouts, swallowed errors)")
+	flag.StringVar(&c.protocol, "group-protocol", "auto", "the processors' KAFKA_GROUP_PROTOCOL: auto (the consumer protocol where the broker offers it) or classic")
 	flag.Parse()
 	if c.seed == 0 {
 		c.seed = rand.Uint64()
@@ -60,6 +62,8 @@ type config struct {
 	events     int
 	settle     time.Duration
 	keep       bool
+	handler    string
+	protocol   string
 }
 
 const (
@@ -88,7 +92,8 @@ func run(ctx context.Context, c config) error {
 	}
 	s := &suite{cfg: c, rng: rand.New(rand.NewPCG(c.seed, c.seed^0x5851f42d4c957f2d)), bin: bin, work: work}
 	defer s.close()
-	fmt.Printf("chaos: seed %d, %d processes, %d events, faults for %v; logs in %s\n", c.seed, c.procs, c.events, c.duration, work)
+	fmt.Printf("chaos: seed %d, %d processes (HANDLER=%s, KAFKA_GROUP_PROTOCOL=%s), %d events, faults for %v; logs in %s\n",
+		c.seed, c.procs, c.handler, c.protocol, c.events, c.duration, work)
 
 	if err := s.setupPostgres(ctx, dbURL); err != nil {
 		return err

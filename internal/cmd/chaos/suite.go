@@ -20,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/faultproxy"
@@ -49,6 +50,8 @@ type suite struct {
 	devListen   string
 
 	procs []*proc
+	// groupType is the protocol the group runs, as the broker lists it: classic or consumer.
+	groupType string
 
 	mu    sync.Mutex
 	stats stats
@@ -88,6 +91,7 @@ func generate(c config) []ledger.Item {
 	return ledger.Generate(ledger.GenConfig{
 		Events: c.events, Accounts: 200, Seed: c.seed, Prefix: "chaos",
 		PoisonPerMille: 5, MalformedPerMille: 5, FlakyPerMille: 40, MaxFailAttempts: maxAttempt + 1,
+		Mistakes: true, OversizedPerMille: 25,
 	})
 }
 
@@ -204,7 +208,8 @@ func (s *suite) startProc(idx int) (*proc, error) {
 		"DB_SCHEMA=" + schema,
 		"DB_MAX_CONNS=6",
 		"DB_TX_IDLE_TIMEOUT=3s",
-		"HANDLER=ledger",
+		"HANDLER=" + s.cfg.handler,
+		"KAFKA_GROUP_PROTOCOL=" + s.cfg.protocol,
 		"HTTP_ADDR=" + addr,
 		"RETRY_TIERS=" + tiers,
 		"RETRY_BACKOFF_BASE=20ms",
@@ -249,7 +254,8 @@ func (p *proc) waitReady(ctx context.Context, timeout time.Duration) error {
 
 // produce produces items in chunks spread over the fault period.
 func (s *suite) produce(ctx context.Context, items []ledger.Item) error {
-	cl, err := kgo.NewClient(kgo.SeedBrokers(s.clientSeeds...), kgo.ProducerLinger(5*time.Millisecond))
+	// Oversized events are just under a mebibyte: over the producer's default batch limit.
+	cl, err := kgo.NewClient(kgo.SeedBrokers(s.clientSeeds...), kgo.ProducerLinger(5*time.Millisecond), kgo.ProducerBatchMaxBytes(2<<20))
 	if err != nil {
 		return err
 	}
@@ -344,6 +350,7 @@ func (s *suite) measure(ctx context.Context) error {
 	if err := settled(); err != nil {
 		return err
 	}
+	s.groupType = s.readGroupType(ctx)
 
 	restart := func(p *proc) error {
 		if err := s.restart(ctx, p); err != nil {
@@ -388,6 +395,25 @@ func (s *suite) measure(ctx context.Context) error {
 }
 
 func (s *suite) pick() *proc { return s.procs[s.rng.IntN(len(s.procs))] }
+
+// readGroupType asks the broker which protocol the group runs ("classic" or "consumer").
+func (s *suite) readGroupType(ctx context.Context) string {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(s.clientSeeds...))
+	if err != nil {
+		return "unknown"
+	}
+	defer cl.Close()
+	resp, err := kmsg.NewPtrListGroupsRequest().RequestWith(ctx, cl)
+	if err != nil {
+		return "unknown"
+	}
+	for _, g := range resp.Groups {
+		if g.Group == s.group {
+			return g.GroupType
+		}
+	}
+	return "unknown"
+}
 
 // restart replaces p with a new process. On kfake it waits until the new process is in the group:
 // kfake (2026-09) can lose track of a member that dies while the group is joining, which stalls
@@ -699,14 +725,14 @@ func (s *suite) summary(rep report, err error) string {
 	if err != nil {
 		result = "FAILED"
 	}
-	return fmt.Sprintf("chaos %s seed=%d: %d events: %d applied exactly once in per-account order, %d dead-lettered (%d in the DLQ topic, %d duplicates; %d dead_letters rows)"+
+	return fmt.Sprintf("chaos %s %s-protocol HANDLER=%s seed=%d: %d events: %d applied exactly once in per-account order, %d dead-lettered (%d in the DLQ topic, %d duplicates; %d dead_letters rows)"+
 		" | faults: %d kill, %d term, %d stop, %d pg-drop, %d pg-cut, %d pg-stall, %d broker-cut, %d broker-restart"+
-		" | recovery, one fault at a time: SIGTERM->exit %s (target 5s), kill->partitions flowing elsewhere %s (target 10s), postgres back->commits %s (target 10s)"+
+		" | recovery, one fault at a time: SIGTERM->exit %s (target 5s), kill->partitions flowing elsewhere %s (target %s: session timeout + 1s), postgres back->commits %s (target 10s)"+
 		" | under random faults: SIGTERM->exit max %s; kill->flowing median %s max %s; postgres back->commits median %s max %s; %d not measured"+
 		" | settled in %s | %s",
-		s.brokerName, s.cfg.seed, s.cfg.events, rep.applied, rep.dead, rep.dlq, rep.dups, rep.rows,
+		s.brokerName, s.groupType, s.cfg.handler, s.cfg.seed, s.cfg.events, rep.applied, rep.dead, rep.dlq, rep.dups, rep.rows,
 		st.kills, st.terms, st.stops, st.pgDrops, st.pgCuts, st.pgStalls, st.brokerCuts, st.brokerRestarts,
-		measured(st.alone.term), measured(st.alone.kill), measured(st.alone.pg),
+		measured(st.alone.term), measured(st.alone.kill), sessionTimeout+time.Second, measured(st.alone.pg),
 		maxDuration(st.termExit), medianDuration(st.killRecovery), maxDuration(st.killRecovery),
 		medianDuration(st.pgRecovery), maxDuration(st.pgRecovery), st.unmeasured,
 		st.settle.Round(100*time.Millisecond), result)
