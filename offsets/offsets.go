@@ -53,6 +53,7 @@ type Store struct {
 	readSQL    string
 	listSQL    string
 	startSQL   string
+	staleSQL   string
 }
 
 // Querier runs queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
@@ -80,6 +81,12 @@ func NewStore(schema, group string) *Store {
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
 		listSQL: `SELECT topic, partition, next_offset FROM ` + t + `
 			WHERE consumer_group = $1 AND topic = ANY($2) AND next_offset IS NOT NULL`,
+		// A row an uncommitted UPDATE locks has the updating transaction's id as its xmax; the
+		// backend running that transaction shows it as backend_xid.
+		staleSQL: `SELECT a.pid, o.topic, o.partition, pg_terminate_backend(a.pid) FROM ` + t + ` AS o
+			JOIN pg_stat_activity AS a ON a.backend_xid = o.xmax
+			WHERE o.consumer_group = $1 AND (o.topic, o.partition) IN (SELECT * FROM unnest($2::text[], $3::int[]))
+			AND a.state IN ('idle in transaction', 'idle in transaction (aborted)') AND a.pid <> pg_backend_pid()`,
 		startSQL: `UPDATE ` + t + ` AS o SET next_offset = s.next, updated_at = now()
 			FROM unnest($2::text[], $3::int[], $4::bigint[], $5::bigint[]) AS s(topic, partition, token, next)
 			WHERE o.consumer_group = $1 AND o.topic = s.topic AND o.partition = s.partition
@@ -131,6 +138,40 @@ func (s *Store) Claim(ctx context.Context, q Querier, owner string, parts []Part
 			return nil, fmt.Errorf("claim: no row returned for %s", p)
 		}
 		out[i] = pos
+	}
+	return out, nil
+}
+
+// Holder is a transaction of a previous owner that EndStaleHolders ended.
+type Holder struct {
+	PID       int32 // its Postgres backend
+	Partition Partition
+	Ended     bool // pg_terminate_backend succeeded
+}
+
+// EndStaleHolders ends the transactions that hold parts' rows locked and wait for their client
+// (idle in transaction): those of a previous owner that froze or lost its network in the middle
+// of a batch. A claim waits for them otherwise, until Postgres's idle_in_transaction timeout
+// ends them. Ending one rolls its batch back; the claim then fences its owner, whose work the new
+// owner redoes, exactly as if the timeout had ended it. Postgres lets a role end the backends of
+// the same role (or a member of pg_signal_backend).
+func (s *Store) EndStaleHolders(ctx context.Context, q Querier, parts []Partition) ([]Holder, error) {
+	topics := make([]string, len(parts))
+	nums := make([]int32, len(parts))
+	for i, p := range parts {
+		topics[i], nums[i] = p.Topic, p.Partition
+	}
+	rows, err := q.Query(ctx, s.staleSQL, s.group, topics, nums)
+	if err != nil {
+		return nil, fmt.Errorf("end stale transactions holding %d partitions: %w", len(parts), err)
+	}
+	var out []Holder
+	var h Holder
+	if _, err := pgx.ForEachRow(rows, []any{&h.PID, &h.Partition.Topic, &h.Partition.Partition, &h.Ended}, func() error {
+		out = append(out, h)
+		return nil
+	}); err != nil {
+		return nil, fmt.Errorf("end stale transactions holding %d partitions: %w", len(parts), err)
 	}
 	return out, nil
 }

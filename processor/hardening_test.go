@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -13,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/testenv"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"
@@ -651,5 +654,126 @@ func TestRefusedRetryCopyIsDeadLettered(t *testing.T) {
 		if n := r.counter("kafkapg_records_dead_lettered_total"); n != 1 {
 			t.Errorf("records_dead_lettered_total = %v, want 1", n)
 		}
+	})
+}
+
+// TestCollidingTierNamesStayApart: source "a" in group "b.c" and source "a.b" in group "c" share
+// their tier topic (a.b.c.retry.1). Each group must apply its own retry records, and skip the
+// other's, not apply them as records of its own.
+func TestCollidingTierNamesStayApart(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := carelessHarness(t, k, 1)
+		failFirst := careless{before: func(_ context.Context, _ pgx.Tx, rec *processor.Record) error {
+			if rec.Attempt == 1 {
+				return errors.New("first delivery fails")
+			}
+			return nil
+		}}
+		g2 := h.group
+		g1 := "g1" + strings.TrimPrefix(g2, "g_") + "." + g2
+		other := h.topic + "." + strings.SplitN(g1, ".", 2)[0]
+		k.CreateTopicNamed(t, other, 1)
+		if a, b := retrytopics.TierTopic(h.topic, g1, 1), retrytopics.TierTopic(other, g2, 1); a != b {
+			t.Fatalf("the tier names do not collide: %s, %s", a, b)
+		}
+		start := func(group, topic string) *running {
+			cfg := h.config(failFirst)
+			cfg.Group, cfg.Topics = group, []string{topic}
+			cfg.RetryTiers = []time.Duration{200 * time.Millisecond}
+			cfg.LocalAttempts = 1
+			r := h.start(cfg)
+			waitJoined(t, r)
+			return r
+		}
+		r1, r2 := start(g1, h.topic), start(g2, other)
+		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k"), Value: []byte("one")},
+			&kgo.Record{Topic: other, Key: []byte("k"), Value: []byte("two")})
+		at := h.waitEffects([]string{"one", "two"}, 30*time.Second)
+		h.waitRetryPathEmpty(30 * time.Second)
+		time.Sleep(time.Second) // room for a wrong extra apply
+		if at = h.appliedOnce(); at["one"] != 2 || at["two"] != 2 || len(at) != 2 {
+			t.Errorf("applied %v; want one and two, each once, at attempt 2", at)
+		}
+		for _, r := range []*running{r1, r2} {
+			if n := r.counter("kafkapg_records_applied_total"); n != 1 {
+				t.Errorf("a group applied %v records, want its own 1", n)
+			}
+		}
+		if dl := h.deadLetters(); len(dl) != 0 {
+			t.Errorf("%d dead letters (%s): a group took the other's retry record for one of its own", len(dl), slices.Sorted(maps.Keys(dl)))
+		}
+	})
+}
+
+// TestRecordFailedWithoutAnError: a batch handler that names a failing record with a nil error
+// fails that record (with a message that says so), and does not bring the processor down.
+func TestRecordFailedWithoutAnError(t *testing.T) {
+	k := testenv.NewKfake(t)
+	h := carelessHarness(t, k, 1)
+	h.start(h.config(nilRecordError{}))
+	h.k.Produce(t, &kgo.Record{Topic: h.topic, Value: []byte("a")}, &kgo.Record{Topic: h.topic, Value: []byte("bad")},
+		&kgo.Record{Topic: h.topic, Value: []byte("b")})
+	h.waitEffects([]string{"a", "b"}, 30*time.Second)
+	testenv.Eventually(t, 30*time.Second, func() error {
+		d, ok := h.deadLetters()["bad"]
+		if !ok {
+			return errors.New("not dead-lettered yet")
+		}
+		if !strings.Contains(d.msg, "without an error") {
+			t.Errorf("dead letter says %q", d.msg)
+		}
+		return nil
+	})
+}
+
+// nilRecordError is a batch handler that reports a record failed with RecordFailed(i, nil).
+type nilRecordError struct{ careless }
+
+func (nilRecordError) HandleBatch(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
+	for i, r := range recs {
+		if string(r.Value) == "bad" {
+			return processor.RecordFailed(i, nil)
+		}
+		if err := insertEffect(ctx, tx, r); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// TestFrozenOwnerHoldsUpNoClaim: an owner frozen in the middle of its batches (its handler stuck,
+// its transactions open, cut off from Kafka) holds the offsets rows of the partitions it had.
+// The next owner's claim must not wait for Postgres's idle-in-transaction timeout (a minute here)
+// to end those transactions: it ends them itself, and every partition flows within seconds.
+func TestFrozenOwnerHoldsUpNoClaim(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 2)
+		items := ledger.Generate(ledger.GenConfig{Events: 40, Accounts: 10, Seed: 5, Prefix: "fz"})
+		g := newGate(t, 2)
+		net := testenv.NewNetFault()
+		cfgA := h.config(g)
+		cfgA.TxIdleTimeout = time.Minute
+		cfgA.SessionTimeout = 2 * time.Second
+		cfgA.ShutdownTimeout = 3 * time.Second
+		cfgA.KafkaOptions = append(cfgA.KafkaOptions, kgo.Dialer(net.Dial))
+		a := h.start(cfgA)
+		h.produce(items)
+		g.waitStalled(t, 2) // A's transactions on both partitions are open, waiting on its handler
+
+		net.Cut()
+		cut := time.Now()
+		b := h.start(h.config(ledger.Handler{}))
+		h.waitSettled(items, 1, 20*time.Second)
+		t.Logf("B applied everything %v after A was cut off (A's session: 2s; its transactions' idle timeout: 1m)", time.Since(cut).Round(time.Millisecond))
+		g.open()
+		net.Restore()
+		a.stop(t)
+		b.stop(t)
+		if got := a.counter("kafkapg_records_applied_total"); got != 0 {
+			t.Errorf("frozen A applied %v records", got)
+		}
+		h.verify(items, 1, false)
 	})
 }

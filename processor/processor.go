@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kadm"
@@ -565,12 +567,16 @@ func (p *Processor) claimAssigned(ctx context.Context, assigned map[string]map[i
 	var claims []offsets.Position
 	for failures := 1; ; failures++ {
 		var err error
-		claims, err = p.store.Claim(ctx, p.pool, owner, parts)
+		claims, err = p.claim(ctx, owner, parts)
 		if err == nil {
 			claims, err = p.resolveStarts(ctx, cl, assigned, claims)
 		}
 		if err == nil {
 			break
+		}
+		if errors.Is(err, errHeld) && p.endStaleHolders(ctx, parts) {
+			failures--
+			continue // at once: what held the rows is gone
 		}
 		if ctx.Err() != nil {
 			return nil, fmt.Errorf("claim assigned partitions: %w", ctx.Err())
@@ -605,6 +611,50 @@ func (p *Processor) claimAssigned(ctx context.Context, assigned map[string]map[i
 	p.metrics.assigned.Set(float64(len(p.workers)))
 	p.mu.Unlock()
 	return assigned, nil
+}
+
+// claimWait is how long a claim waits for the rows of its partitions before it looks for a frozen
+// previous owner's transaction that holds them (see endStaleHolders).
+const claimWait = time.Second
+
+// errHeld means a claim waited claimWait for rows another transaction holds.
+var errHeld = errors.New("the partitions' rows are held by another transaction")
+
+// claim claims parts in one transaction that waits at most claimWait for their rows.
+func (p *Processor) claim(ctx context.Context, owner string, parts []offsets.Partition) ([]offsets.Position, error) {
+	var claims []offsets.Position
+	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL lock_timeout = %d", claimWait.Milliseconds())); err != nil {
+			return err
+		}
+		var err error
+		claims, err = p.store.Claim(ctx, tx, owner, parts)
+		return err
+	})
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
+		return nil, fmt.Errorf("%w: %w", errHeld, err)
+	}
+	return claims, err
+}
+
+// endStaleHolders ends the transactions of a previous owner that hold parts' rows while waiting
+// for their client (a process that froze or lost its network mid-batch). Without it, such an owner
+// would hold up the claim of every partition assigned with its own until Postgres's
+// idle-in-transaction timeout (DB_TX_IDLE_TIMEOUT) ended it. It reports whether it ended any.
+func (p *Processor) endStaleHolders(ctx context.Context, parts []offsets.Partition) bool {
+	held, err := p.store.EndStaleHolders(ctx, p.pool, parts)
+	if err != nil {
+		p.log.Warn("cannot end the transactions that hold the assigned partitions' rows; waiting for them (DB_TX_IDLE_TIMEOUT bounds it)", "err", err)
+		return false
+	}
+	ended := false
+	for _, h := range held {
+		p.log.Warn("ended a stale transaction of a previous owner that held a partition's row (frozen or cut off mid-batch); its batch is rolled back and redone here",
+			"topic", h.Partition.Topic, "partition", h.Partition.Partition, "backend_pid", h.PID, "ended", h.Ended)
+		ended = ended || h.Ended
+	}
+	return ended
 }
 
 // resolveStarts gives the claimed partitions that have no position in Postgres yet one, and stores
