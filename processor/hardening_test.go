@@ -777,3 +777,69 @@ func TestFrozenOwnerHoldsUpNoClaim(t *testing.T) {
 		h.verify(items, 1, false)
 	})
 }
+
+// TestStuckKeysAreReportedAndReleased: a key held for a record that can no longer come back (here
+// the retry tiers were shortened while the record waited in one) shows up in kafkapg_stuck_keys,
+// and releasing it dead-letters that record as lost and lets the key's parked records through.
+func TestStuckKeysAreReportedAndReleased(t *testing.T) {
+	k := testenv.NewKfake(t)
+	h := carelessHarness(t, k, 1)
+	handler := careless{before: func(_ context.Context, _ pgx.Tx, rec *processor.Record) error {
+		if string(rec.Value) == "head" && rec.Attempt == 1 {
+			return errors.New("first delivery fails")
+		}
+		return nil
+	}}
+	cfg := h.config(handler)
+	cfg.RetryTiers = []time.Duration{time.Hour}
+	cfg.LocalAttempts = 1
+	r := h.start(cfg)
+	h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("K"), Value: []byte("head")})
+	testenv.Eventually(t, 30*time.Second, func() error {
+		if rows := h.retryPathRows(); !strings.HasPrefix(rows, "1 records in tiers") {
+			return fmt.Errorf("retry path: %q", rows)
+		}
+		return nil
+	})
+	r.stop(t)
+
+	// Redeployed without retry tiers: the record in tier 1 will never be delivered.
+	cfg = h.config(handler)
+	cfg.RetryTiers = []time.Duration{}
+	cfg.StallTimeout = time.Second
+	r = h.start(cfg)
+	h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("K"), Value: []byte("after")}, &kgo.Record{Topic: h.topic, Key: []byte("L"), Value: []byte("other")})
+	h.waitEffects([]string{"other"}, 30*time.Second)
+	testenv.Eventually(t, 30*time.Second, func() error {
+		if n := r.labeled("kafkapg_stuck_keys", "reason", "orphaned"); n != 1 {
+			return fmt.Errorf("kafkapg_stuck_keys{reason=orphaned} = %v, want 1", n)
+		}
+		return nil
+	})
+	scope := retrytopics.StuckScope{Older: time.Second, Tiers: 0, Topics: []string{h.topic}}
+	stuck, err := processor.StuckKeys(context.Background(), h.pool, "kafkapg", h.group, scope, 10)
+	if err != nil || len(stuck) != 1 || string(stuck[0].Key.Key) != "K" || stuck[0].Reason != retrytopics.StuckOrphaned || stuck[0].Head != 0 {
+		t.Fatalf("StuckKeys = %+v, %v; want key K, orphaned, waiting for offset 0", stuck, err)
+	}
+	if err := processor.ReleaseStuckKey(context.Background(), h.pool, "kafkapg", h.group, stuck[0], "tiers shortened; released by the test"); err != nil {
+		t.Fatal(err)
+	}
+	if err := processor.ReleaseStuckKey(context.Background(), h.pool, "kafkapg", h.group, stuck[0], "again"); !errors.Is(err, retrytopics.ErrNotStuck) {
+		t.Errorf("releasing it twice: %v, want ErrNotStuck", err)
+	}
+	h.waitEffects([]string{"other", "after"}, 30*time.Second)
+	h.waitRetryPathEmpty(30 * time.Second)
+	var class, msg string
+	if err := h.pool.QueryRow(context.Background(), `SELECT error_class, error_message FROM kafkapg.dead_letters WHERE "offset" = 0`).Scan(&class, &msg); err != nil {
+		t.Fatalf("the lost record's dead letter: %v", err)
+	}
+	if class != "lost" || !strings.Contains(msg, "released by the test") {
+		t.Errorf("dead letter %s: %q", class, msg)
+	}
+	testenv.Eventually(t, 30*time.Second, func() error {
+		if n := r.gauge("kafkapg_stuck_keys"); n != 0 {
+			return fmt.Errorf("%v keys still reported stuck", n)
+		}
+		return nil
+	})
+}

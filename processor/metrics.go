@@ -50,6 +50,7 @@ type metrics struct {
 	// Progress: partitions of this process that make none, and failures nobody should wait out.
 	stalled        *prometheus.GaugeVec
 	internalErrors prometheus.Counter
+	stuckKeys      *prometheus.GaugeVec
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -170,6 +171,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "stalled_partitions",
 			Help: "Partitions of this process that have had records to apply and committed nothing for STALL_TIMEOUT, by cause: infrastructure, error (kafkapg's own statements fail: a bug or a changed schema), breaker, handler.",
 		}, []string{"cause"}),
+		stuckKeys: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Name: "stuck_keys",
+			Help: "Held keys that have made no progress for STALL_TIMEOUT, by reason: orphaned (the record they wait for can no longer come back), overdue (it is long past due in its tier), undrained (ready, nothing applies their parked records); group-wide, from Postgres.",
+		}, []string{"reason"}),
 		internalErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "internal_errors_total",
 			Help: "Transactions of kafkapg's own that failed in a way waiting will not fix (a bug, or the database changed underneath), each logged as an error and retried.",
@@ -182,7 +187,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, c := range []prometheus.Collector{m.setAside, m.breakerOpen, m.breakerOpened, m.breakerHeld, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
 		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.parked, m.duplicates, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
-		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors} {
+		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors, m.stuckKeys} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -220,6 +225,9 @@ func (m *metrics) initLabels(topics []string, group string, tiers int) {
 	}
 	for _, c := range stallCauses {
 		m.stalled.WithLabelValues(c)
+	}
+	for _, r := range retrytopics.StuckReasons {
+		m.stuckKeys.WithLabelValues(r)
 	}
 }
 

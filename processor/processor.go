@@ -63,6 +63,8 @@ type Processor struct {
 	// lameDuck is set when shutdown begins: Ready fails from then on.
 	lameDuck atomic.Bool
 
+	lastStuck map[string]int // stuck keys by reason at the last refreshStats
+
 	// fail stops Run with an error: something that must not happen did (see worker.run).
 	failOnce sync.Once
 	failErr  error
@@ -158,6 +160,30 @@ func ReleaseBlockedKeys(ctx context.Context, db retrytopics.Execer, schemaName, 
 		schemaName = "kafkapg"
 	}
 	return retrytopics.NewStore(schemaName, group).Unblock(ctx, db, topic, partition, key)
+}
+
+// StuckKeys returns up to limit of group's held keys that have made no progress for
+// scope.Older (see retrytopics.StuckKey for the reasons), the longest stuck first; they are the
+// kafkapg_stuck_keys metric's. Pass the group's configuration as scope (its retry tiers and
+// source topics).
+func StuckKeys(ctx context.Context, db retrytopics.Querier, schemaName, group string, scope retrytopics.StuckScope, limit int) ([]retrytopics.StuckKey, error) {
+	if schemaName == "" {
+		schemaName = "kafkapg"
+	}
+	return retrytopics.NewStore(schemaName, group).StuckKeys(ctx, db, scope, limit)
+}
+
+// ReleaseStuckKey takes a stuck key out of its wait: the record it waits for, which can no longer
+// come back, is dead-lettered as lost (a dead_letters row with class lost and the note: its
+// coordinates and key, its value left in the source topic), and the key goes on with its parked
+// records. It returns retrytopics.ErrNotStuck if the key moved on since it was found.
+func ReleaseStuckKey(ctx context.Context, db schema.Beginner, schemaName, group string, k retrytopics.StuckKey, note string) error {
+	if schemaName == "" {
+		schemaName = "kafkapg"
+	}
+	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		return retrytopics.NewStore(schemaName, group).ReleaseStuck(ctx, tx, k, note)
+	})
 }
 
 // Run consumes and applies records until ctx is done, then shuts down: it stops fetching,
@@ -495,10 +521,12 @@ func (p *Processor) refreshStats(ctx context.Context) {
 	for {
 		qctx, cancel := context.WithTimeout(ctx, statsInterval)
 		st, err := p.retry.Stats(qctx, p.pool)
-		cancel()
 		if err == nil {
 			p.metrics.setRetryStats(st, len(p.cfg.RetryTiers))
-		} else if ctx.Err() == nil {
+			err = p.refreshStuck(qctx)
+		}
+		cancel()
+		if err != nil && ctx.Err() == nil {
 			p.log.Debug("cannot read retry path stats", "err", err)
 		}
 		if cl := p.client.Load(); cl != nil {
@@ -516,6 +544,30 @@ func (p *Processor) refreshStats(ctx context.Context) {
 		case <-tick.C:
 		}
 	}
+}
+
+// stuckScope is what counts as a stuck key for this processor.
+func (p *Processor) stuckScope() retrytopics.StuckScope {
+	return retrytopics.StuckScope{Older: p.cfg.StallTimeout, Tiers: len(p.cfg.RetryTiers), Topics: p.cfg.Topics}
+}
+
+// refreshStuck publishes kafkapg_stuck_keys and logs when the number of stuck keys changes.
+func (p *Processor) refreshStuck(ctx context.Context) error {
+	counts, err := p.retry.StuckCounts(ctx, p.pool, p.stuckScope())
+	if err != nil {
+		return err
+	}
+	changed := false
+	for _, r := range retrytopics.StuckReasons {
+		changed = changed || counts[r] != p.lastStuck[r]
+		p.metrics.stuckKeys.WithLabelValues(r).Set(float64(counts[r]))
+	}
+	if changed && len(counts) > 0 {
+		p.log.Warn("held keys have made no progress for STALL_TIMEOUT (kafkapg_stuck_keys); see processor.StuckKeys",
+			"orphaned", counts[retrytopics.StuckOrphaned], "overdue", counts[retrytopics.StuckOverdue], "undrained", counts[retrytopics.StuckUndrained])
+	}
+	p.lastStuck = counts
+	return nil
 }
 
 // poll fetches records and hands them to the partition workers until ctx is done.
