@@ -64,6 +64,7 @@ type Processor struct {
 	lameDuck atomic.Bool
 
 	lastStuck map[string]int // stuck keys by reason at the last refreshStats
+	signalled atomic.Int64   // when Run's context ended, in Unix nanoseconds (the shutdown bound counts from it)
 
 	// fail stops Run with an error: something that must not happen did (see worker.run).
 	failOnce sync.Once
@@ -242,13 +243,18 @@ func (p *Processor) Run(ctx context.Context) error {
 	cl.AddConsumeTopics(topics...)
 	p.log.Info("processor started", "topics", p.cfg.Topics, "retry_tiers", fmt.Sprint(p.cfg.RetryTiers),
 		"on_dead_letter", p.cfg.OnDeadLetter, "instance", p.cfg.InstanceName)
+	context.AfterFunc(ctx, func() { p.signalled.Store(time.Now().UnixNano()) })
 	pollCtx, stopPoll := context.WithCancel(ctx)
 	p.mu.Lock()
 	p.stopPoll = stopPoll
 	p.mu.Unlock()
 	p.poll(pollCtx, cl)
 	stopPoll()
-	p.shutdown(ctx, cl, relay, stopRelay, relayDone)
+	var signalled time.Time
+	if ns := p.signalled.Load(); ns != 0 {
+		signalled = time.Unix(0, ns)
+	}
+	p.shutdown(ctx, signalled, cl, relay, stopRelay, relayDone)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.failErr
@@ -268,10 +274,15 @@ func (p *Processor) fail(err error) {
 	})
 }
 
-func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Relay, stopRelay func(), relayDone <-chan struct{}) {
+func (p *Processor) shutdown(ctx context.Context, signalled time.Time, cl *kgo.Client, relay *sink.Relay, stopRelay func(), relayDone <-chan struct{}) {
 	begun := time.Now()
 	p.lameDuck.Store(true) // not ready first, then drain
-	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.ShutdownTimeout)
+	// The bound counts from the signal: the poll loop may have taken a moment to notice it (a
+	// rebalance callback in progress holds the poll).
+	if signalled.IsZero() || signalled.After(begun) {
+		signalled = begun
+	}
+	sctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), signalled.Add(p.cfg.ShutdownTimeout))
 	defer cancel()
 	p.log.Info("shutting down", "timeout", p.cfg.ShutdownTimeout)
 

@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
@@ -152,4 +154,77 @@ func TestShutdownIsLameDuckFirst(t *testing.T) {
 	}
 	g.open()
 	<-r.done
+}
+
+// TestShutdownIsBoundedWhateverIsStuck stops a processor while everything that can hold up a
+// shutdown does: a handler ignores its context, and the outbox relay is in the middle of
+// publishing a dead letter to a broker it cannot reach (its network is cut). Run must still
+// return within SHUTDOWN_TIMEOUT (plus a little): what is left over is the next owner's.
+func TestShutdownIsBoundedWhateverIsStuck(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 2)
+		stuck, poison := make(chan struct{}), make(chan struct{})
+		var once sync.Once
+		t.Cleanup(func() { once.Do(func() { close(stuck) }) })
+		entered := make(chan string, 2)
+		handler := processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			switch string(rec.Value) {
+			case "ignores its context":
+				entered <- "stuck"
+				<-stuck
+			case "poison, later":
+				entered <- "poison"
+				<-poison
+				return processor.Permanent(errors.New("poison"))
+			}
+			return nil
+		})
+		net := testenv.NewNetFault()
+		cfg := h.config(handler)
+		cfg.ShutdownTimeout = 4 * time.Second
+		cfg.KafkaOptions = append(slices.Clone(cfg.KafkaOptions), kgo.Dialer(net.Dial))
+		r := h.start(cfg)
+		manual := k.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner()))
+		if err := manual.ProduceSync(context.Background(),
+			&kgo.Record{Topic: h.topic, Partition: 0, Value: []byte("ignores its context")},
+			&kgo.Record{Topic: h.topic, Partition: 1, Value: []byte("poison, later")}).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+		for range 2 {
+			select {
+			case <-entered:
+			case <-time.After(30 * time.Second):
+				t.Fatal("the handlers were not called")
+			}
+		}
+		net.Cut()
+		close(poison) // dead-lettered now: the relay publishes to a broker it cannot reach
+		testenv.Eventually(t, 10*time.Second, func() error {
+			var n int
+			if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.dead_letters`).Scan(&n); err != nil || n != 1 {
+				return fmt.Errorf("%d dead letters (%v)", n, err)
+			}
+			return nil
+		})
+		time.Sleep(500 * time.Millisecond) // the relay is in its produce
+
+		began := time.Now()
+		r.cancel()
+		select {
+		case <-r.done:
+		case <-time.After(30 * time.Second):
+			t.Fatal("Run did not return within 30 s")
+		}
+		took := time.Since(began)
+		t.Logf("stopped %v after the signal (SHUTDOWN_TIMEOUT %v)", took.Round(time.Millisecond), cfg.ShutdownTimeout)
+		if took > cfg.ShutdownTimeout+500*time.Millisecond {
+			t.Errorf("the shutdown took %v, more than SHUTDOWN_TIMEOUT (%v)", took, cfg.ShutdownTimeout)
+		}
+		var outbox int
+		if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.outbox`).Scan(&outbox); err != nil || outbox != 1 {
+			t.Errorf("%d outbox rows after the shutdown (%v); the dead letter's row must be left for the next processor", outbox, err)
+		}
+		net.Restore()
+	})
 }
