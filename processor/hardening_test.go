@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"net/url"
 	"slices"
 	"strings"
 	"sync"
@@ -13,6 +14,8 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
@@ -842,4 +845,57 @@ func TestStuckKeysAreReportedAndReleased(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestConnectionDropUnderTheHandlerIsRetriedInPlace: Postgres's connection dropping while a
+// handler runs a statement is the infrastructure's failure, not the record's, even when Postgres
+// answers again at once: the transaction is retried in place, the record keeps its attempt and
+// no failure is counted against it. (Only a context of the handler's own closing the connection
+// makes it the record's failure.)
+func TestConnectionDropUnderTheHandlerIsRetriedInPlace(t *testing.T) {
+	k := testenv.NewKfake(t)
+	h := carelessHarness(t, k, 1)
+	u, err := url.Parse(h.dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := testenv.NewProxy(t, u.Host)
+	u.Host = proxy.Addr()
+	proxied, err := pgxpool.New(context.Background(), u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(proxied.Close)
+	var once sync.Once
+	sleeping := make(chan struct{})
+	cfg := h.config(careless{before: func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+		first := false
+		once.Do(func() { first = true })
+		if !first {
+			return nil
+		}
+		close(sleeping)
+		_, err := tx.Exec(ctx, `SELECT pg_sleep(2)`) // the connection drops meanwhile
+		return err
+	}})
+	cfg.RetryTiers = []time.Duration{100 * time.Millisecond}
+	p, err := processor.New(proxied, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := cfg.Registerer.(*prometheus.Registry)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	h.k.Produce(t, &kgo.Record{Topic: h.topic, Value: []byte("x")})
+	<-sleeping
+	time.Sleep(200 * time.Millisecond)
+	proxy.Drop()
+	at := h.waitEffects([]string{"x"}, 30*time.Second)
+	r := &running{reg: reg}
+	if at["x"] != 1 || r.counter("kafkapg_record_failures_total") != 0 || r.counter("kafkapg_infrastructure_retries_total") == 0 {
+		t.Errorf("applied at attempt %d with %v record failures and %v retries in place; want attempt 1, no failure, retried in place",
+			at["x"], r.counter("kafkapg_record_failures_total"), r.counter("kafkapg_infrastructure_retries_total"))
+	}
 }

@@ -497,15 +497,23 @@ type failure struct {
 
 // failedRecord returns the index of the record a handler error names (RecordFailed) among n
 // records, and the record's own error; -1 and err if it names none.
+//
+// The record's error keeps what sink.Apply found about the whole transaction: that the handler's
+// own context closed its connection (sink.ErrConnClosedByHandler wraps the batch's error, not the
+// record's), so that the record is classified the same wherever it is.
 func failedRecord(err error, n int) (int, error) {
 	var rerr *RecordError
-	if errors.As(err, &rerr) && rerr.Index >= 0 && rerr.Index < n {
-		if rerr.Err == nil {
-			return rerr.Index, errNilRecordError
-		}
-		return rerr.Index, rerr.Err
+	if !errors.As(err, &rerr) || rerr.Index < 0 || rerr.Index >= n {
+		return -1, err
 	}
-	return -1, err
+	cause := rerr.Err
+	if cause == nil {
+		cause = errNilRecordError
+	}
+	if errors.Is(err, sink.ErrConnClosedByHandler) && !errors.Is(cause, sink.ErrConnClosedByHandler) {
+		cause = fmt.Errorf("%w: %w", sink.ErrConnClosedByHandler, cause)
+	}
+	return rerr.Index, cause
 }
 
 // errNilRecordError is the cause of a record a batch handler named with RecordFailed(i, nil).
@@ -524,6 +532,13 @@ func (p *Processor) retryAlone(ctx context.Context, stopping <-chan struct{}, pr
 	for tries := 1; ; tries++ {
 		_, cause = failedRecord(cause, 1)
 		class := p.classify(cause)
+		if class == ClassInfrastructure {
+			// inPlace retries those in place: one here means two classifications of the same
+			// failure disagreed (a bug). Never dead-letter it for a dependency's fault.
+			p.log.Error("a record's failure is classified infrastructure outside a retry in place (a bug); it is treated as retryable", "err", cause)
+			p.metrics.internalErrors.Inc()
+			class = ClassRetryable
+		}
 		p.metrics.failures.WithLabelValues(topic, class.String()).Inc()
 		if probing {
 			p.breaker.probed(class != ClassRetryable)
@@ -676,17 +691,15 @@ func (p *Processor) handle(ctx context.Context, tx pgx.Tx, recs []*Record) error
 	return nil
 }
 
-// errConnClosed is a handler's nil return from a transaction whose connection closed under it;
-// sink.Apply tells whether Postgres or the handler's own context closed it.
-var errConnClosed = errors.New("the transaction's connection closed during the handler")
-
-// usable returns err, the handler's return, or if it is nil, why tx cannot go on.
+// usable returns err, the handler's return, or, if it is nil, why tx cannot go on: the handler's
+// connection closed under it (sink.Apply then tells whether Postgres or the handler's own context
+// closed it), or one of its statements failed and aborted the transaction.
 func usable(tx pgx.Tx, err error) error {
 	switch {
 	case err != nil:
 		return err
 	case tx.Conn().IsClosed():
-		return errConnClosed
+		return sink.ErrNilOnClosedConn
 	case tx.Conn().PgConn().TxStatus() == 'E':
 		return sink.ErrTxAborted
 	}

@@ -68,11 +68,16 @@ var ErrTxAborted = errors.New("a statement failed but the handler returned nil: 
 	"(to carry on after an expected error, run the statement in a savepoint (tx.Begin) or use ON CONFLICT)")
 
 // ErrConnClosedByHandler is the error of an apply function during which the connection closed
-// while Postgres stayed up: a statement the handler ran under a context of its own (a timeout)
-// was interrupted, and pgx closes the connection when that happens. It is the record's failure,
-// returned inside a HandlerError.
+// while Postgres stayed up because of the handler itself: a statement it ran under a context of
+// its own (a timeout) was interrupted, and pgx closes the connection when that happens. It is the
+// record's failure, returned inside a HandlerError.
 var ErrConnClosedByHandler = errors.New("the transaction's connection was closed during the handler while postgres stayed up " +
 	"(a statement interrupted by a context of the handler's own, such as a timeout)")
+
+// ErrNilOnClosedConn is what an apply function returns when the function it ran (a handler)
+// returned nil although the transaction's connection had closed under it: it dropped the error
+// that closed it. Apply judges it as it judges a context error of the handler's own.
+var ErrNilOnClosedConn = errors.New("the handler returned nil, but the transaction's connection closed under it")
 
 // Sink applies batches transactionally for one consumer group.
 type Sink struct {
@@ -210,18 +215,17 @@ func (s *Sink) applied(ctx context.Context, tx pgx.Tx, err error) error {
 		// idle-in-transaction timeout): classification judges it.
 		return &HandlerError{Err: err}
 	}
-	// The connection is gone. If Postgres answers a fresh connection and the transaction's own
-	// context is not done, nothing outside the handler broke it: pgx closes the connection when
-	// a statement is interrupted by its context, so a timeout the handler set itself (or a
-	// context it cancelled) did. Retrying that in place would fail the same way for ever.
-	if ctx.Err() == nil && s.answers(ctx) {
-		if err != nil {
-			return &HandlerError{Err: fmt.Errorf("%w: %w", ErrConnClosedByHandler, err)}
-		}
-		return &HandlerError{Err: ErrConnClosedByHandler}
+	// The connection is gone. A context of the handler's own that ended (a timeout it set) closes
+	// it, and so does an error the handler dropped; if then the transaction's own context is fine
+	// and Postgres answers a fresh connection, nothing outside the handler broke it, and retrying
+	// in place would fail the same way for ever: it is the record's failure. Anything else (the
+	// connection reset, Postgres gone) is Postgres's.
+	own := errors.Is(err, ErrNilOnClosedConn) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)
+	if own && ctx.Err() == nil && s.answers(ctx) {
+		return &HandlerError{Err: fmt.Errorf("%w: %w", ErrConnClosedByHandler, err)}
 	}
 	if err == nil {
-		err = errors.New("the handler returned nil")
+		err = errors.New("the apply function returned nil")
 	}
 	return fmt.Errorf("%w: %w", ErrConnLost, err)
 }
