@@ -38,6 +38,9 @@
 //     applied at most once, and because A committed offset and effects together, at least once.
 //   - Taking the row lock at the start of the transaction (Advance is its first statement) makes
 //     the two owners serialize there, before any handler work is wasted.
+//   - If A froze with its transaction open (its process stopped, its network gone), B's claim
+//     would wait for Postgres's idle-in-transaction timeout to end it. EndStaleHolders ends it
+//     sooner: A's transaction rolls back, which is the second case above.
 //
 // The expected-offset condition adds a second check that does not depend on tokens: a transaction
 // can only move the offset forward from the position its worker believes is stored. It also

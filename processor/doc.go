@@ -27,7 +27,14 @@
 //     are applied in order once it is applied or dead-lettered (Config.OnDeadLetter). Records of
 //     other keys, and records without a key, are not held.
 //   - Infrastructure failures (Postgres unreachable, serialization failures) never dead-letter a
-//     record: the partition retries in place and resumes where it was.
+//     record: the partition retries in place and resumes where it was. A failure that waiting
+//     will not fix is never retried in place silently: a handler's is the record's (it moves
+//     on), kafkapg's own is logged as an error and counted; a partition or key that makes no
+//     progress shows in kafkapg_stalled_partitions or kafkapg_stuck_keys with the cause.
+//   - Only committed records are applied (read_committed: an aborted Kafka transaction's records
+//     never are), whatever bytes they carry.
+//   - Memory stays within Config.MaxBufferedBytes for fetched records, across all partitions,
+//     whatever the backlog.
 //
 // # What it does not guarantee
 //

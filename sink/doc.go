@@ -12,7 +12,13 @@
 //   - Every outbox row is published to Kafka at least once by a Relay and deleted only after the
 //     broker acknowledged it. A process that dies between the acknowledgement and the delete leaves
 //     the row, which is published again: a dead letter may appear twice in the DLQ topic, never
-//     zero times.
+//     zero times. Each row's produce result counts on its own: one row Kafka refuses for good
+//     (too large, invalid) never holds up the others; it goes back to its writer
+//     (RelayConfig.Refused) or is set aside in the outbox (refused_at) for an operator.
+//   - A handler's failure and Postgres's are told apart: a failed statement the handler swallowed
+//     (ErrTxAborted) and a connection the handler's own context closed while Postgres stays up
+//     (ErrConnClosedByHandler) come back as a HandlerError; a connection lost otherwise as
+//     ErrConnLost.
 //
 // # What it does not guarantee
 //
