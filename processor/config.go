@@ -118,7 +118,7 @@ type Config struct {
 	// SessionTimeout is the Kafka group session timeout: how long a silent member keeps its
 	// partitions. Under the consumer protocol it is the group's, kept by the broker: the
 	// processor asks the broker to set it (and a heartbeat interval of a third of it, at most
-	// 1s) for the group, and logs a warning if the broker refuses (its limits, missing
+	// 500ms) for the group, and logs a warning if the broker refuses (its limits, missing
 	// permission), in which case the broker's own apply. Defaults to 45s. [KAFKA_SESSION_TIMEOUT]
 	SessionTimeout time.Duration
 	// RebalanceTimeout is how long the group waits for members to rejoin during a rebalance.

@@ -428,9 +428,10 @@ func deadlineOf(ctx context.Context) time.Time {
 }
 
 // heartbeatInterval is how often members heartbeat: how soon they learn that the group changed
-// (a member died, partitions moved).
+// (a member died, partitions moved), which adds to a dead member's session timeout before its
+// partitions flow elsewhere.
 func (p *Processor) heartbeatInterval() time.Duration {
-	return min(time.Second, p.cfg.SessionTimeout/3)
+	return min(500*time.Millisecond, p.cfg.SessionTimeout/3)
 }
 
 func (p *Processor) newClient() (*kgo.Client, error) {

@@ -84,8 +84,8 @@ func run(ctx context.Context, args []string, stderr io.Writer, ready chan<- stri
 		}),
 		kfake.GroupMinSessionTimeout(100 * time.Millisecond), // lets tests use short sessions
 		// Consumer-protocol members get the broker's heartbeat interval even when their group sets
-		// its own (a kfake gap; Kafka uses the group's): 1s suits sessions down to a few seconds.
-		kfake.BrokerConfigs(map[string]string{"group.consumer.heartbeat.interval.ms": "1000"}),
+		// its own (a kfake gap; Kafka uses the group's): kafkapg's own interval, 500ms.
+		kfake.BrokerConfigs(map[string]string{"group.consumer.heartbeat.interval.ms": "500"}),
 	}
 	if *autoCreate {
 		opts = append(opts, kfake.AllowAutoTopicCreation())
