@@ -35,6 +35,7 @@ type Record struct {
 	ordered     bool      // its key orders it: a non-null key, from a source topic
 	foreign     bool      // read from a retry tier without valid kafkapg headers: no origin to retry
 	notOurs     bool      // read from a retry tier, but another group's or source topic's record: skipped
+	control     bool      // a Kafka transaction marker: skipped, the offset moves past it
 	firstFailed time.Time // zero until its first failure
 }
 

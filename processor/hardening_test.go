@@ -16,10 +16,12 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/offsets"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -490,12 +492,15 @@ func TestSwallowedStatementErrorIsTheRecordsFailure(t *testing.T) {
 }
 
 // TestAbortedTransactionsAreNotApplied: records of a producer's aborted Kafka transaction never
-// happened; only committed ones (and non-transactional ones) are applied.
+// happened; only committed ones (and non-transactional ones) are applied. The stored position
+// moves past the transactions' markers too: a partition whose last write was a transaction is
+// caught up, with no lag left over.
 func TestAbortedTransactionsAreNotApplied(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := carelessHarness(t, k, 1)
-		h.start(h.config(careless{}))
+		r := h.start(h.config(careless{}))
+		h.k.Produce(t, &kgo.Record{Topic: h.topic, Value: []byte("plain")})
 		txcl := k.Client(t, kgo.TransactionalID("tx-"+h.group), kgo.DefaultProduceTopic(h.topic))
 		ctx := context.Background()
 		for _, end := range []kgo.TransactionEndTry{kgo.TryAbort, kgo.TryCommit} {
@@ -513,13 +518,30 @@ func TestAbortedTransactionsAreNotApplied(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		h.k.Produce(t, &kgo.Record{Topic: h.topic, Value: []byte("plain")})
 		h.waitEffects([]string{"committed", "plain"}, 30*time.Second)
 		for _, e := range h.effects() {
 			if e.value == "aborted" {
 				t.Error("a record of an aborted transaction was applied")
 			}
 		}
+		ends, err := kadm.NewClient(k.Client(t)).ListEndOffsets(ctx, h.topic)
+		if err != nil {
+			t.Fatal(err)
+		}
+		end, _ := ends.Lookup(h.topic, 0)
+		testenv.Eventually(t, 30*time.Second, func() error {
+			pos, err := offsets.NewStore("kafkapg", h.group).Load(ctx, h.pool, offsets.Partition{Topic: h.topic, Partition: 0})
+			if err != nil {
+				return err
+			}
+			if pos.Next != end.Offset {
+				return fmt.Errorf("stored position %d, end of the partition %d: the last transaction's marker is not passed", pos.Next, end.Offset)
+			}
+			if lag := r.gauge("kafkapg_consumer_lag_records"); lag != 0 {
+				return fmt.Errorf("lag %v", lag)
+			}
+			return nil
+		})
 	})
 }
 

@@ -449,8 +449,10 @@ func (p *Processor) newClient() (*kgo.Client, error) {
 		kgo.RebalanceTimeout(p.cfg.RebalanceTimeout),
 		kgo.HeartbeatInterval(p.heartbeatInterval()),
 		kgo.BlockRebalanceOnPoll(),
-		// Records of aborted Kafka transactions never happened.
+		// Records of aborted Kafka transactions never happened. Their markers are fetched, so the
+		// stored position can move past them (see worker.records).
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
+		kgo.KeepControlRecords(),
 		// A partition resumed after a pause joins the next fetch to its broker, which starts
 		// when the one in flight returns; with nothing else to fetch that takes FetchMaxWait.
 		kgo.FetchMaxWait(500 * time.Millisecond),

@@ -78,7 +78,7 @@ func dueAt(r *kgo.Record) time.Time {
 func (w *worker) admitRetries(ctx context.Context, tx pgx.Tx, recs []*Record, out *outcome) (live []*Record, index []int, err error) {
 	var origins []retrytopics.Origin
 	for _, r := range recs {
-		if r.stage == retrytopics.FromTier && !r.notOurs {
+		if r.stage == retrytopics.FromTier && !r.notOurs && !r.control {
 			origins = append(origins, r.origin())
 		}
 	}
@@ -90,7 +90,7 @@ func (w *worker) admitRetries(ctx context.Context, tx pgx.Tx, recs []*Record, ou
 	}
 	taken := map[retrytopics.Origin]bool{}
 	for i, r := range recs {
-		if r.notOurs {
+		if r.notOurs || r.control {
 			continue
 		}
 		if r.stage == retrytopics.FromTier {

@@ -311,6 +311,14 @@ func (w *worker) records(batch []*kgo.Record) []*Record {
 		if w.pos.Known && r.Offset < w.pos.Next {
 			continue
 		}
+		if r.Attrs.IsControl() {
+			// A Kafka transaction's commit or abort marker. Fetched (KeepControlRecords) so that
+			// the stored position moves past it: otherwise a partition whose last write was a
+			// transaction would show a lag of one for ever.
+			out = append(out, &Record{Topic: r.Topic, Partition: r.Partition, Offset: r.Offset, consumed: r.Offset,
+				leaderEpoch: r.LeaderEpoch, control: true})
+			continue
+		}
 		rec := &Record{
 			Topic:       r.Topic,
 			Partition:   r.Partition,
@@ -430,20 +438,27 @@ func (w *worker) admit(ctx context.Context, tx pgx.Tx, recs []*Record, out *outc
 		return w.admitRetries(ctx, tx, recs, out)
 	}
 	var keys [][]byte
+	control := false
 	for _, r := range recs {
+		control = control || r.control
 		if _, ok := w.held[string(r.Key)]; ok && r.ordered {
 			keys = append(keys, r.Key)
 		}
 	}
-	if len(keys) == 0 {
+	if len(keys) == 0 && !control {
 		return recs, nil, nil
 	}
-	held, err := w.p.retry.LockHeldKeys(ctx, tx, w.tp.Topic, w.tp.Partition, keys)
-	if err != nil {
-		return nil, nil, err
+	var held map[string]bool
+	if len(keys) > 0 {
+		if held, err = w.p.retry.LockHeldKeys(ctx, tx, w.tp.Topic, w.tp.Partition, keys); err != nil {
+			return nil, nil, err
+		}
 	}
 	var park []retrytopics.Rec
 	for i, r := range recs {
+		if r.control {
+			continue // a transaction marker: the offset moves past it, nothing to apply
+		}
 		if r.ordered && held[string(r.Key)] {
 			park = append(park, r.rec())
 			continue
