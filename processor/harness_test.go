@@ -118,7 +118,14 @@ func (r *running) gauge(name string) float64 { return r.sum(name) }
 // observations returns the number of observations of a histogram metric.
 func (r *running) observations(name string) float64 { return r.sum(name) }
 
-func (r *running) sum(name string) float64 {
+func (r *running) sum(name string) float64 { return r.sumWhere(name, "", "") }
+
+// labeled returns the sum of the series of metric name whose label has the given value.
+func (r *running) labeled(name, label, value string) float64 { return r.sumWhere(name, label, value) }
+
+// sumWhere sums the series of metric name (a histogram's sample counts), those whose label has
+// the given value if label is not empty.
+func (r *running) sumWhere(name, label, value string) float64 {
 	mfs, err := r.reg.Gather()
 	if err != nil {
 		panic(err)
@@ -129,7 +136,13 @@ func (r *running) sum(name string) float64 {
 			continue
 		}
 		for _, m := range mf.GetMetric() {
-			total += m.GetCounter().GetValue() + m.GetGauge().GetValue() + float64(m.GetHistogram().GetSampleCount())
+			match := label == ""
+			for _, lp := range m.GetLabel() {
+				match = match || (lp.GetName() == label && lp.GetValue() == value)
+			}
+			if match {
+				total += m.GetCounter().GetValue() + m.GetGauge().GetValue() + float64(m.GetHistogram().GetSampleCount())
+			}
 		}
 	}
 	return total
@@ -181,21 +194,30 @@ func (h *harness) waitSettled(items []ledger.Item, maxAttempt int, timeout time.
 		if got := h.applied(); got < wantApplied {
 			return fmt.Errorf("%d of %d events applied", got, wantApplied)
 		}
-		var outbox int
-		if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.outbox`).Scan(&outbox); err != nil {
+		if err := h.inFlight(); err != nil {
 			return err
-		}
-		if outbox > 0 {
-			return fmt.Errorf("%d outbox rows not yet published", outbox)
-		}
-		if n := h.retryPathRows(); n != "" {
-			return fmt.Errorf("retry path not empty: %s", n)
 		}
 		if got := len(h.k.ReadAll(h.t, h.dlq())); got < wantDead {
 			return fmt.Errorf("%d of %d dead letters published", got, wantDead)
 		}
 		return nil
 	})
+}
+
+// inFlight returns an error describing what is left in the outbox and the retry path, nil if
+// nothing is.
+func (h *harness) inFlight() error {
+	var outbox int
+	if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.outbox`).Scan(&outbox); err != nil {
+		return err
+	}
+	if outbox > 0 {
+		return fmt.Errorf("%d outbox rows not yet published", outbox)
+	}
+	if n := h.retryPathRows(); n != "" {
+		return fmt.Errorf("retry path not empty: %s", n)
+	}
+	return nil
 }
 
 // retryPathRows describes what is left in the retry path's tables ("" if nothing).
@@ -265,26 +287,4 @@ func (w testWriter) Write(p []byte) (int, error) {
 	defer func() { recover() }() // a log line after the test ended
 	w.t.Log(strings.TrimSuffix(string(p), "\n"))
 	return len(p), nil
-}
-
-// labeled returns the sum of the series of metric name whose label has the given value.
-func (r *running) labeled(name, label, value string) float64 {
-	mfs, err := r.reg.Gather()
-	if err != nil {
-		panic(err)
-	}
-	total := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			for _, lp := range m.GetLabel() {
-				if lp.GetName() == label && lp.GetValue() == value {
-					total += m.GetCounter().GetValue() + m.GetGauge().GetValue()
-				}
-			}
-		}
-	}
-	return total
 }

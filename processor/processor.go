@@ -287,7 +287,7 @@ func (p *Processor) shutdown(ctx context.Context, signalled time.Time, cl *kgo.C
 	p.log.Info("shutting down", "timeout", p.cfg.ShutdownTimeout)
 
 	// Stop the workers first: nothing new is applied from here on.
-	drain := min(p.cfg.DrainTimeout, p.cfg.ShutdownTimeout/2)
+	drain := min(p.cfg.DrainTimeout, max(time.Until(deadlineOf(sctx))/2, 0))
 	p.stopWorkers(append(stoppers(p.removeWorkers(nil)), p.drainer), drain)
 
 	// Publish what the last transactions put in the outbox, if time allows; anything left is
