@@ -27,45 +27,62 @@ func cost(r *kgo.Record) int64 {
 	return int64(n)
 }
 
-// detach returns a copy of a fetched record that shares no memory with franz-go's buffers.
+// detachChunk is how many records detach allocates together: few allocations per record, and
+// little memory kept alive by a chunk whose first records are applied and its last are not.
+const detachChunk = 64
+
+// detach returns copies of fetched records that share no memory with franz-go's buffers.
 //
 // franz-go decodes a fetch into slabs: one array of Records per partition's fetch, keys and values
 // pointing into one decompressed buffer per batch (or into the raw response). A record kept in a
 // queue keeps all of those alive, its applied neighbours included: with a deep backlog on many
-// partitions that was most of the heap, and nothing the budget could count. A detached record
-// costs what cost says, and franz-go's buffers are freed as soon as a poll has handed them out.
-func detach(r *kgo.Record) *kgo.Record {
-	n := len(r.Key) + len(r.Value)
-	for _, h := range r.Headers {
-		n += len(h.Value)
-	}
-	buf := make([]byte, 0, n)
-	clone := func(b []byte) []byte {
-		if b == nil {
-			return nil // a null key or value stays null
+// partitions that was most of the heap, and nothing the budget could count. Detached records cost
+// what cost says (within one chunk), and franz-go's buffers are freed as soon as a poll has handed
+// them out.
+func detach(fetched []*kgo.Record) []*kgo.Record {
+	out := make([]*kgo.Record, len(fetched))
+	for start := 0; start < len(fetched); start += detachChunk {
+		chunk := fetched[start:min(start+detachChunk, len(fetched))]
+		n := 0
+		for _, r := range chunk {
+			n += len(r.Key) + len(r.Value)
+			for _, h := range r.Headers {
+				n += len(h.Value)
+			}
 		}
-		buf = append(buf, b...)
-		return buf[len(buf)-len(b) : len(buf) : len(buf)]
-	}
-	d := &kgo.Record{
-		Key:           clone(r.Key),
-		Value:         clone(r.Value),
-		Timestamp:     r.Timestamp,
-		Topic:         r.Topic,
-		Partition:     r.Partition,
-		Attrs:         r.Attrs,
-		ProducerEpoch: r.ProducerEpoch,
-		ProducerID:    r.ProducerID,
-		LeaderEpoch:   r.LeaderEpoch,
-		Offset:        r.Offset,
-	}
-	if len(r.Headers) > 0 {
-		d.Headers = make([]kgo.RecordHeader, len(r.Headers))
-		for i, h := range r.Headers {
-			d.Headers[i] = kgo.RecordHeader{Key: strings.Clone(h.Key), Value: clone(h.Value)}
+		structs := make([]kgo.Record, len(chunk))
+		buf := make([]byte, 0, n)
+		clone := func(b []byte) []byte {
+			if b == nil {
+				return nil // a null key or value stays null
+			}
+			buf = append(buf, b...)
+			return buf[len(buf)-len(b) : len(buf) : len(buf)]
+		}
+		for i, r := range chunk {
+			d := &structs[i]
+			*d = kgo.Record{
+				Key:           clone(r.Key),
+				Value:         clone(r.Value),
+				Timestamp:     r.Timestamp,
+				Topic:         r.Topic,
+				Partition:     r.Partition,
+				Attrs:         r.Attrs,
+				ProducerEpoch: r.ProducerEpoch,
+				ProducerID:    r.ProducerID,
+				LeaderEpoch:   r.LeaderEpoch,
+				Offset:        r.Offset,
+			}
+			if len(r.Headers) > 0 {
+				d.Headers = make([]kgo.RecordHeader, len(r.Headers))
+				for j, h := range r.Headers {
+					d.Headers[j] = kgo.RecordHeader{Key: strings.Clone(h.Key), Value: clone(h.Value)}
+				}
+			}
+			out[start+i] = d
 		}
 	}
-	return d
+	return out
 }
 
 // costOf is the cost of recs.

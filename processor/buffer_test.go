@@ -2,6 +2,7 @@ package processor
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -15,7 +16,7 @@ func TestDetach(t *testing.T) {
 	fetch := []byte("keyvalue\x00hv")
 	r := &kgo.Record{Topic: "t", Partition: 3, Offset: 42, LeaderEpoch: 7, Timestamp: time.UnixMilli(123),
 		Key: fetch[0:3], Value: fetch[3:8], Headers: []kgo.RecordHeader{{Key: "h\xff", Value: fetch[8:11]}, {Key: "n"}}}
-	d := detach(r)
+	d := detach([]*kgo.Record{r})[0]
 	if string(d.Key) != "key" || string(d.Value) != "value" || d.Offset != 42 || d.LeaderEpoch != 7 || d.Partition != 3 || d.Topic != "t" ||
 		!d.Timestamp.Equal(r.Timestamp) || len(d.Headers) != 2 || d.Headers[0].Key != "h\xff" || string(d.Headers[0].Value) != "\x00hv" ||
 		d.Headers[1].Value != nil {
@@ -30,7 +31,16 @@ func TestDetach(t *testing.T) {
 	if d.Key = append(d.Key, '!'); string(d.Value) != "value" {
 		t.Errorf("appending to the key overwrote the value: %q", d.Value)
 	}
-	null := detach(&kgo.Record{Key: nil, Value: []byte{}})
+	var many []*kgo.Record
+	for i := range 200 { // several chunks
+		many = append(many, &kgo.Record{Offset: int64(i), Value: []byte(fmt.Sprint(i))})
+	}
+	for i, d := range detach(many) {
+		if d.Offset != int64(i) || string(d.Value) != fmt.Sprint(i) {
+			t.Fatalf("record %d detached as offset %d, value %q", i, d.Offset, d.Value)
+		}
+	}
+	null := detach([]*kgo.Record{{Key: nil, Value: []byte{}}})[0]
 	if null.Key != nil || null.Value == nil {
 		t.Errorf("null key and empty value came back as %#v and %#v", null.Key, null.Value)
 	}

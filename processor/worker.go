@@ -95,10 +95,7 @@ func newWorker(p *Processor, cl *kgo.Client, pos offsets.Position) *worker {
 // push queues fetched records. It pauses fetching from the partition when its queue holds the
 // partition's share of the buffer budget.
 func (w *worker) push(fetched []*kgo.Record) {
-	recs := make([]*kgo.Record, len(fetched))
-	for i, r := range fetched {
-		recs[i] = detach(r)
-	}
+	recs := detach(fetched)
 	n := costOf(recs)
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -307,19 +304,22 @@ func (w *worker) loadHeld() error {
 // applied).
 func (w *worker) records(batch []*kgo.Record) []*Record {
 	out := make([]*Record, 0, len(batch))
-	for _, r := range batch {
+	slab := make([]Record, len(batch)) // one allocation for the batch's records
+	for i, r := range batch {
 		if w.pos.Known && r.Offset < w.pos.Next {
 			continue
 		}
+		rec := &slab[i]
 		if r.Attrs.IsControl() {
 			// A Kafka transaction's commit or abort marker. Fetched (KeepControlRecords) so that
 			// the stored position moves past it: otherwise a partition whose last write was a
 			// transaction would show a lag of one for ever.
-			out = append(out, &Record{Topic: r.Topic, Partition: r.Partition, Offset: r.Offset, consumed: r.Offset,
-				leaderEpoch: r.LeaderEpoch, control: true})
+			*rec = Record{Topic: r.Topic, Partition: r.Partition, Offset: r.Offset, consumed: r.Offset,
+				leaderEpoch: r.LeaderEpoch, control: true}
+			out = append(out, rec)
 			continue
 		}
-		rec := &Record{
+		*rec = Record{
 			Topic:       r.Topic,
 			Partition:   r.Partition,
 			Offset:      r.Offset,
