@@ -51,6 +51,11 @@ type metrics struct {
 	stalled        *prometheus.GaugeVec
 	internalErrors prometheus.Counter
 	stuckKeys      *prometheus.GaugeVec
+
+	// The outbox (group-wide, from Postgres).
+	outboxWaiting prometheus.Gauge
+	outboxAside   prometheus.Gauge
+	outboxOldest  prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -175,6 +180,18 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "stuck_keys",
 			Help: "Held keys that have made no progress for STALL_TIMEOUT, by reason: orphaned (the record they wait for can no longer come back), overdue (it is long past due in its tier), undrained (ready, nothing applies their parked records); group-wide, from Postgres.",
 		}, []string{"reason"}),
+		outboxWaiting: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "outbox_records",
+			Help: "Retry and dead-letter records committed and not yet published to Kafka (group-wide, from Postgres).",
+		}),
+		outboxAside: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "outbox_set_aside_records",
+			Help: "Outbox records set aside because Kafka refuses them for good, waiting for an operator (group-wide, from Postgres).",
+		}),
+		outboxOldest: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "outbox_oldest_record_age_seconds",
+			Help: "How long the oldest outbox record not yet published has waited; 0 if none (group-wide, from Postgres).",
+		}),
 		internalErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "internal_errors_total",
 			Help: "Transactions of kafkapg's own that failed in a way waiting will not fix (a bug, or the database changed underneath), each logged as an error and retried.",
@@ -187,7 +204,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, c := range []prometheus.Collector{m.setAside, m.breakerOpen, m.breakerOpened, m.breakerHeld, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
 		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.parked, m.duplicates, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
-		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors, m.stuckKeys} {
+		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors, m.stuckKeys,
+		m.outboxWaiting, m.outboxAside, m.outboxOldest} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -543,6 +543,18 @@ func (p *Processor) refreshStats(ctx context.Context) {
 		if err != nil && ctx.Err() == nil {
 			p.log.Debug("cannot read retry path stats", "err", err)
 		}
+		if r := p.relay.Load(); r != nil {
+			qctx, cancel := context.WithTimeout(ctx, statsInterval)
+			b, err := r.Backlog(qctx)
+			cancel()
+			if err == nil {
+				p.metrics.outboxWaiting.Set(float64(b.Waiting))
+				p.metrics.outboxAside.Set(float64(b.SetAside))
+				p.metrics.outboxOldest.Set(b.Oldest.Seconds())
+			} else if ctx.Err() == nil {
+				p.log.Debug("cannot read the outbox backlog", "err", err)
+			}
+		}
 		if cl := p.client.Load(); cl != nil {
 			qctx, cancel := context.WithTimeout(ctx, statsInterval)
 			err := p.refreshLag(qctx, kadm.NewClient(cl))

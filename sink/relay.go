@@ -74,6 +74,7 @@ type Relay struct {
 	deleteSQL string
 	insertSQL string
 	asideSQL  string
+	statsSQL  string
 }
 
 // NewRelay returns a Relay publishing through client.
@@ -111,7 +112,28 @@ func NewRelay(pool *pgxpool.Pool, client *kgo.Client, cfg RelayConfig) *Relay {
 		deleteSQL: `DELETE FROM ` + t + ` WHERE id = ANY($1)`,
 		insertSQL: `INSERT INTO ` + t + ` (consumer_group, topic, partition, key, value, header_keys, header_values) VALUES ($1, $2, $3, $4, $5, $6, $7)`,
 		asideSQL:  `UPDATE ` + t + ` SET refused_at = now(), refused_error = $2 WHERE id = $1`,
+		statsSQL: `SELECT count(*) FILTER (WHERE refused_at IS NULL), count(*) FILTER (WHERE refused_at IS NOT NULL),
+			coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE refused_at IS NULL)), 0)::float8
+			FROM ` + t + ` WHERE consumer_group = $1`,
 	}
+}
+
+// Backlog describes the group's outbox: rows waiting to be published, rows set aside, and how
+// long the oldest waiting row has waited (0 if none).
+type Backlog struct {
+	Waiting, SetAside int
+	Oldest            time.Duration
+}
+
+// Backlog reads the group's outbox backlog.
+func (r *Relay) Backlog(ctx context.Context) (Backlog, error) {
+	var b Backlog
+	var oldest float64
+	if err := r.pool.QueryRow(ctx, r.statsSQL, r.cfg.Group).Scan(&b.Waiting, &b.SetAside, &oldest); err != nil {
+		return b, fmt.Errorf("outbox backlog: %w", err)
+	}
+	b.Oldest = time.Duration(max(oldest, 0) * float64(time.Second))
+	return b, nil
 }
 
 // Notify wakes the relay: rows were just committed. It never blocks.

@@ -125,6 +125,9 @@ func TestRelayRefusalHoldsUpNothing(t *testing.T) {
 	if n, err := relay.Drain(ctx); n != 0 || err != nil {
 		t.Errorf("a second Drain published %d (%v): set-aside rows must not be tried again", n, err)
 	}
+	if b, err := relay.Backlog(ctx); err != nil || b.Waiting != 0 || b.SetAside != 2 || b.Oldest != 0 {
+		t.Errorf("Backlog = %+v, %v; want nothing waiting and 2 set aside", b, err)
+	}
 
 	// With a hook, the writer takes the refused record back and says what replaces it.
 	if err := s.Apply(ctx, pos.Advanced(1), 2, nil, msgs[1:2]); err != nil {
