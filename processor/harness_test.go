@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -192,7 +193,10 @@ func (h *harness) waitSettled(items []ledger.Item, maxAttempt int, timeout time.
 	}
 	testenv.Eventually(h.t, timeout, func() error {
 		if got := h.applied(); got < wantApplied {
-			return fmt.Errorf("%d of %d events applied", got, wantApplied)
+			if err := h.inFlight(); err != nil {
+				return fmt.Errorf("%d of %d events applied; %v; positions: %s", got, wantApplied, err, h.positions())
+			}
+			return fmt.Errorf("%d of %d events applied; positions: %s", got, wantApplied, h.positions())
 		}
 		if err := h.inFlight(); err != nil {
 			return err
@@ -202,6 +206,27 @@ func (h *harness) waitSettled(items []ledger.Item, maxAttempt int, timeout time.
 		}
 		return nil
 	})
+}
+
+// positions describes the group's stored positions and owners, to tell where a test got stuck.
+func (h *harness) positions() string {
+	rows, err := h.pool.Query(context.Background(), `SELECT topic, partition, coalesce(next_offset, -1), owner FROM kafkapg.offsets
+		WHERE consumer_group = $1 ORDER BY topic, partition`, h.group)
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	var topic, owner string
+	var part int32
+	var next int64
+	_, err = pgx.ForEachRow(rows, []any{&topic, &part, &next, &owner}, func() error {
+		out = append(out, fmt.Sprintf("%s[%d]@%d (%s)", topic, part, next, owner))
+		return nil
+	})
+	if err != nil {
+		return err.Error()
+	}
+	return strings.Join(out, ", ")
 }
 
 // inFlight returns an error describing what is left in the outbox and the retry path, nil if

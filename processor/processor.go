@@ -318,6 +318,10 @@ func (p *Processor) shutdown(ctx context.Context, signalled time.Time, cl *kgo.C
 	// cut the client loose, so that the group reassigns our partitions as soon as the join
 	// completes, without waiting for our session to expire too.
 	closed := make(chan struct{})
+	// Nothing polls any more: open BlockRebalanceOnPoll's gate for good. franz-go's leave waits
+	// for it, in a goroutine of its own that would wait for ever if LeaveGroupContext returned at
+	// the deadline first.
+	cl.AllowRebalance()
 	go func() {
 		defer close(closed)
 		if err := cl.LeaveGroupContext(sctx); err != nil {
