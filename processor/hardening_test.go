@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/testenv"
@@ -908,4 +909,39 @@ func TestConnectionDropUnderTheHandlerIsRetriedInPlace(t *testing.T) {
 		t.Errorf("applied at attempt %d with %v record failures and %v retries in place; want attempt 1, no failure, retried in place",
 			at["x"], r.counter("kafkapg_record_failures_total"), r.counter("kafkapg_infrastructure_retries_total"))
 	}
+}
+
+// TestGroupTimeoutsAreTheGroups: under the consumer group protocol the session timeout and the
+// heartbeat interval are the group's, kept by the broker; the processor sets them from its
+// configuration, so that KAFKA_SESSION_TIMEOUT keeps its meaning.
+func TestGroupTimeoutsAreTheGroups(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := carelessHarness(t, k, 1)
+		cfg := h.config(careless{})
+		cfg.SessionTimeout = 4500 * time.Millisecond
+		waitJoined(t, h.start(cfg))
+		if got := groupType(t, k, h.group); got != "consumer" {
+			t.Fatalf("the group runs the %q protocol, want consumer", got)
+		}
+		req := kmsg.NewPtrDescribeConfigsRequest()
+		res := kmsg.NewDescribeConfigsRequestResource()
+		res.ResourceType = kmsg.ConfigResourceTypeGroupConfig
+		res.ResourceName = h.group
+		req.Resources = append(req.Resources, res)
+		resp, err := req.RequestWith(context.Background(), k.Client(t))
+		if err != nil || len(resp.Resources) != 1 {
+			t.Fatalf("describe the group's configs: %v", err)
+		}
+		got := map[string]string{}
+		for _, c := range resp.Resources[0].Configs {
+			if c.Value != nil {
+				got[c.Name] = *c.Value
+			}
+		}
+		if got["consumer.session.timeout.ms"] != "4500" || got["consumer.heartbeat.interval.ms"] != "500" {
+			t.Errorf("the group's session timeout and heartbeat interval are %q and %q ms, want 4500 and 500",
+				got["consumer.session.timeout.ms"], got["consumer.heartbeat.interval.ms"])
+		}
+	})
 }

@@ -17,7 +17,6 @@ type metrics struct {
 	failures        *prometheus.CounterVec
 	deadLettered    *prometheus.CounterVec
 	published       *prometheus.CounterVec
-	setAside        *prometheus.CounterVec
 	infraRetries    prometheus.Counter
 	fenced          prometheus.Counter
 	txDuration      prometheus.Histogram
@@ -76,10 +75,6 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		published: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "outbox_published_total",
 			Help: "Outbox records published to Kafka and acknowledged, by destination topic.",
-		}, []string{"topic"}),
-		setAside: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: ns, Name: "outbox_set_aside_total",
-			Help: "Outbox records Kafka refused for good that nothing could take back, set aside in the outbox table (refused_at) for an operator, by destination topic.",
 		}, []string{"topic"}),
 		infraRetries: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "infrastructure_retries_total",
@@ -201,7 +196,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Records of each source partition not yet applied: the broker's end offset minus the next offset stored in Postgres (group-wide).",
 		}, []string{"topic", "partition"}),
 	}
-	for _, c := range []prometheus.Collector{m.setAside, m.breakerOpen, m.breakerOpened, m.breakerHeld, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
+	for _, c := range []prometheus.Collector{m.breakerOpen, m.breakerOpened, m.breakerHeld, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
 		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.parked, m.duplicates, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors, m.stuckKeys,
@@ -229,7 +224,6 @@ func (m *metrics) initLabels(topics []string, group string, tiers int) {
 			m.deadLettered.WithLabelValues(t, c)
 		}
 		m.published.WithLabelValues(retrytopics.DLQTopic(t, group))
-		m.setAside.WithLabelValues(retrytopics.DLQTopic(t, group))
 		for n := 1; n <= tiers; n++ {
 			m.routed.WithLabelValues(t, tierLabel(n))
 			m.published.WithLabelValues(retrytopics.TierTopic(t, group, n))

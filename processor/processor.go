@@ -219,7 +219,6 @@ func (p *Processor) Run(ctx context.Context) error {
 		TxIdleTimeout: p.cfg.TxIdleTimeout,
 		Published:     func(topic string) { p.metrics.published.WithLabelValues(topic).Inc() },
 		Refused:       p.refused,
-		SetAside:      func(topic string) { p.metrics.setAside.WithLabelValues(topic).Inc() },
 	})
 	p.relay.Store(relay)
 	relayCtx, stopRelay := context.WithCancel(context.WithoutCancel(ctx))
@@ -250,11 +249,7 @@ func (p *Processor) Run(ctx context.Context) error {
 	p.mu.Unlock()
 	p.poll(pollCtx, cl)
 	stopPoll()
-	var signalled time.Time
-	if ns := p.signalled.Load(); ns != 0 {
-		signalled = time.Unix(0, ns)
-	}
-	p.shutdown(ctx, signalled, cl, relay, stopRelay, relayDone)
+	p.shutdown(ctx, cl, relay, stopRelay, relayDone)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.failErr
@@ -274,13 +269,14 @@ func (p *Processor) fail(err error) {
 	})
 }
 
-func (p *Processor) shutdown(ctx context.Context, signalled time.Time, cl *kgo.Client, relay *sink.Relay, stopRelay func(), relayDone <-chan struct{}) {
+func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Relay, stopRelay func(), relayDone <-chan struct{}) {
 	begun := time.Now()
 	p.lameDuck.Store(true) // not ready first, then drain
 	// The bound counts from the signal: the poll loop may have taken a moment to notice it (a
-	// rebalance callback in progress holds the poll).
-	if signalled.IsZero() || signalled.After(begun) {
-		signalled = begun
+	// rebalance callback in progress holds the poll). A stop by fail has no signal.
+	signalled := begun
+	if ns := p.signalled.Load(); ns != 0 && ns < begun.UnixNano() {
+		signalled = time.Unix(0, ns)
 	}
 	sctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), signalled.Add(p.cfg.ShutdownTimeout))
 	defer cancel()
@@ -385,38 +381,28 @@ func (p *Processor) leaveByHand(ctx context.Context, cl *kgo.Client) {
 // by default, bounded by the broker's group.consumer.min/max settings), not the client's. A broker
 // that refuses keeps its own; the warning says which.
 func (p *Processor) setGroupTimeouts(ctx context.Context, cl *kgo.Client) {
-	set := func(configs map[string]time.Duration) error {
-		req := kmsg.NewPtrIncrementalAlterConfigsRequest()
-		res := kmsg.NewIncrementalAlterConfigsRequestResource()
-		res.ResourceType = kmsg.ConfigResourceTypeGroupConfig
-		res.ResourceName = p.cfg.Group
-		for _, name := range slices.Sorted(maps.Keys(configs)) {
-			c := kmsg.NewIncrementalAlterConfigsRequestResourceConfig()
-			c.Name = name
-			c.Op = kmsg.IncrementalAlterConfigOpSet
-			c.Value = kmsg.StringPtr(strconv.FormatInt(configs[name].Milliseconds(), 10))
-			res.Configs = append(res.Configs, c)
-		}
-		req.Resources = append(req.Resources, res)
-		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		defer cancel()
-		resp, err := req.RequestWith(ctx, cl)
-		if err != nil {
-			return err
-		}
-		for _, r := range resp.Resources {
-			if err := kerr.ErrorForCode(r.ErrorCode); err != nil {
-				if r.ErrorMessage != nil {
-					return fmt.Errorf("%w: %s", err, *r.ErrorMessage)
-				}
-				return err
-			}
-		}
-		return nil
-	}
 	session, heartbeat := p.cfg.SessionTimeout, p.heartbeatInterval()
-	// Both or neither: a session timeout set alone could fall below the broker's heartbeat interval.
-	if err := set(map[string]time.Duration{"consumer.session.timeout.ms": session, "consumer.heartbeat.interval.ms": heartbeat}); err != nil {
+	// Both in one request, which the broker takes whole or not at all: a session timeout set alone
+	// could fall below the broker's heartbeat interval.
+	res := kmsg.NewIncrementalAlterConfigsRequestResource()
+	res.ResourceType = kmsg.ConfigResourceTypeGroupConfig
+	res.ResourceName = p.cfg.Group
+	for name, d := range map[string]time.Duration{"consumer.session.timeout.ms": session, "consumer.heartbeat.interval.ms": heartbeat} {
+		c := kmsg.NewIncrementalAlterConfigsRequestResourceConfig()
+		c.Name, c.Op, c.Value = name, kmsg.IncrementalAlterConfigOpSet, kmsg.StringPtr(strconv.FormatInt(d.Milliseconds(), 10))
+		res.Configs = append(res.Configs, c)
+	}
+	req := kmsg.NewPtrIncrementalAlterConfigsRequest()
+	req.Resources = append(req.Resources, res)
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	resp, err := req.RequestWith(rctx, cl)
+	if err == nil && len(resp.Resources) > 0 {
+		if err = kerr.ErrorForCode(resp.Resources[0].ErrorCode); err != nil && resp.Resources[0].ErrorMessage != nil {
+			err = fmt.Errorf("%w: %s", err, *resp.Resources[0].ErrorMessage)
+		}
+	}
+	if err != nil {
 		p.log.Warn("the broker refused this group's session timeout and heartbeat interval (consumer protocol): its own group.consumer.session.timeout.ms "+
 			"and group.consumer.heartbeat.interval.ms apply (45s and 5s unless configured), not KAFKA_SESSION_TIMEOUT",
 			"wanted_session_timeout", session, "wanted_heartbeat_interval", heartbeat, "err", err)

@@ -65,21 +65,27 @@ func (pr *progress) waiting(cause string, err error) {
 	pr.cause, pr.err = cause, err
 }
 
-// stalled returns the cause and error of a stall older than timeout, and whether this is the
-// first time it is seen (to log it once).
-func (pr *progress) stalled(now time.Time, timeout time.Duration) (cause string, err error, stalledFor time.Duration, first, ok bool) {
+// stall is a partition's lack of progress, as checkStalls sees it.
+type stall struct {
+	cause string
+	err   error
+	since time.Duration
+	first bool // seen for the first time: log it
+}
+
+// stalled returns the stall older than timeout, if any.
+func (pr *progress) stalled(now time.Time, timeout time.Duration) (stall, bool) {
 	pr.mu.Lock()
 	defer pr.mu.Unlock()
 	if !pr.busy || now.Sub(pr.since) < timeout {
-		return "", nil, 0, false, false
+		return stall{}, false
 	}
-	cause = pr.cause
-	if cause == "" {
-		cause = stallHandler
+	st := stall{cause: pr.cause, err: pr.err, since: now.Sub(pr.since), first: !pr.reported}
+	if st.cause == "" {
+		st.cause = stallHandler
 	}
-	first = !pr.reported
 	pr.reported = true
-	return cause, pr.err, now.Sub(pr.since), first, true
+	return st, true
 }
 
 // checkStalls counts the partitions of this process that are stalled, by cause, into
@@ -94,15 +100,15 @@ func (p *Processor) checkStalls() {
 	}
 	p.mu.Unlock()
 	for _, w := range ws {
-		cause, err, d, first, ok := w.prog.stalled(now, p.cfg.StallTimeout)
+		st, ok := w.prog.stalled(now, p.cfg.StallTimeout)
 		if !ok {
 			continue
 		}
-		counts[cause]++
-		if first {
-			attrs := []any{"cause", cause, "for", d.Round(time.Second), "stall_timeout", p.cfg.StallTimeout}
-			if err != nil {
-				attrs = append(attrs, "err", err)
+		counts[st.cause]++
+		if st.first {
+			attrs := []any{"cause", st.cause, "for", st.since.Round(time.Second), "stall_timeout", p.cfg.StallTimeout}
+			if st.err != nil {
+				attrs = append(attrs, "err", st.err)
 			}
 			w.log.Error("partition has made no progress; see the cause (kafkapg_stalled_partitions)", attrs...)
 		}

@@ -160,7 +160,7 @@ func ParseFailure(headers []kgo.RecordHeader) (Failure, error) {
 		}
 		n, err := strconv.ParseInt(s, 10, bits)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("header %s: %q is not an integer", k, s))
+			errs = append(errs, fmt.Errorf("header %s: %q is not an integer", k, safetext.Text(s, 64)))
 		}
 		return n
 	}
@@ -174,7 +174,7 @@ func ParseFailure(headers []kgo.RecordHeader) (Failure, error) {
 		}
 		t, err := time.Parse(time.RFC3339Nano, s)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("header %s: %q is not an RFC 3339 time", k, s))
+			errs = append(errs, fmt.Errorf("header %s: %q is not an RFC 3339 time", k, safetext.Text(s, 64)))
 		}
 		return t
 	}

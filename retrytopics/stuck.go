@@ -122,7 +122,7 @@ func (s *Store) ReleaseStuck(ctx context.Context, tx pgx.Tx, k StuckKey, note st
 		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4 FOR UPDATE`,
 		s.group, k.Topic, k.Partition, k.Key.Key).Scan(&state, &head)
 	if errors.Is(err, pgx.ErrNoRows) || (err == nil && (state != k.State || head != k.Head)) {
-		return fmt.Errorf("%s[%d] key %x: %w", k.Topic, k.Partition, k.Key.Key, ErrNotStuck)
+		return fmt.Errorf("%s[%d], a %d-byte key: %w", k.Topic, k.Partition, len(k.Key.Key), ErrNotStuck)
 	}
 	if err != nil {
 		return fmt.Errorf("lock stuck key: %w", err)

@@ -53,8 +53,6 @@ type RelayConfig struct {
 	// error), or every refused message when Refused is nil, stays in the outbox set aside
 	// (refused_at, refused_error) for an operator, and the rest flows on.
 	Refused func(ctx context.Context, tx pgx.Tx, m Message, refusal error) (*Message, error)
-	// SetAside, if not nil, is called with the topic of every row set aside.
-	SetAside func(topic string)
 }
 
 // Relay publishes outbox rows to Kafka and deletes them once the broker acknowledged them.
@@ -319,7 +317,7 @@ func (r *Relay) read(ctx context.Context, tx pgx.Tx) ([]*row, bool, error) {
 	}
 	for i, id := range bad {
 		r.cfg.Logger.Error("outbox row cannot be read back into a record; set aside", "id", id, "err", badErr[i])
-		if err := r.setAside(ctx, tx, id, "", badErr[i]); err != nil {
+		if err := r.setAside(ctx, tx, id, badErr[i]); err != nil {
 			return nil, false, err
 		}
 	}
@@ -356,7 +354,7 @@ func (r *Relay) refused(ctx context.Context, tx pgx.Tx, rw *row) error {
 		rw.err = fmt.Errorf("%w; and its writer could not take it back: %w", rw.err, err)
 	}
 	r.cfg.Logger.Error("kafka refused an outbox record for good; set aside (outbox.refused_at), the others flow on", "id", rw.id, "topic", rw.msg.Topic, "err", rw.err)
-	return r.setAside(ctx, tx, rw.id, rw.msg.Topic, rw.err)
+	return r.setAside(ctx, tx, rw.id, rw.err)
 }
 
 func replacement(m *Message) string {
@@ -366,12 +364,9 @@ func replacement(m *Message) string {
 	return m.Topic
 }
 
-func (r *Relay) setAside(ctx context.Context, tx pgx.Tx, id int64, topic string, why error) error {
+func (r *Relay) setAside(ctx context.Context, tx pgx.Tx, id int64, why error) error {
 	if _, err := tx.Exec(ctx, r.asideSQL, id, safetext.Text(why.Error(), 8<<10)); err != nil {
 		return fmt.Errorf("outbox: set row %d aside: %w", id, err)
-	}
-	if r.cfg.SetAside != nil {
-		r.cfg.SetAside(topic)
 	}
 	return nil
 }

@@ -129,6 +129,20 @@ func TestRelayRefusalHoldsUpNothing(t *testing.T) {
 		t.Errorf("Backlog = %+v, %v; want nothing waiting and 2 set aside", b, err)
 	}
 
+	// A row edited by hand so that it no longer reads back into a record (two header keys, one
+	// value) is set aside too, without holding up the row after it.
+	if _, err := pool.Exec(ctx, `INSERT INTO kafkapg.outbox (consumer_group, topic, key, value, header_keys, header_values)
+		VALUES ('g', $1, 'bad', 'x', '{a,b}', '{1}'), ('g', $1, 'e', '5', '{}', '{}')`, small); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := relay.Drain(ctx); n != 1 || err != nil {
+		t.Errorf("Drain with an unreadable row = %d, %v; want the good row published", n, err)
+	}
+	var bad string
+	if err := pool.QueryRow(ctx, `SELECT refused_error FROM kafkapg.outbox WHERE key = 'bad' AND refused_at IS NOT NULL`).Scan(&bad); err != nil || !strings.Contains(bad, "header") {
+		t.Errorf("the unreadable row: %q, %v; want it set aside saying why", bad, err)
+	}
+
 	// With a hook, the writer takes the refused record back and says what replaces it.
 	if err := s.Apply(ctx, pos.Advanced(1), 2, nil, msgs[1:2]); err != nil {
 		t.Fatal(err)

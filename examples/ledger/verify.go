@@ -193,21 +193,21 @@ func CheckDeadLetters(items []Item, dlq []*kgo.Record, maxAttempt int, allowDupl
 		it, ok := byValue[string(r.Value)]
 		switch {
 		case !ok:
-			add("dead letter at %s[%d]@%d matches no produced record: %q", r.Topic, r.Partition, r.Offset, r.Value)
+			add("dead letter at %s[%d]@%d matches no produced record: %s", r.Topic, r.Partition, r.Offset, short(r.Value))
 			continue
 		case !it.Dead(maxAttempt):
 			add("%s record (key %s, event %q) was dead-lettered but should have been applied", it.Kind, it.Key, it.Event.EventID)
 		case string(r.Key) != string(it.Key):
-			add("dead letter of %q has key %q, want %q", r.Value, r.Key, it.Key)
+			add("dead letter of %s has key %q, want %q", short(r.Value), r.Key, it.Key)
 		}
 		if _, err := retrytopics.ParseFailure(r.Headers); err != nil {
-			add("dead letter of %q: headers: %v", r.Value, err)
+			add("dead letter of %s: headers: %v", short(r.Value), err)
 		}
 		seen[string(r.Value)]++
 		if seen[string(r.Value)] == 2 {
 			dups++
 			if !allowDuplicates {
-				add("record %q dead-lettered more than once", r.Value)
+				add("record %s dead-lettered more than once", short(r.Value))
 			}
 		}
 	}
@@ -216,7 +216,7 @@ func CheckDeadLetters(items []Item, dlq []*kgo.Record, maxAttempt int, allowDupl
 		if it.Dead(maxAttempt) && seen[string(it.Value)] == 0 {
 			missing++
 			if missing <= 5 {
-				add("%s record %q was not dead-lettered", it.Kind, it.Value)
+				add("%s record %s was not dead-lettered", it.Kind, short(it.Value))
 			}
 		}
 	}
@@ -253,7 +253,7 @@ func CheckDeadLetterRows(ctx context.Context, db Querier, schema, group string, 
 		total++
 		got[string(value)]++
 		if attempts < 1 || attempts > maxAttempt || class == "" {
-			add("dead_letters row of %q: attempts %d, class %q", value, attempts, class)
+			add("dead_letters row of %s: attempts %d, class %q", short(value), attempts, class)
 		}
 		return nil
 	})
@@ -265,16 +265,25 @@ func CheckDeadLetterRows(ctx context.Context, db Querier, schema, group string, 
 		delete(got, string(it.Value))
 		switch {
 		case it.Dead(maxAttempt) && n != 1:
-			add("%s record %q has %d dead_letters rows, want 1", it.Kind, it.Value, n)
+			add("%s record %s has %d dead_letters rows, want 1", it.Kind, short(it.Value), n)
 		case !it.Dead(maxAttempt) && n != 0:
-			add("%s record %q has %d dead_letters rows, want none", it.Kind, it.Value, n)
+			add("%s record %s has %d dead_letters rows, want none", it.Kind, short(it.Value), n)
 		}
 	}
 	for v := range got {
-		add("dead_letters row %q matches no produced record", v)
+		add("dead_letters row %s matches no produced record", short([]byte(v)))
 	}
 	if len(problems) > 0 {
 		return total, errors.New(strings.Join(problems, "\n"))
 	}
 	return total, nil
+}
+
+// short quotes a record's value for a problem report, cut at 200 bytes (oversized events are
+// a mebibyte).
+func short(v []byte) string {
+	if len(v) <= 200 {
+		return fmt.Sprintf("%q", v)
+	}
+	return fmt.Sprintf("%q… (%d bytes)", v[:200], len(v))
 }

@@ -43,6 +43,14 @@ func main() {
 	flag.StringVar(&c.handler, "handler", "ledger", "the processors' HANDLER: ledger, or ledger-careless (no unique constraint, binary errors, own timeouts, swallowed errors)")
 	flag.StringVar(&c.protocol, "group-protocol", "auto", "the processors' KAFKA_GROUP_PROTOCOL: auto (the consumer protocol where the broker offers it) or classic")
 	flag.Parse()
+	if c.handler != "ledger" && c.handler != "ledger-careless" {
+		fmt.Fprintf(os.Stderr, "chaos: -handler must be ledger or ledger-careless, got %q\n", c.handler)
+		os.Exit(2)
+	}
+	if c.protocol != "auto" && c.protocol != "classic" {
+		fmt.Fprintf(os.Stderr, "chaos: -group-protocol must be auto or classic, got %q\n", c.protocol)
+		os.Exit(2)
+	}
 	if c.seed == 0 {
 		c.seed = rand.Uint64()
 	}
