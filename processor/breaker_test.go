@@ -35,7 +35,7 @@ func (d *downstream) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Recor
 // in place (one per partition, probing) instead of pushing the whole stream into the retry
 // tiers, where it would be dead-lettered after the last tier. When the downstream comes back,
 // a probe closes the breaker and every event is applied exactly once, in order, with no dead
-// letters. Without the breaker (BREAKER_THRESHOLD=0) nearly every event would go to the tiers
+// letters. Without the breaker (BreakerDisabled) nearly every event would go to the tiers
 // and most would be dead-lettered.
 func TestBreakerHoldsRecordsDuringOutage(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {

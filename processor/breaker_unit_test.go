@@ -125,7 +125,7 @@ func waitHeld(t *testing.T, b *breaker, n float64) {
 	}
 }
 
-// TestBreakerOff: with a negative threshold (BREAKER_THRESHOLD=0) nothing is ever held.
+// TestBreakerOff: with a negative threshold (BreakerDisabled) nothing is ever held.
 func TestBreakerOff(t *testing.T) {
 	m, err := newMetrics(prometheus.NewRegistry())
 	if err != nil {

@@ -119,13 +119,13 @@ func fixedClass(err error) (ErrorClass, bool) {
 	return 0, false
 }
 
-// classify classifies a handler's error, letting the handler override Classify (ErrorClassifier)
-// except for the classes fixedClass decides.
-func (p *Processor) classify(err error) ErrorClass {
+// classify classifies an error of the handler of source topic, letting the handler override
+// Classify (ErrorClassifier) except for the classes fixedClass decides.
+func (p *Processor) classify(topic string, err error) ErrorClass {
 	if c, ok := fixedClass(err); ok {
 		return c
 	}
-	if c, ok := p.cfg.Handler.(ErrorClassifier); ok {
+	if c := p.policy(topic).classifier; c != nil {
 		return c.ClassifyError(err)
 	}
 	return Classify(err)

@@ -132,7 +132,8 @@ func (alwaysPermanent) ClassifyError(error) ErrorClass { return ClassPermanent }
 // it reported the error wrapped in Infrastructure, stays retryable: retried in place, a too-slow
 // handler would be retried for ever.
 func TestProcessorClassify(t *testing.T) {
-	p := &Processor{cfg: &Config{Handler: alwaysPermanent{}}}
+	c := &Config{Topics: []string{"orders"}, Handler: alwaysPermanent{}}
+	p := &Processor{cfg: c, policies: map[string]*policy{"orders": c.policy("orders")}}
 	for _, tt := range []struct {
 		name string
 		err  error
@@ -144,7 +145,7 @@ func TestProcessorClassify(t *testing.T) {
 		{"connection lost", fmt.Errorf("x: %w", sink.ErrConnLost), ClassInfrastructure},
 		{"Infrastructure", Infrastructure(errors.New("api down")), ClassInfrastructure},
 	} {
-		if got := p.classify(tt.err); got != tt.want {
+		if got := p.classify("orders", tt.err); got != tt.want {
 			t.Errorf("%s: classify = %v, want %v", tt.name, got, tt.want)
 		}
 	}

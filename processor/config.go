@@ -1,10 +1,13 @@
 package processor
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -14,60 +17,87 @@ import (
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
-// What happens to a key's later records after one of its records is dead-lettered
-// (Config.OnDeadLetter).
+// OnDeadLetter says what happens to a key's later records after one of its records is
+// dead-lettered (Config.OnDeadLetter, TopicPolicy.OnDeadLetter).
+type OnDeadLetter string
+
 const (
 	// OnDeadLetterSkip: the key's next record is applied; the dead letter is skipped.
-	OnDeadLetterSkip = "skip"
+	OnDeadLetterSkip OnDeadLetter = "skip"
 	// OnDeadLetterBlock: the key stays held, its later records parked, until an operator releases
-	// it (see ReleaseKeys).
-	OnDeadLetterBlock = "block"
+	// it (see ReleaseBlockedKeys).
+	OnDeadLetterBlock OnDeadLetter = "block"
 )
 
 // DefaultRetryTiers are the retry tiers used when Config.RetryTiers is nil.
 var DefaultRetryTiers = []time.Duration{time.Second, 10 * time.Second, time.Minute}
 
-// Consumer group protocols (Config.GroupProtocol).
+// GroupProtocol is a consumer group protocol (Config.GroupProtocol).
+type GroupProtocol string
+
 const (
 	// GroupProtocolAuto uses Kafka 4's consumer group protocol (KIP-848: the broker assigns
 	// partitions, with no group-wide join barrier) where the broker offers it, and the classic
 	// protocol otherwise.
-	GroupProtocolAuto = "auto"
+	GroupProtocolAuto GroupProtocol = "auto"
 	// GroupProtocolClassic always uses the classic protocol (JoinGroup/SyncGroup).
-	GroupProtocolClassic = "classic"
+	GroupProtocolClassic GroupProtocol = "classic"
 )
 
-// Start offsets for partitions with no stored position.
+// StartOffset is where a partition with no stored position starts (Config.StartOffset).
+type StartOffset string
+
 const (
-	StartEarliest = "earliest"
-	StartLatest   = "latest"
+	StartEarliest StartOffset = "earliest"
+	StartLatest   StartOffset = "latest"
 )
 
-// Config configures a Processor. The environment variable that sets each field in cmd/processor
-// is named in brackets.
+// TopicPolicy is how the records of one source topic are handled where that differs from the
+// Config's settings (Config.TopicPolicies). A zero field takes the Config's value.
+type TopicPolicy struct {
+	// Handler applies the topic's records instead of Config.Handler.
+	Handler Handler
+	// RetryTiers are the topic's retry tiers instead of Config.RetryTiers; an empty, non-nil
+	// slice means none: its records are dead-lettered after their local attempts.
+	RetryTiers []time.Duration
+	// LocalAttempts replaces Config.LocalAttempts.
+	LocalAttempts int
+	// OnDeadLetter replaces Config.OnDeadLetter.
+	OnDeadLetter OnDeadLetter
+	// MaxRecordBytes replaces Config.MaxRecordBytes.
+	MaxRecordBytes int
+}
+
+// Config configures a Processor. Zero fields take the defaults their comments give. The service
+// package sets each field from an environment variable (see docs/configuration.md).
 type Config struct {
-	// Brokers are the Kafka seed brokers, host:port. Required. [KAFKA_BROKERS]
+	// Brokers are the Kafka seed brokers, host:port. Required.
 	Brokers []string
 	// Group is the Kafka consumer group id. It also scopes the offsets stored in Postgres.
-	// Required. [KAFKA_GROUP_ID]
+	// Required.
 	Group string
-	// Topics to consume. Required. [KAFKA_TOPICS]
+	// Topics to consume. Required.
 	Topics []string
-	// Handler applies records. If it also implements BatchHandler, HandleBatch is used. Required.
+	// Handler applies records. If it also implements BatchHandler, HandleBatch is used; if it
+	// implements ErrorClassifier, it classifies its errors. Required, unless every topic has
+	// its own in TopicPolicies.
 	Handler Handler
+	// TopicPolicies override, per source topic, the handler and the retry and dead-letter
+	// settings below. Every key must be one of Topics.
+	TopicPolicies map[string]TopicPolicy
 
-	// Schema is the Postgres schema of kafkapg's tables. Defaults to "kafkapg". [DB_SCHEMA]
+	// Schema is the Postgres schema of kafkapg's tables. Defaults to "kafkapg".
 	Schema string
 	// StartOffset is where a partition starts when neither Postgres nor Kafka has a position for
-	// it: StartEarliest or StartLatest. Defaults to StartEarliest. [KAFKA_START_OFFSET]
-	StartOffset string
+	// it: StartEarliest or StartLatest. Defaults to StartEarliest.
+	StartOffset StartOffset
 
 	// BatchMaxRecords is the most records applied in one transaction. Defaults to 500.
-	// [BATCH_MAX_RECORDS]
+	//
 	BatchMaxRecords int
 	// BatchMaxWait is how long a partition waits for a batch to fill before applying what it
-	// has; 0 applies whatever has arrived at once. Under load batches fill while the previous one
-	// is being applied, so this only matters for trickles. Defaults to 20ms. [BATCH_MAX_WAIT]
+	// has; negative applies whatever has arrived at once. Under load batches fill while the
+	// previous one is being applied, so this only matters for trickles. Defaults to 20ms.
 	BatchMaxWait time.Duration
 	// MaxBufferedBytes bounds the memory that fetched records take while they wait to be applied
 	// or are being applied, across all partitions (source and retry tiers): fetching stops while
@@ -75,7 +105,7 @@ type Config struct {
 	// so one partition that cannot move on does not starve the others. A record costs its key,
 	// value and headers plus about 400 bytes of bookkeeping. franz-go's fetch buffers come on
 	// top: at most one fetch per broker of up to a quarter of this (see the README for the whole
-	// bound). Defaults to 64 MiB. [MAX_BUFFERED_BYTES]
+	// bound). Defaults to 64 MiB.
 	MaxBufferedBytes int
 
 	// RetryTiers are the delays of the retry tiers. A record that still fails with a retryable
@@ -83,83 +113,86 @@ type Config struct {
 	// (delivery Attempt 2) once the tier's delay (plus up to 10% jitter) has passed, then goes to
 	// tier 2, and so on; after the last tier it is dead-lettered. nil means DefaultRetryTiers
 	// (1s, 10s, 1m); an empty, non-nil slice means no tiers: records are dead-lettered after
-	// their local attempts. [RETRY_TIERS]
+	// their local attempts.
 	RetryTiers []time.Duration
 	// OnDeadLetter says what happens to a key's later records once one of its records has been
 	// dead-lettered: OnDeadLetterSkip (they are applied) or OnDeadLetterBlock (they are held until
-	// an operator releases the key). Defaults to OnDeadLetterSkip. [ON_DEAD_LETTER]
-	OnDeadLetter string
+	// an operator releases the key). Defaults to OnDeadLetterSkip.
+	OnDeadLetter OnDeadLetter
 	// DisableTopicCreation stops the processor from creating missing retry-tier and dead-letter
-	// topics; a missing one is then an error at startup. [KAFKA_CREATE_TOPICS=false]
+	// topics; a missing one is then an error at startup.
 	DisableTopicCreation bool
 
 	// MaxRecordBytes bounds the key and value of a record, together. A larger record is
 	// dead-lettered at once (ErrRecordTooLarge, class permanent) without reaching the handler;
 	// its copy in the DLQ topic carries no value (header kafkapg-value-omitted gives its size),
-	// and its dead_letters row keeps it whole. Defaults to 1 MiB. [MAX_RECORD_BYTES]
+	// and its dead_letters row keeps it whole. Defaults to 1 MiB.
 	MaxRecordBytes int
 
 	// LocalAttempts is how many times a failing record is tried within one delivery, counting
 	// the first try, before it moves on to a retry tier or is dead-lettered. 1 disables local
-	// retries. Defaults to 3. [RETRY_LOCAL_ATTEMPTS]
+	// retries. Defaults to 3.
 	LocalAttempts int
 	// BackoffBase is the delay before the first retry; it doubles per retry up to BackoffMax,
 	// with jitter. It applies to local retries of a record and to retries in place after an
-	// infrastructure failure. Defaults to 200ms. [RETRY_BACKOFF_BASE]
+	// infrastructure failure. Defaults to 200ms.
 	BackoffBase time.Duration
 	// BackoffMax caps the retry delay. Defaults to 5s, or BackoffBase if that is larger.
-	// [RETRY_BACKOFF_MAX]
+	//
 	BackoffMax time.Duration
 
 	// GroupProtocol is the consumer group protocol: GroupProtocolAuto (Kafka 4's consumer
 	// protocol where the broker offers it, classic otherwise) or GroupProtocolClassic. Defaults
-	// to GroupProtocolAuto. [KAFKA_GROUP_PROTOCOL]
-	GroupProtocol string
+	// to GroupProtocolAuto.
+	GroupProtocol GroupProtocol
 	// SessionTimeout is the Kafka group session timeout: how long a silent member keeps its
 	// partitions. Under the consumer protocol it is the group's, kept by the broker: the
 	// processor asks the broker to set it (and a heartbeat interval of a third of it, at most
 	// 500ms) for the group, and logs a warning if the broker refuses (its limits, missing
-	// permission), in which case the broker's own apply. Defaults to 45s. [KAFKA_SESSION_TIMEOUT]
+	// permission), in which case the broker's own apply. Defaults to 45s.
 	SessionTimeout time.Duration
 	// RebalanceTimeout is how long the group waits for members to rejoin during a rebalance.
 	// A member that died mid-rebalance holds up the whole group until it passes, so it is kept
-	// short; it must exceed DrainTimeout, the longest a revoke takes. Defaults to 30s.
-	// [KAFKA_REBALANCE_TIMEOUT]
+	// short; it must exceed HandoffTimeout, the longest a revoke takes. Defaults to 30s.
+	//
 	RebalanceTimeout time.Duration
-	// DrainTimeout is how long a partition that is revoked, or a processor that stops, waits for
-	// the transaction in flight to finish before abandoning it (it is rolled back and the
-	// partition's next owner applies the batch). Defaults to 5s.
-	DrainTimeout time.Duration
+	// HandoffTimeout is how long a partition handed off (revoked, or its processor stopping)
+	// waits for its transaction in flight to finish before abandoning it (it is rolled back and
+	// the partition's next owner applies the batch). Defaults to 5s.
+	HandoffTimeout time.Duration
 	// TxIdleTimeout ends (in Postgres) a batch transaction whose client has been silent that
 	// long, releasing its locks: a stalled owner (paused process, stuck handler) then delays the
 	// partition's next owner by at most this much. A handler that spends longer than this
 	// between two statements of its transaction has the transaction ended and retried. Defaults
-	// to 30s. [DB_TX_IDLE_TIMEOUT]
+	// to 30s.
 	TxIdleTimeout time.Duration
 	// StallTimeout is how long a partition may have records to apply and commit nothing before it
 	// counts as stalled (kafkapg_stalled_partitions, with the cause, and an error log), and how long
 	// a held key may go without progress before it counts as stuck (kafkapg_stuck_keys). Defaults
-	// to 2m. [STALL_TIMEOUT]
+	// to 2m.
 	StallTimeout time.Duration
 	// ShutdownTimeout bounds Run's shutdown after ctx is done: drain, final commits, leaving the
-	// group. Defaults to 10s. [SHUTDOWN_TIMEOUT]
+	// group. Defaults to 10s.
 	ShutdownTimeout time.Duration
 
+	// BreakerDisabled turns the circuit breaker off: retryable failures always go on to the
+	// retry tiers, even during a downstream outage.
+	BreakerDisabled bool
 	// BreakerThreshold opens the circuit breaker when at least this share of the records seen in
 	// the last BreakerWindow failed with retryable errors after their local tries (and at least
 	// BreakerMinRecords records were seen): that looks like a downstream outage, not bad records.
 	// While it is open, such records are held in place instead of going to the retry tiers; one
 	// at a time is retried as a probe, every BreakerProbeInterval at first, doubling up to
-	// BreakerProbeMax; the first probe that succeeds closes it. Defaults to 0.5; negative
-	// disables the breaker. [BREAKER_THRESHOLD, where 0 disables it]
+	// BreakerProbeMax; the first probe that succeeds closes it. A share above 0, at most 1;
+	// defaults to 0.5.
 	BreakerThreshold float64
-	// BreakerWindow is how far back the breaker looks. Defaults to 30s. [BREAKER_WINDOW]
+	// BreakerWindow is how far back the breaker looks. Defaults to 30s.
 	BreakerWindow time.Duration
 	// BreakerMinRecords is how many records the window must hold before the breaker may open.
-	// Defaults to 20. [BREAKER_MIN_RECORDS]
+	// Defaults to 20.
 	BreakerMinRecords int
 	// BreakerProbeInterval and BreakerProbeMax space the probes of an open breaker. Default to 1s
-	// and 30s. [BREAKER_PROBE_INTERVAL, BREAKER_PROBE_MAX]
+	// and 30s.
 	BreakerProbeInterval time.Duration
 	BreakerProbeMax      time.Duration
 
@@ -219,8 +252,8 @@ func (c *Config) withDefaults() *Config {
 	if out.SessionTimeout == 0 {
 		out.SessionTimeout = 45 * time.Second
 	}
-	if out.DrainTimeout == 0 {
-		out.DrainTimeout = 5 * time.Second
+	if out.HandoffTimeout == 0 {
+		out.HandoffTimeout = 5 * time.Second
 	}
 	if out.RebalanceTimeout == 0 {
 		out.RebalanceTimeout = 30 * time.Second
@@ -262,111 +295,191 @@ func (c *Config) withDefaults() *Config {
 	return &out
 }
 
-// Validate reports everything wrong with c, its defaults applied, as New would: for a caller
-// that wants to reject a configuration before connecting anywhere.
-func (c *Config) Validate() error {
-	if err := c.withDefaults().validate(); err != nil {
-		return fmt.Errorf("processor: invalid config: %w", err)
+// breakerThreshold is the breaker's threshold, 0 if it is disabled.
+func (c *Config) breakerThreshold() float64 {
+	if c.BreakerDisabled {
+		return 0
 	}
-	return nil
+	return c.BreakerThreshold
+}
+
+// policy is how the records of one source topic, and of its retry tiers, are handled: the
+// Config's settings with the topic's TopicPolicy applied.
+type policy struct {
+	handler        Handler
+	batch          BatchHandler    // handler as a BatchHandler, if it is one
+	classifier     ErrorClassifier // handler as an ErrorClassifier, if it is one
+	tiers          []time.Duration
+	localAttempts  int
+	onDeadLetter   OnDeadLetter
+	maxRecordBytes int
+}
+
+// policy returns topic's policy, c's defaults applied.
+func (c *Config) policy(topic string) *policy {
+	tp := c.TopicPolicies[topic]
+	p := &policy{
+		handler:        cmp.Or(tp.Handler, c.Handler),
+		tiers:          c.RetryTiers,
+		localAttempts:  cmp.Or(tp.LocalAttempts, c.LocalAttempts),
+		onDeadLetter:   cmp.Or(tp.OnDeadLetter, c.OnDeadLetter),
+		maxRecordBytes: cmp.Or(tp.MaxRecordBytes, c.MaxRecordBytes),
+	}
+	if tp.RetryTiers != nil {
+		p.tiers = tp.RetryTiers
+	}
+	p.batch, _ = p.handler.(BatchHandler)
+	p.classifier, _ = p.handler.(ErrorClassifier)
+	return p
+}
+
+// ConfigError is a field of Config set wrong. Validate and New report every one they find,
+// joined (errors.Join); errors.As finds the first.
+type ConfigError struct {
+	// Field is the Config field at fault ("BatchMaxRecords"), or the TopicPolicy field
+	// ("RetryTiers") when Topic is set.
+	Field string
+	// Topic is the TopicPolicies key whose policy is at fault, if it is one.
+	Topic string
+	Err   error
+}
+
+func (e *ConfigError) Error() string {
+	if e.Topic != "" {
+		return fmt.Sprintf("TopicPolicies[%q].%s: %v", e.Topic, e.Field, e.Err)
+	}
+	return e.Field + ": " + e.Err.Error()
+}
+
+func (e *ConfigError) Unwrap() error { return e.Err }
+
+// Validate reports everything wrong with c, its defaults applied, as New would: for a caller
+// that wants to reject a configuration before connecting anywhere. Each problem is a
+// *ConfigError.
+func (c *Config) Validate() error {
+	return c.withDefaults().validate()
 }
 
 func (c *Config) validate() error {
 	var errs []error
-	if len(c.Brokers) == 0 {
-		errs = append(errs, errors.New("Brokers (KAFKA_BROKERS) is required"))
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, &ConfigError{Field: field, Err: fmt.Errorf(format, args...)})
 	}
-	for _, b := range c.Brokers {
-		if b == "" {
-			errs = append(errs, errors.New("Brokers (KAFKA_BROKERS) contains an empty address"))
-			break
-		}
+	if len(c.Brokers) == 0 {
+		bad("Brokers", "required")
+	}
+	if slices.Contains(c.Brokers, "") {
+		bad("Brokers", "contains an empty address")
 	}
 	if c.Group == "" {
-		errs = append(errs, errors.New("Group (KAFKA_GROUP_ID) is required"))
+		bad("Group", "required")
 	}
 	if len(c.Topics) == 0 {
-		errs = append(errs, errors.New("Topics (KAFKA_TOPICS) is required"))
+		bad("Topics", "required")
 	}
 	seen := map[string]bool{}
 	for _, t := range c.Topics {
-		if t == "" {
-			errs = append(errs, errors.New("Topics (KAFKA_TOPICS) contains an empty topic name"))
-		} else if seen[t] {
-			errs = append(errs, fmt.Errorf("Topics (KAFKA_TOPICS) lists %q twice", t))
+		switch {
+		case t == "":
+			bad("Topics", "contains an empty topic name")
+		case seen[t]:
+			bad("Topics", "lists %q twice", t)
+		case c.Group != "" && (strings.Contains(t, "."+c.Group+".retry.") || strings.HasSuffix(t, "."+c.Group+".dlq")):
+			bad("Topics", "lists %q, which looks like a retry or dead-letter topic: list source topics only; their retry tiers are consumed with them", t)
 		}
 		seen[t] = true
 	}
-	if c.Handler == nil {
-		errs = append(errs, errors.New("Handler is required"))
-	}
-	if c.StartOffset != StartEarliest && c.StartOffset != StartLatest {
-		errs = append(errs, fmt.Errorf("StartOffset (KAFKA_START_OFFSET) must be %q or %q, got %q", StartEarliest, StartLatest, c.StartOffset))
-	}
-	if c.GroupProtocol != GroupProtocolAuto && c.GroupProtocol != GroupProtocolClassic {
-		errs = append(errs, fmt.Errorf("GroupProtocol (KAFKA_GROUP_PROTOCOL) must be %q or %q, got %q", GroupProtocolAuto, GroupProtocolClassic, c.GroupProtocol))
-	}
-	if len(c.RetryTiers) > retrytopics.MaxTiers {
-		errs = append(errs, fmt.Errorf("RetryTiers (RETRY_TIERS) has %d tiers; at most %d are allowed", len(c.RetryTiers), retrytopics.MaxTiers))
-	}
-	for i, d := range c.RetryTiers {
-		if d <= 0 {
-			errs = append(errs, fmt.Errorf("RetryTiers (RETRY_TIERS) tier %d: delay %v must be positive", i+1, d))
+	for _, t := range slices.Sorted(maps.Keys(c.TopicPolicies)) {
+		if !seen[t] {
+			bad("TopicPolicies", "has a policy for %q, which is not one of Topics %q", t, c.Topics)
 		}
-	}
-	if c.OnDeadLetter != OnDeadLetterSkip && c.OnDeadLetter != OnDeadLetterBlock {
-		errs = append(errs, fmt.Errorf("OnDeadLetter (ON_DEAD_LETTER) must be %q or %q, got %q", OnDeadLetterSkip, OnDeadLetterBlock, c.OnDeadLetter))
 	}
 	for _, t := range c.Topics {
-		if c.Group != "" && (strings.Contains(t, "."+c.Group+".retry.") || strings.HasSuffix(t, "."+c.Group+".dlq")) {
-			errs = append(errs, fmt.Errorf("Topics (KAFKA_TOPICS) lists %q, which looks like a retry or dead-letter topic: list source topics only; their retry tiers are consumed with them", t))
+		if t == "" {
+			continue
+		}
+		if c.policy(t).handler == nil {
+			if c.TopicPolicies == nil {
+				bad("Handler", "required")
+				break
+			}
+			bad("Handler", "required: topic %q has no handler in TopicPolicies", t)
 		}
 	}
+	if c.StartOffset != StartEarliest && c.StartOffset != StartLatest {
+		bad("StartOffset", "must be %q or %q, got %q", StartEarliest, StartLatest, c.StartOffset)
+	}
+	if c.GroupProtocol != GroupProtocolAuto && c.GroupProtocol != GroupProtocolClassic {
+		bad("GroupProtocol", "must be %q or %q, got %q", GroupProtocolAuto, GroupProtocolClassic, c.GroupProtocol)
+	}
+	c.validatePolicy(&errs, "", TopicPolicy{RetryTiers: c.RetryTiers, LocalAttempts: c.LocalAttempts, OnDeadLetter: c.OnDeadLetter, MaxRecordBytes: c.MaxRecordBytes})
+	for _, t := range slices.Sorted(maps.Keys(c.TopicPolicies)) {
+		c.validatePolicy(&errs, t, c.TopicPolicies[t])
+	}
 	if c.BatchMaxRecords < 1 {
-		errs = append(errs, fmt.Errorf("BatchMaxRecords (BATCH_MAX_RECORDS) must be at least 1, got %d", c.BatchMaxRecords))
+		bad("BatchMaxRecords", "must be at least 1, got %d", c.BatchMaxRecords)
 	}
 	if c.MaxBufferedBytes < 1<<20 {
-		errs = append(errs, fmt.Errorf("MaxBufferedBytes (MAX_BUFFERED_BYTES) must be at least 1 MiB (1048576), got %d", c.MaxBufferedBytes))
-	}
-	if c.MaxRecordBytes < 1 {
-		errs = append(errs, fmt.Errorf("MaxRecordBytes (MAX_RECORD_BYTES) must be at least 1, got %d", c.MaxRecordBytes))
-	}
-	if c.LocalAttempts < 1 {
-		errs = append(errs, fmt.Errorf("LocalAttempts (RETRY_LOCAL_ATTEMPTS) must be at least 1, got %d", c.LocalAttempts))
+		bad("MaxBufferedBytes", "must be at least 1 MiB (1048576), got %d", c.MaxBufferedBytes)
 	}
 	if c.BackoffBase < 0 {
-		errs = append(errs, fmt.Errorf("BackoffBase (RETRY_BACKOFF_BASE) must not be negative, got %v", c.BackoffBase))
+		bad("BackoffBase", "must not be negative, got %v", c.BackoffBase)
 	}
 	if c.BackoffMax < c.BackoffBase {
-		errs = append(errs, fmt.Errorf("BackoffMax (RETRY_BACKOFF_MAX) %v is less than BackoffBase (RETRY_BACKOFF_BASE) %v", c.BackoffMax, c.BackoffBase))
+		bad("BackoffMax", "%v is less than BackoffBase (%v)", c.BackoffMax, c.BackoffBase)
 	}
-	if c.RebalanceTimeout <= c.DrainTimeout {
-		errs = append(errs, fmt.Errorf("RebalanceTimeout (KAFKA_REBALANCE_TIMEOUT) %v must be longer than DrainTimeout %v: revoking a partition may take that long", c.RebalanceTimeout, c.DrainTimeout))
+	if c.RebalanceTimeout <= c.HandoffTimeout {
+		bad("RebalanceTimeout", "%v must be longer than HandoffTimeout (%v): handing off a partition may take that long", c.RebalanceTimeout, c.HandoffTimeout)
 	}
-	if c.BreakerThreshold > 1 {
-		errs = append(errs, fmt.Errorf("BreakerThreshold (BREAKER_THRESHOLD) is a share of records, at most 1, got %v", c.BreakerThreshold))
+	if c.BreakerThreshold <= 0 || c.BreakerThreshold > 1 {
+		bad("BreakerThreshold", "is a share of records, above 0 and at most 1, got %v (BreakerDisabled turns the breaker off)", c.BreakerThreshold)
 	}
 	if c.BreakerMinRecords < 1 {
-		errs = append(errs, fmt.Errorf("BreakerMinRecords (BREAKER_MIN_RECORDS) must be at least 1, got %d", c.BreakerMinRecords))
+		bad("BreakerMinRecords", "must be at least 1, got %d", c.BreakerMinRecords)
 	}
 	if c.BreakerProbeMax < c.BreakerProbeInterval {
-		errs = append(errs, fmt.Errorf("BreakerProbeMax (BREAKER_PROBE_MAX) %v is less than BreakerProbeInterval (BREAKER_PROBE_INTERVAL) %v", c.BreakerProbeMax, c.BreakerProbeInterval))
+		bad("BreakerProbeMax", "%v is less than BreakerProbeInterval (%v)", c.BreakerProbeMax, c.BreakerProbeInterval)
 	}
 	for _, d := range []struct {
 		name string
 		v    time.Duration
 	}{
-		{"BreakerWindow (BREAKER_WINDOW)", c.BreakerWindow},
-		{"BreakerProbeInterval (BREAKER_PROBE_INTERVAL)", c.BreakerProbeInterval},
-		{"SessionTimeout (KAFKA_SESSION_TIMEOUT)", c.SessionTimeout},
-		{"DrainTimeout", c.DrainTimeout},
-		{"TxIdleTimeout (DB_TX_IDLE_TIMEOUT)", c.TxIdleTimeout},
-		{"ShutdownTimeout (SHUTDOWN_TIMEOUT)", c.ShutdownTimeout},
-		{"StallTimeout (STALL_TIMEOUT)", c.StallTimeout},
+		{"BreakerWindow", c.BreakerWindow},
+		{"BreakerProbeInterval", c.BreakerProbeInterval},
+		{"SessionTimeout", c.SessionTimeout},
+		{"HandoffTimeout", c.HandoffTimeout},
+		{"TxIdleTimeout", c.TxIdleTimeout},
+		{"ShutdownTimeout", c.ShutdownTimeout},
+		{"StallTimeout", c.StallTimeout},
 	} {
 		if d.v < 0 {
-			errs = append(errs, fmt.Errorf("%s must not be negative, got %v", d.name, d.v))
+			bad(d.name, "must not be negative, got %v", d.v)
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// validatePolicy checks the retry and dead-letter settings of the Config (topic "") or of a
+// topic's policy, whose zero fields are not set.
+func (c *Config) validatePolicy(errs *[]error, topic string, p TopicPolicy) {
+	bad := func(field, format string, args ...any) {
+		*errs = append(*errs, &ConfigError{Field: field, Topic: topic, Err: fmt.Errorf(format, args...)})
+	}
+	if len(p.RetryTiers) > retrytopics.MaxTiers {
+		bad("RetryTiers", "has %d tiers; at most %d are allowed", len(p.RetryTiers), retrytopics.MaxTiers)
+	}
+	for i, d := range p.RetryTiers {
+		if d <= 0 {
+			bad("RetryTiers", "tier %d: delay %v must be positive", i+1, d)
+		}
+	}
+	if p.OnDeadLetter != "" && p.OnDeadLetter != OnDeadLetterSkip && p.OnDeadLetter != OnDeadLetterBlock {
+		bad("OnDeadLetter", "must be %q or %q, got %q", OnDeadLetterSkip, OnDeadLetterBlock, p.OnDeadLetter)
+	}
+	if p.MaxRecordBytes < 0 || (topic == "" && p.MaxRecordBytes < 1) {
+		bad("MaxRecordBytes", "must be at least 1, got %d", p.MaxRecordBytes)
+	}
+	if p.LocalAttempts < 0 || (topic == "" && p.LocalAttempts < 1) {
+		bad("LocalAttempts", "must be at least 1, got %d", p.LocalAttempts)
+	}
 }

@@ -48,49 +48,66 @@ func TestConfigValidate(t *testing.T) {
 			c.BackoffBase, c.BackoffMax = time.Second, time.Second
 		}},
 		{name: "no brokers", modify: func(c *Config) { c.Brokers = nil },
-			wantErr: []string{"(KAFKA_BROKERS)", "required"}},
+			wantErr: []string{"Brokers: ", "required"}},
 		{name: "empty broker address", modify: func(c *Config) { c.Brokers = []string{"a:1", ""} },
-			wantErr: []string{"(KAFKA_BROKERS)", "empty address"}},
+			wantErr: []string{"Brokers: ", "empty address"}},
 		{name: "no group", modify: func(c *Config) { c.Group = "" },
-			wantErr: []string{"(KAFKA_GROUP_ID)", "required"}},
+			wantErr: []string{"Group: ", "required"}},
 		{name: "no topics", modify: func(c *Config) { c.Topics = []string{} },
-			wantErr: []string{"(KAFKA_TOPICS)", "required"}},
+			wantErr: []string{"Topics: ", "required"}},
 		{name: "empty topic name", modify: func(c *Config) { c.Topics = []string{"orders", ""} },
-			wantErr: []string{"(KAFKA_TOPICS)", "empty topic name"}},
+			wantErr: []string{"Topics: ", "empty topic name"}},
 		{name: "topic listed twice", modify: func(c *Config) { c.Topics = []string{"orders", "refunds", "orders"} },
-			wantErr: []string{"(KAFKA_TOPICS)", `"orders" twice`}},
+			wantErr: []string{"Topics: ", `"orders" twice`}},
 		{name: "no handler", modify: func(c *Config) { c.Handler = nil },
-			wantErr: []string{"Handler is required"}},
+			wantErr: []string{"Handler: required"}},
 		{name: "bad start offset", modify: func(c *Config) { c.StartOffset = "middle" },
-			wantErr: []string{"(KAFKA_START_OFFSET)", `"middle"`}},
+			wantErr: []string{"StartOffset: ", `"middle"`}},
 		{name: "negative batch size", modify: func(c *Config) { c.BatchMaxRecords = -1 },
-			wantErr: []string{"(BATCH_MAX_RECORDS)", "-1"}},
+			wantErr: []string{"BatchMaxRecords: ", "-1"}},
 		{name: "negative buffer", modify: func(c *Config) { c.MaxBufferedBytes = -5 },
 			wantErr: []string{"MaxBufferedBytes", "-5"}},
 		{name: "negative local attempts", modify: func(c *Config) { c.LocalAttempts = -2 },
-			wantErr: []string{"(RETRY_LOCAL_ATTEMPTS)", "-2"}},
+			wantErr: []string{"LocalAttempts: ", "-2"}},
 		{name: "negative backoff base", modify: func(c *Config) { c.BackoffBase = -time.Second },
-			wantErr: []string{"(RETRY_BACKOFF_BASE)", "-1s"}},
+			wantErr: []string{"BackoffBase", "-1s"}},
 		{name: "backoff max below base", modify: func(c *Config) { c.BackoffBase, c.BackoffMax = 2*time.Second, time.Second },
-			wantErr: []string{"(RETRY_BACKOFF_MAX)", "(RETRY_BACKOFF_BASE)", "1s", "2s"}},
+			wantErr: []string{"BackoffMax: ", "BackoffBase", "1s", "2s"}},
 		{name: "negative session timeout", modify: func(c *Config) { c.SessionTimeout = -time.Second },
-			wantErr: []string{"(KAFKA_SESSION_TIMEOUT)", "-1s"}},
-		{name: "negative drain timeout", modify: func(c *Config) { c.DrainTimeout = -time.Second },
-			wantErr: []string{"DrainTimeout", "-1s"}},
+			wantErr: []string{"SessionTimeout: ", "-1s"}},
+		{name: "negative handoff timeout", modify: func(c *Config) { c.HandoffTimeout = -time.Second },
+			wantErr: []string{"HandoffTimeout", "-1s"}},
 		{name: "negative tx idle timeout", modify: func(c *Config) { c.TxIdleTimeout = -time.Second },
-			wantErr: []string{"(DB_TX_IDLE_TIMEOUT)", "-1s"}},
+			wantErr: []string{"TxIdleTimeout: ", "-1s"}},
 		{name: "negative shutdown timeout", modify: func(c *Config) { c.ShutdownTimeout = -time.Second },
-			wantErr: []string{"(SHUTDOWN_TIMEOUT)", "-1s"}},
+			wantErr: []string{"ShutdownTimeout: ", "-1s"}},
 		{name: "zero retry tier", modify: func(c *Config) { c.RetryTiers = []time.Duration{time.Second, 0} },
-			wantErr: []string{"(RETRY_TIERS)", "tier 2", "0s must be positive"}},
+			wantErr: []string{"RetryTiers: ", "tier 2", "0s must be positive"}},
 		{name: "too many retry tiers", modify: func(c *Config) { c.RetryTiers = make([]time.Duration, 21) },
-			wantErr: []string{"(RETRY_TIERS)", "21 tiers", "at most 20"}},
+			wantErr: []string{"RetryTiers: ", "21 tiers", "at most 20"}},
 		{name: "unknown dead-letter policy", modify: func(c *Config) { c.OnDeadLetter = "drop" },
-			wantErr: []string{"(ON_DEAD_LETTER)", `"skip" or "block"`, `"drop"`}},
+			wantErr: []string{"OnDeadLetter: ", `"skip" or "block"`, `"drop"`}},
 		{name: "retry topic listed as a source", modify: func(c *Config) { c.Topics = []string{"orders", "orders." + c.Group + ".retry.1"} },
-			wantErr: []string{"(KAFKA_TOPICS)", "retry or dead-letter topic"}},
+			wantErr: []string{"Topics: ", "retry or dead-letter topic"}},
+		{name: "breaker threshold zero after defaults", modify: func(c *Config) { c.BreakerThreshold = -0.5 },
+			wantErr: []string{"BreakerThreshold: ", "-0.5", "BreakerDisabled"}},
+		{name: "policy for a topic not consumed", modify: func(c *Config) { c.TopicPolicies = map[string]TopicPolicy{"refunds": {LocalAttempts: 2}} },
+			wantErr: []string{"TopicPolicies: ", `"refunds"`, "not one of Topics"}},
+		{name: "bad topic policy", modify: func(c *Config) {
+			c.TopicPolicies = map[string]TopicPolicy{"orders": {RetryTiers: []time.Duration{-time.Second}, OnDeadLetter: "drop", LocalAttempts: -1, MaxRecordBytes: -1}}
+		}, wantErr: []string{`TopicPolicies["orders"].RetryTiers: tier 1`, `TopicPolicies["orders"].OnDeadLetter: `, `TopicPolicies["orders"].LocalAttempts: `, `TopicPolicies["orders"].MaxRecordBytes: `}},
+		{name: "handlers only per topic", modify: func(c *Config) {
+			c.Handler = nil
+			c.Topics = []string{"orders", "refunds"}
+			c.TopicPolicies = map[string]TopicPolicy{"orders": {Handler: nopHandler}, "refunds": {Handler: nopHandler}}
+		}},
+		{name: "a topic without a handler", modify: func(c *Config) {
+			c.Handler = nil
+			c.Topics = []string{"orders", "refunds"}
+			c.TopicPolicies = map[string]TopicPolicy{"orders": {Handler: nopHandler}}
+		}, wantErr: []string{"Handler: required", `"refunds"`}},
 		{name: "every required field missing", modify: func(c *Config) { *c = *(&Config{}).withDefaults() },
-			wantErr: []string{"(KAFKA_BROKERS)", "(KAFKA_GROUP_ID)", "(KAFKA_TOPICS)", "Handler is required"}},
+			wantErr: []string{"Brokers: ", "Group: ", "Topics: ", "Handler: required"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -148,7 +165,7 @@ func TestConfigWithDefaults(t *testing.T) {
 		{"BackoffBase", z.BackoffBase, 200 * time.Millisecond},
 		{"BackoffMax", z.BackoffMax, 5 * time.Second},
 		{"SessionTimeout", z.SessionTimeout, 45 * time.Second},
-		{"DrainTimeout", z.DrainTimeout, 5 * time.Second},
+		{"HandoffTimeout", z.HandoffTimeout, 5 * time.Second},
 		{"TxIdleTimeout", z.TxIdleTimeout, 30 * time.Second},
 		{"ShutdownTimeout", z.ShutdownTimeout, 10 * time.Second},
 		{"InstanceName", z.InstanceName, fmt.Sprintf("%s:%d", host, os.Getpid())},
@@ -172,7 +189,7 @@ func TestConfigWithDefaults(t *testing.T) {
 		Brokers: []string{"b:1"}, Group: "g", Topics: []string{"t"}, Handler: nopHandler,
 		Schema: "custom", StartOffset: StartLatest, BatchMaxRecords: 7, BatchMaxWait: time.Second,
 		MaxBufferedBytes: 99, LocalAttempts: 1, BackoffBase: time.Millisecond, BackoffMax: time.Minute,
-		SessionTimeout: 6 * time.Second, DrainTimeout: time.Second, TxIdleTimeout: 2 * time.Second,
+		SessionTimeout: 6 * time.Second, HandoffTimeout: time.Second, TxIdleTimeout: 2 * time.Second,
 		ShutdownTimeout: 3 * time.Second, InstanceName: "me", Logger: logger, Registerer: reg,
 	}
 	got := set.withDefaults()
@@ -189,7 +206,7 @@ func TestConfigWithDefaults(t *testing.T) {
 		{"BackoffBase", got.BackoffBase, time.Millisecond},
 		{"BackoffMax", got.BackoffMax, time.Minute},
 		{"SessionTimeout", got.SessionTimeout, 6 * time.Second},
-		{"DrainTimeout", got.DrainTimeout, time.Second},
+		{"HandoffTimeout", got.HandoffTimeout, time.Second},
 		{"TxIdleTimeout", got.TxIdleTimeout, 2 * time.Second},
 		{"ShutdownTimeout", got.ShutdownTimeout, 3 * time.Second},
 		{"InstanceName", got.InstanceName, "me"},
@@ -310,7 +327,7 @@ func TestConfigNewRejectsInvalid(t *testing.T) {
 	c.Topics = nil
 	c.LocalAttempts = -1
 	_, err = New(pool, c)
-	for _, want := range []string{"invalid config", "(KAFKA_TOPICS)", "(RETRY_LOCAL_ATTEMPTS)"} {
+	for _, want := range []string{"invalid config", "Topics: ", "LocalAttempts: "} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("New with no topics and -1 attempts: error = %v, want it to contain %q", err, want)
 		}

@@ -78,8 +78,8 @@ func (d *drainer) run() {
 	defer tick.Stop()
 	for {
 		var keys []retrytopics.Key
-		err := d.p.inPlace(d.ctx, d.stopping, d.log, false, nil, func() (err error) {
-			keys, err = d.p.retry.ReadyKeys(d.ctx, d.p.pool, drainBatch)
+		err := d.p.inPlace(d.ctx, d.stopping, d.log, "", nil, func() (err error) {
+			keys, err = d.p.retry.ReadyKeys(d.ctx, d.p.pool, d.p.cfg.Topics, drainBatch)
 			return err
 		})
 		if err != nil {
@@ -204,7 +204,7 @@ func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error
 			return err
 		}
 		return own(d.p.retry.AppliedParked(ctx, tx, k, parked))
-	}, true)
+	}, k.Topic)
 	var first *Record
 	if len(recs) > 0 {
 		first = recs[0]
@@ -255,7 +255,7 @@ func (d *drainer) route(k retrytopics.Key, rec *Record, f failure) (more bool, e
 			return retrytopics.ErrStale
 		}
 		return own(d.p.write(ctx, tx, m))
-	}, false, m.msg)
+	}, "", m.msg)
 	if errors.Is(err, retrytopics.ErrStale) {
 		return true, nil // look again
 	}
@@ -267,8 +267,9 @@ func (d *drainer) route(k retrytopics.Key, rec *Record, f failure) (more bool, e
 }
 
 // transact runs one transaction that stores msgs in the outbox and runs apply (see
-// Processor.inPlace); apply must fail for the messages not to be stored.
-func (d *drainer) transact(apply func(context.Context, pgx.Tx) error, blame bool, msgs ...sink.Message) error {
+// Processor.inPlace; blame is the source topic whose handler apply runs, or ""); apply must fail
+// for the messages not to be stored.
+func (d *drainer) transact(apply func(context.Context, pgx.Tx) error, blame string, msgs ...sink.Message) error {
 	return d.p.inPlace(d.ctx, d.stopping, d.log, blame, nil, func() error {
 		return d.p.sink.Transact(d.ctx, apply, msgs)
 	})

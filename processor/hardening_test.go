@@ -830,7 +830,7 @@ func TestStuckKeysAreReportedAndReleased(t *testing.T) {
 		}
 		return nil
 	})
-	scope := retrytopics.StuckScope{Older: time.Second, Tiers: 0, Topics: []string{h.topic}}
+	scope := retrytopics.StuckScope{Older: time.Second, Tiers: map[string]int{h.topic: 0}}
 	stuck, err := processor.StuckKeys(context.Background(), h.pool, "kafkapg", h.group, scope, 10)
 	if err != nil || len(stuck) != 1 || string(stuck[0].Key.Key) != "K" || stuck[0].Reason != retrytopics.StuckOrphaned || stuck[0].Head != 0 {
 		t.Fatalf("StuckKeys = %+v, %v; want key K, orphaned, waiting for offset 0", stuck, err)

@@ -212,25 +212,31 @@ func tierLabel(n int) string { return strconv.Itoa(n) }
 
 // initLabels creates every series the processor can export for its topics and tiers at zero,
 // so that dashboards and alerts (rate, increase, absent) see them before the first event.
-func (m *metrics) initLabels(topics []string, group string, tiers int) {
+// initLabels creates the series of source topic t, which has tiers retry tiers.
+func (m *metrics) initLabels(t string, group string, tiers int) {
 	classes := []string{ClassRetryable.String(), ClassPermanent.String(), ClassInfrastructure.String()}
-	for _, t := range topics {
-		m.applied.WithLabelValues(t)
-		m.consumed.WithLabelValues(t)
-		m.parked.WithLabelValues(t)
-		m.duplicates.WithLabelValues(t)
-		for _, c := range classes {
-			m.failures.WithLabelValues(t, c)
-			m.deadLettered.WithLabelValues(t, c)
-		}
-		m.published.WithLabelValues(retrytopics.DLQTopic(t, group))
-		for n := 1; n <= tiers; n++ {
-			m.routed.WithLabelValues(t, tierLabel(n))
-			m.published.WithLabelValues(retrytopics.TierTopic(t, group, n))
-			m.consumed.WithLabelValues(retrytopics.TierTopic(t, group, n))
-			m.tierRecords.WithLabelValues(tierLabel(n))
-			m.tierOverdue.WithLabelValues(tierLabel(n))
-		}
+	m.applied.WithLabelValues(t)
+	m.consumed.WithLabelValues(t)
+	m.parked.WithLabelValues(t)
+	m.duplicates.WithLabelValues(t)
+	for _, c := range classes {
+		m.failures.WithLabelValues(t, c)
+		m.deadLettered.WithLabelValues(t, c)
+	}
+	m.published.WithLabelValues(retrytopics.DLQTopic(t, group))
+	for n := 1; n <= tiers; n++ {
+		m.routed.WithLabelValues(t, tierLabel(n))
+		m.published.WithLabelValues(retrytopics.TierTopic(t, group, n))
+		m.consumed.WithLabelValues(retrytopics.TierTopic(t, group, n))
+	}
+}
+
+// initTierLabels creates the series of the group-wide tier gauges, for tiers 1 to tiers, and the
+// other fixed label values.
+func (m *metrics) initTierLabels(tiers int) {
+	for n := 1; n <= tiers; n++ {
+		m.tierRecords.WithLabelValues(tierLabel(n))
+		m.tierOverdue.WithLabelValues(tierLabel(n))
 	}
 	for _, e := range []string{"assigned", "revoked", "lost"} {
 		m.rebalances.WithLabelValues(e)

@@ -18,17 +18,19 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/localrun"
 	"github.com/kafkapg/kafkapg/internal/promscrape"
-	"github.com/kafkapg/kafkapg/internal/service"
 	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/service"
 )
 
 // TestMain lets the test binary play cmd/processor: tests re-execute it as a child process that
 // they can SIGKILL, SIGSTOP and SIGTERM.
 func TestMain(m *testing.M) {
 	if os.Getenv("KAFKAPG_TEST_CHILD") == "processor" {
-		os.Exit(service.Main([]string{"run"}, os.Stderr))
+		os.Exit(service.Run([]string{"run"}, os.Stderr,
+			service.Handler{Name: "ledger", Handler: ledger.Handler{}, Setup: service.SetupSQL(ledger.Schema)}))
 	}
 	code := m.Run()
 	if code == 0 {

@@ -41,7 +41,7 @@ type Processor struct {
 	kprom    *kprom.Metrics
 	store    *offsets.Store
 	sink     *sink.Sink
-	batch    BatchHandler // cfg.Handler as a BatchHandler, if it is one
+	policies map[string]*policy // by source topic
 	backoff  backoff.Policy
 	retry    *retrytopics.Store
 	tierOf   map[string]tierRef // retry-tier topic -> its source topic and tier
@@ -85,7 +85,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 		return nil, errors.New("processor: config is required")
 	}
 	if err := cfg.Validate(); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("processor: invalid config: %w", err)
 	}
 	c := cfg.withDefaults()
 	m, err := newMetrics(c.Registerer)
@@ -93,24 +93,28 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 		return nil, fmt.Errorf("processor: register metrics: %w", err)
 	}
 	p := &Processor{
-		cfg:     c,
-		pool:    pool,
-		log:     c.Logger.With("group", c.Group),
-		metrics: m,
-		kprom:   kprom.NewMetrics("kafkapg_kafka", kprom.Registerer(c.Registerer)),
-		store:   offsets.NewStore(c.Schema, c.Group),
-		backoff: backoff.Policy{Base: c.BackoffBase, Max: c.BackoffMax},
-		workers: map[offsets.Partition]*worker{},
-		retry:   retrytopics.NewStore(c.Schema, c.Group),
-		tierOf:  map[string]tierRef{},
-		buf:     newBuffer(c.MaxBufferedBytes),
+		cfg:      c,
+		pool:     pool,
+		log:      c.Logger.With("group", c.Group),
+		metrics:  m,
+		kprom:    kprom.NewMetrics("kafkapg_kafka", kprom.Registerer(c.Registerer)),
+		store:    offsets.NewStore(c.Schema, c.Group),
+		backoff:  backoff.Policy{Base: c.BackoffBase, Max: c.BackoffMax},
+		workers:  map[offsets.Partition]*worker{},
+		retry:    retrytopics.NewStore(c.Schema, c.Group),
+		tierOf:   map[string]tierRef{},
+		policies: map[string]*policy{},
+		buf:      newBuffer(c.MaxBufferedBytes),
 	}
 	for _, t := range c.Topics {
-		for n := 1; n <= len(c.RetryTiers); n++ {
+		pol := c.policy(t)
+		p.policies[t] = pol
+		for n := 1; n <= len(pol.tiers); n++ {
 			p.tierOf[retrytopics.TierTopic(t, c.Group, n)] = tierRef{source: t, n: n}
 		}
+		m.initLabels(t, c.Group, len(pol.tiers))
 	}
-	m.initLabels(c.Topics, c.Group, len(c.RetryTiers))
+	m.initTierLabels(p.maxTiers())
 	if err := c.Registerer.Register(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Namespace: "kafkapg", Name: "buffered_bytes",
 		Help: "What the fetched records this process holds in memory (waiting or being applied) cost, counted against MAX_BUFFERED_BYTES.",
@@ -120,13 +124,12 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 	p.clientCtx, p.cutClient = context.WithCancel(context.Background())
 	p.drainer = newDrainer(p)
 	p.breaker = newBreaker(breakerConfig{
-		threshold:  c.BreakerThreshold,
+		threshold:  c.breakerThreshold(),
 		window:     c.BreakerWindow,
 		minRecords: c.BreakerMinRecords,
 		probeMin:   c.BreakerProbeInterval,
 		probeMax:   c.BreakerProbeMax,
 	}, p.log.With("component", "breaker"), m)
-	p.batch, _ = c.Handler.(BatchHandler)
 	p.sink = sink.New(pool, p.store, sink.Config{
 		Schema:        c.Schema,
 		TxIdleTimeout: c.TxIdleTimeout,
@@ -240,7 +243,7 @@ func (p *Processor) Run(ctx context.Context) error {
 	// Joining starts only now, so the rebalance callbacks always find p.client set.
 	topics := slices.Concat(p.cfg.Topics, slices.Sorted(maps.Keys(p.tierOf)))
 	cl.AddConsumeTopics(topics...)
-	p.log.Info("processor started", "topics", p.cfg.Topics, "retry_tiers", fmt.Sprint(p.cfg.RetryTiers),
+	p.log.Info("processor started", "topics", p.cfg.Topics, "retry_tiers", fmt.Sprint(p.cfg.RetryTiers), "topic_policies", slices.Sorted(maps.Keys(p.cfg.TopicPolicies)),
 		"on_dead_letter", p.cfg.OnDeadLetter, "instance", p.cfg.InstanceName)
 	context.AfterFunc(ctx, func() { p.signalled.Store(time.Now().UnixNano()) })
 	pollCtx, stopPoll := context.WithCancel(ctx)
@@ -283,7 +286,7 @@ func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Re
 	p.log.Info("shutting down", "timeout", p.cfg.ShutdownTimeout)
 
 	// Stop the workers first: nothing new is applied from here on.
-	drain := min(p.cfg.DrainTimeout, max(time.Until(deadlineOf(sctx))/2, 0))
+	drain := min(p.cfg.HandoffTimeout, max(time.Until(deadlineOf(sctx))/2, 0))
 	p.stopWorkers(append(stoppers(p.removeWorkers(nil)), p.drainer), drain)
 
 	// Publish what the last transactions put in the outbox, if time allows; anything left is
@@ -487,7 +490,7 @@ func (p *Processor) newClient() (*kgo.Client, error) {
 // retry or dead-letter topic that it may not create is an error.
 func (p *Processor) ensureTopics(ctx context.Context, adm *kadm.Client) error {
 	for failures := 1; ; failures++ {
-		created, missing, err := retrytopics.EnsureTopics(ctx, adm, p.cfg.Group, p.cfg.Topics, len(p.cfg.RetryTiers), !p.cfg.DisableTopicCreation)
+		created, missing, err := retrytopics.EnsureTopics(ctx, adm, p.cfg.Group, p.tierCounts(), !p.cfg.DisableTopicCreation)
 		for _, t := range created {
 			p.log.Info("created topic", "topic", t)
 		}
@@ -526,7 +529,7 @@ func (p *Processor) refreshStats(ctx context.Context) {
 		qctx, cancel := context.WithTimeout(ctx, statsInterval)
 		st, err := p.retry.Stats(qctx, p.pool)
 		if err == nil {
-			p.metrics.setRetryStats(st, len(p.cfg.RetryTiers))
+			p.metrics.setRetryStats(st, p.maxTiers())
 			err = p.refreshStuck(qctx)
 		}
 		cancel()
@@ -564,7 +567,28 @@ func (p *Processor) refreshStats(ctx context.Context) {
 
 // stuckScope is what counts as a stuck key for this processor.
 func (p *Processor) stuckScope() retrytopics.StuckScope {
-	return retrytopics.StuckScope{Older: p.cfg.StallTimeout, Tiers: len(p.cfg.RetryTiers), Topics: p.cfg.Topics}
+	return retrytopics.StuckScope{Older: p.cfg.StallTimeout, Tiers: p.tierCounts()}
+}
+
+// policy returns the policy of source topic, which must be one of Config.Topics.
+func (p *Processor) policy(topic string) *policy { return p.policies[topic] }
+
+// tierCounts returns the number of retry tiers of each source topic.
+func (p *Processor) tierCounts() map[string]int {
+	out := make(map[string]int, len(p.policies))
+	for t, pol := range p.policies {
+		out[t] = len(pol.tiers)
+	}
+	return out
+}
+
+// maxTiers returns the most retry tiers any source topic has.
+func (p *Processor) maxTiers() int {
+	n := 0
+	for _, pol := range p.policies {
+		n = max(n, len(pol.tiers))
+	}
+	return n
 }
 
 // refreshStuck publishes kafkapg_stuck_keys and logs when the number of stuck keys changes.
@@ -801,7 +825,7 @@ func (p *Processor) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[s
 		return
 	}
 	p.metrics.rebalances.WithLabelValues("revoked").Inc()
-	p.stopWorkers(stoppers(ws), p.cfg.DrainTimeout)
+	p.stopWorkers(stoppers(ws), p.cfg.HandoffTimeout)
 	if err := cl.CommitMarkedOffsets(ctx); err != nil {
 		p.log.Warn("kafka offset commit on revoke failed (advisory only)", "err", err)
 	}

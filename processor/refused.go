@@ -29,7 +29,7 @@ func (p *Processor) refused(ctx context.Context, tx pgx.Tx, m sink.Message, refu
 		return nil, fmt.Errorf("not a retry or dead-letter record of kafkapg: %w", err)
 	}
 	own := retrytopics.StripHeaders(m.Headers)
-	if _, tier := p.tierOf[m.Topic]; tier {
+	if t, tier := p.tierOf[m.Topic]; tier {
 		now := time.Now()
 		mv := retrytopics.Move{
 			Rec: retrytopics.Rec{
@@ -45,7 +45,7 @@ func (p *Processor) refused(ctx context.Context, tx pgx.Tx, m sink.Message, refu
 			Class:         f.Class,
 			Message:       fmt.Sprintf("its copy for retry tier %s was refused by Kafka (%v); the delivery before failed with: %s", m.Topic, refusal, f.Message),
 			FirstFailedAt: f.FirstFailedAt,
-			Block:         p.cfg.OnDeadLetter == OnDeadLetterBlock,
+			Block:         p.policy(t.source).onDeadLetter == OnDeadLetterBlock,
 		}
 		if err := p.retry.DeadLetter(ctx, tx, mv); errors.Is(err, retrytopics.ErrStale) {
 			return nil, nil // the record moved on without this copy (a copy published twice): nothing to do

@@ -124,6 +124,7 @@ type move struct {
 // retryable and tiers remain, the dead-letter topic otherwise.
 func (p *Processor) plan(rec *Record, source string, f failure) move {
 	cause, class := f.cause, f.class
+	pol := p.policy(source)
 	now := time.Now()
 	first := rec.firstFailed
 	if first.IsZero() {
@@ -137,7 +138,7 @@ func (p *Processor) plan(rec *Record, source string, f failure) move {
 		Class:         class.String(),
 		Message:       cause.Error(),
 		FirstFailedAt: first,
-		Block:         p.cfg.OnDeadLetter == OnDeadLetterBlock,
+		Block:         pol.onDeadLetter == OnDeadLetterBlock,
 	}}
 	hf := retrytopics.Failure{
 		Topic:         rec.Topic,
@@ -153,9 +154,9 @@ func (p *Processor) plan(rec *Record, source string, f failure) move {
 		FirstFailedAt: first,
 	}
 	topic := retrytopics.DLQTopic(source, p.cfg.Group)
-	if class == ClassRetryable && rec.Attempt <= len(p.cfg.RetryTiers) && !rec.foreign {
+	if class == ClassRetryable && rec.Attempt <= len(pol.tiers) && !rec.foreign {
 		m.tier = rec.Attempt
-		m.DueAt = retrytopics.DueAt(now, p.cfg.RetryTiers[m.tier-1], rand.Float64())
+		m.DueAt = retrytopics.DueAt(now, pol.tiers[m.tier-1], rand.Float64())
 		hf.DueAt = m.DueAt
 		topic = retrytopics.TierTopic(source, p.cfg.Group, m.tier)
 	}

@@ -26,8 +26,8 @@ import (
 // stop within 5 s and leave the group, so that its partitions flow through B long before A's own
 // 60 s session timeout would hand them over.
 func TestShutdownDuringStuckRebalanceLeavesTheGroup(t *testing.T) {
-	for _, protocol := range []string{processor.GroupProtocolClassic, processor.GroupProtocolAuto} {
-		t.Run(protocol, func(t *testing.T) {
+	for _, protocol := range []processor.GroupProtocol{processor.GroupProtocolClassic, processor.GroupProtocolAuto} {
+		t.Run(string(protocol), func(t *testing.T) {
 			t.Parallel()
 			testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 				if !k.Real() {
@@ -45,7 +45,7 @@ func TestShutdownDuringStuckRebalanceLeavesTheGroup(t *testing.T) {
 	}
 }
 
-func stopsWhileAMemberIsSilent(t *testing.T, k *testenv.Kafka, protocol string) {
+func stopsWhileAMemberIsSilent(t *testing.T, k *testenv.Kafka, protocol processor.GroupProtocol) {
 	h := newHarness(t, k, 4)
 	items := ledger.Generate(ledger.GenConfig{Events: 400, Accounts: 20, Seed: 31, Prefix: "sd"})
 	first, second := items[:200], items[200:]

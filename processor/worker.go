@@ -282,7 +282,7 @@ func (w *worker) loadHeld() error {
 	if w.tier > 0 {
 		return nil
 	}
-	return w.p.inPlace(w.ctx, w.stopping, w.log, false, &w.prog, func() error {
+	return w.p.inPlace(w.ctx, w.stopping, w.log, "", &w.prog, func() error {
 		keys, err := w.p.retry.HeldKeys(w.ctx, w.p.pool, w.tp.Topic, w.tp.Partition)
 		if err != nil {
 			return err
@@ -546,7 +546,7 @@ func (p *Processor) retryAlone(ctx context.Context, stopping <-chan struct{}, pr
 	counted, probing := false, false
 	for tries := 1; ; tries++ {
 		_, cause = failedRecord(cause, 1)
-		class := p.classify(cause)
+		class := p.classify(topic, cause)
 		if class == ClassInfrastructure {
 			// inPlace retries those in place: one here means two classifications of the same
 			// failure disagreed (a bug). Never dead-letter it for a dependency's fault.
@@ -562,7 +562,7 @@ func (p *Processor) retryAlone(ctx context.Context, stopping <-chan struct{}, pr
 		if class != ClassRetryable {
 			return failure{cause: cause, class: class, tries: tries}, false, nil
 		}
-		if tries < p.cfg.LocalAttempts {
+		if tries < p.policy(topic).localAttempts {
 			if !backoff.Sleep(ctx, stopping, p.backoff.Delay(tries)) {
 				return f, true, errStopped
 			}
@@ -613,7 +613,11 @@ func (p *Processor) retryAlone(ctx context.Context, stopping <-chan struct{}, pr
 func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(context.Context, pgx.Tx) error, blame bool) error {
 	last := recs[len(recs)-1]
 	next := last.consumed + 1
-	return w.p.inPlace(w.ctx, w.stopping, w.log.With("from_offset", recs[0].consumed), blame, &w.prog, func() error {
+	blamed := ""
+	if blame {
+		blamed = w.source
+	}
+	return w.p.inPlace(w.ctx, w.stopping, w.log.With("from_offset", recs[0].consumed), blamed, &w.prog, func() error {
 		start := time.Now()
 		err := w.p.sink.Apply(w.ctx, w.pos, next, apply, msgs)
 		if errors.Is(err, offsets.ErrAlreadyAdvanced) {
@@ -636,14 +640,15 @@ func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(contex
 
 // inPlace runs tx until it succeeds, retrying in place with backoff while the failure is not the
 // record's, until ctx is done or stopping is closed (then it returns errStopped). It returns at
-// once an error wrapping offsets.ErrFenced or retrytopics.ErrStale, and, if blame is set, a
-// *sink.HandlerError that is not classified as infrastructure: a failure of the record.
+// once an error wrapping offsets.ErrFenced or retrytopics.ErrStale, and, if blame names a source
+// topic, a *sink.HandlerError that its handler's error is not classified as infrastructure: a
+// failure of the record.
 //
 // What it retries is either the infrastructure's failure (Postgres down, or a dependency the
 // handler reports with Infrastructure), which passes by waiting, or a failure of kafkapg's own
 // statements that waiting will not fix (a bug, a table changed underneath): the latter is logged
 // as an error and counted in kafkapg_internal_errors_total. prog, if not nil, is told which.
-func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *slog.Logger, blame bool, prog *progress, tx func() error) error {
+func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *slog.Logger, blame string, prog *progress, tx func() error) error {
 	for failures := 0; ; {
 		err := tx()
 		if err == nil {
@@ -660,7 +665,7 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 		}
 		var herr *sink.HandlerError
 		var oerr *ownError
-		if errors.As(err, &herr) && !errors.As(herr.Err, &oerr) && blame && p.classify(herr.Err) != ClassInfrastructure {
+		if errors.As(err, &herr) && !errors.As(herr.Err, &oerr) && blame != "" && p.classify(blame, herr.Err) != ClassInfrastructure {
 			return herr
 		}
 		failures++
@@ -687,19 +692,20 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 // but left tx unusable (a statement of its failed, or its connection closed) fails: nothing of
 // kafkapg's own may run in that transaction, and it could not commit.
 func (p *Processor) handle(ctx context.Context, tx pgx.Tx, recs []*Record) error {
+	pol := p.policy(recs[0].Topic) // recs are all of one source topic
 	for i, r := range recs {
-		if n := r.size(); n > p.cfg.MaxRecordBytes {
-			return &RecordError{Index: i, Err: Permanent(fmt.Errorf("%w: key, value and headers are %d bytes, more than MAX_RECORD_BYTES (%d)",
-				ErrRecordTooLarge, n, p.cfg.MaxRecordBytes))}
+		if n := r.size(); n > pol.maxRecordBytes {
+			return &RecordError{Index: i, Err: Permanent(fmt.Errorf("%w: key, value and headers are %d bytes, more than the %d the topic allows",
+				ErrRecordTooLarge, n, pol.maxRecordBytes))}
 		}
 	}
 	start := time.Now()
 	defer func() { p.metrics.handlerDuration.Observe(time.Since(start).Seconds()) }()
-	if p.batch != nil {
-		return p.call(recs, func() error { return usable(tx, p.batch.HandleBatch(ctx, tx, recs)) })
+	if pol.batch != nil {
+		return p.call(recs, func() error { return usable(tx, pol.batch.HandleBatch(ctx, tx, recs)) })
 	}
 	for i, r := range recs {
-		if err := p.call(recs[i:i+1], func() error { return usable(tx, p.cfg.Handler.Handle(ctx, tx, r)) }); err != nil {
+		if err := p.call(recs[i:i+1], func() error { return usable(tx, pol.handler.Handle(ctx, tx, r)) }); err != nil {
 			return &RecordError{Index: i, Err: err}
 		}
 	}

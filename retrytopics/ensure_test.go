@@ -79,7 +79,7 @@ func TestEnsureTopics(t *testing.T) {
 	createTopic(t, addrs, "refunds", 1)
 	sources := []string{"orders", "ghost", "refunds"}
 
-	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", sources, 0, true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf(sources, 0), true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -100,7 +100,7 @@ func TestEnsureTopics(t *testing.T) {
 	}
 
 	// Idempotent: the second call finds everything in place.
-	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", sources, 0, true)
+	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf(sources, 0), true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -113,7 +113,7 @@ func TestEnsureTopics(t *testing.T) {
 
 	// Once the source appears, its DLQ is created.
 	createTopic(t, addrs, "ghost", 2)
-	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", sources, 0, true)
+	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf(sources, 0), true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -125,7 +125,7 @@ func TestEnsureTopics(t *testing.T) {
 	}
 
 	// Another group gets DLQs of its own.
-	created, _, err = retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "audit", []string{"orders"}, 0, true)
+	created, _, err = retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "audit", tiersOf([]string{"orders"}, 0), true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -152,7 +152,7 @@ func TestEnsureTopicsLostRace(t *testing.T) {
 		t.Fatalf("the admin client's metadata is not stale (err %v): the race is not staged, the test would prove nothing", err)
 	}
 
-	created, missing, err := retrytopics.EnsureTopics(ctx, stale, "billing", []string{"orders"}, 0, true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, stale, "billing", tiersOf([]string{"orders"}, 0), true)
 	if err != nil {
 		t.Fatalf("err = %v, want TopicAlreadyExists treated as success", err)
 	}
@@ -172,7 +172,7 @@ func TestEnsureTopicsKeepsExisting(t *testing.T) {
 	createTopic(t, addrs, "orders.billing.dlq", 1)
 	createTopic(t, addrs, "gone.billing.dlq", 1)
 
-	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders", "gone"}, 0, true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf([]string{"orders", "gone"}, 0), true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -190,7 +190,7 @@ func TestEnsureTopicsNoSources(t *testing.T) {
 	defer cancel()
 	addrs := newCluster(t)
 	createTopic(t, addrs, "orders", 3)
-	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", nil, 0, true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf(nil, 0), true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,7 +207,7 @@ func TestEnsureTopicsContextDone(t *testing.T) {
 	addrs := newCluster(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders"}, 0, true)
+	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf([]string{"orders"}, 0), true)
 	if err == nil {
 		t.Fatal("EnsureTopics with a cancelled context returned no error")
 	}
@@ -224,7 +224,7 @@ func TestEnsureTopicsTiers(t *testing.T) {
 	createTopic(t, addrs, "orders", 3)
 
 	// Creation disabled: every missing retry and dead-letter topic is named in the error.
-	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders"}, 2, false)
+	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf([]string{"orders"}, 2), false)
 	if !errors.Is(err, retrytopics.ErrTopicMissing) {
 		t.Fatalf("err = %v, want ErrTopicMissing", err)
 	}
@@ -237,7 +237,7 @@ func TestEnsureTopicsTiers(t *testing.T) {
 		t.Errorf("a topic was created although creation is disabled")
 	}
 
-	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders"}, 2, true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf([]string{"orders"}, 2), true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -251,7 +251,16 @@ func TestEnsureTopicsTiers(t *testing.T) {
 		}
 	}
 	// Now everything exists: creation disabled is fine.
-	if _, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", []string{"orders"}, 2, false); err != nil {
+	if _, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf([]string{"orders"}, 2), false); err != nil {
 		t.Errorf("with all topics present and creation disabled: %v", err)
 	}
+}
+
+// tiersOf gives every one of sources n retry tiers.
+func tiersOf(sources []string, n int) map[string]int {
+	out := map[string]int{}
+	for _, s := range sources {
+		out[s] = n
+	}
+	return out
 }

@@ -227,14 +227,15 @@ func Targets(source, group string, tiers int) []string {
 var ErrTopicMissing = errors.New("topic does not exist")
 
 // EnsureTopics checks that the retry-tier and dead-letter topics of every source topic exist
-// (see Targets). If create is true it creates missing ones with the source topic's partition count
+// (see Targets); tiers gives each source topic's number of retry tiers. If create is true it creates missing ones with the source topic's partition count
 // and the broker's default replication factor; otherwise a missing one is an error wrapping
 // ErrTopicMissing. A source topic that does not exist yet is reported in missing and skipped:
 // retry later.
-func EnsureTopics(ctx context.Context, adm *kadm.Client, group string, sources []string, tiers int, create bool) (created, missing []string, err error) {
+func EnsureTopics(ctx context.Context, adm *kadm.Client, group string, tiers map[string]int, create bool) (created, missing []string, err error) {
+	sources := slices.Sorted(maps.Keys(tiers))
 	want := map[string]string{} // target -> source
 	for _, s := range sources {
-		for _, t := range Targets(s, group, tiers) {
+		for _, t := range Targets(s, group, tiers[s]) {
 			want[t] = s
 		}
 	}

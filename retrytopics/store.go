@@ -325,11 +325,11 @@ func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
 	return nil
 }
 
-// ReadyKeys returns up to limit keys whose head is settled and whose parked records wait to be
-// applied, oldest first.
-func (s *Store) ReadyKeys(ctx context.Context, q Querier, limit int) ([]Key, error) {
+// ReadyKeys returns up to limit keys of topics whose head is settled and whose parked records
+// wait to be applied, oldest first.
+func (s *Store) ReadyKeys(ctx context.Context, q Querier, topics []string, limit int) ([]Key, error) {
 	rows, err := q.Query(ctx, `SELECT topic, partition, key FROM `+s.heldKeys+`
-		WHERE consumer_group = $1 AND state = 'ready' ORDER BY updated_at LIMIT $2`, s.group, limit)
+		WHERE consumer_group = $1 AND state = 'ready' AND topic = ANY($3) ORDER BY updated_at LIMIT $2`, s.group, limit, topics)
 	if err != nil {
 		return nil, fmt.Errorf("read ready keys: %w", err)
 	}

@@ -69,7 +69,7 @@ func TestStoreKeyHandOver(t *testing.T) {
 	if st.HeldKeys != 1 || st.HeldRecords != 1 || st.OldestHeld <= 0 || st.Tiers[1].Records != 1 || st.Tiers[1].Overdue < 50*time.Second {
 		t.Errorf("stats with the head in tier 1 and one record parked: %+v", st)
 	}
-	if keys, err := s.ReadyKeys(context.Background(), pool, 10); err != nil || len(keys) != 0 {
+	if keys, err := s.ReadyKeys(context.Background(), pool, []string{"orders"}, 10); err != nil || len(keys) != 0 {
 		t.Errorf("ReadyKeys = %v, %v; want none while the head is in its tier", keys, err)
 	}
 
@@ -83,7 +83,7 @@ func TestStoreKeyHandOver(t *testing.T) {
 		}
 		return s.Applied(ctx, tx, head, true)
 	})
-	keys, err := s.ReadyKeys(context.Background(), pool, 10)
+	keys, err := s.ReadyKeys(context.Background(), pool, []string{"orders"}, 10)
 	if err != nil || len(keys) != 1 || string(keys[0].Key) != string(key) {
 		t.Fatalf("ReadyKeys = %v, %v; want the key, ready for its parked record", keys, err)
 	}

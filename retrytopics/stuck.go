@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -42,11 +44,19 @@ type StuckKey struct {
 }
 
 // StuckScope says what counts as stuck: keys that have made no progress for Older, given the
-// number of retry tiers configured and the source topics consumed.
+// source topics consumed and the number of retry tiers each has.
 type StuckScope struct {
-	Older  time.Duration
-	Tiers  int
-	Topics []string
+	Older time.Duration
+	Tiers map[string]int // by source topic
+}
+
+// args returns the scope's query arguments: $2 the topics, $3 Older, $4 their tier counts.
+func (sc StuckScope) args() (topics []string, older time.Duration, tiers []int32) {
+	for _, t := range slices.Sorted(maps.Keys(sc.Tiers)) {
+		topics = append(topics, t)
+		tiers = append(tiers, int32(sc.Tiers[t]))
+	}
+	return topics, sc.Older, tiers
 }
 
 func (s *Store) stuckSQL(what string) string {
@@ -54,22 +64,24 @@ func (s *Store) stuckSQL(what string) string {
 		SELECT h.topic, h.partition, h.key, h.state, coalesce(h.head_offset, -1) AS head, h.updated_at, coalesce(r.attempt, 0) AS attempt,
 			CASE
 				WHEN h.state = 'ready' THEN 'undrained'
-				WHEN r."offset" IS NULL OR r.attempt - 1 > $2 OR NOT (h.topic = ANY($4)) THEN 'orphaned'
+				WHEN r."offset" IS NULL OR c.tiers IS NULL OR r.attempt - 1 > c.tiers THEN 'orphaned'
 				ELSE 'overdue'
 			END AS reason
 		FROM ` + s.heldKeys + ` h
 		LEFT JOIN ` + s.retries + ` r ON r.consumer_group = h.consumer_group AND r.topic = h.topic
 			AND r.partition = h.partition AND r."offset" = h.head_offset
+		LEFT JOIN unnest($2::text[], $4::int[]) AS c(topic, tiers) ON c.topic = h.topic
 		WHERE h.consumer_group = $1 AND h.state <> 'blocked'
 		AND h.updated_at < now() - $3::interval
-		AND (h.state = 'ready' OR r."offset" IS NULL OR r.attempt - 1 > $2 OR NOT (h.topic = ANY($4)) OR r.due_at < now() - $3::interval)
+		AND (h.state = 'ready' OR r."offset" IS NULL OR c.tiers IS NULL OR r.attempt - 1 > c.tiers OR r.due_at < now() - $3::interval)
 	) ` + what
 }
 
 // StuckKeys returns up to limit stuck keys, the longest stuck first.
 func (s *Store) StuckKeys(ctx context.Context, q Querier, scope StuckScope, limit int) ([]StuckKey, error) {
+	topics, older, tiers := scope.args()
 	rows, err := q.Query(ctx, s.stuckSQL(`SELECT topic, partition, key, state, head, updated_at, attempt, reason FROM stuck ORDER BY updated_at LIMIT $5`),
-		s.group, scope.Tiers, scope.Older, scope.Topics, limit)
+		s.group, topics, older, tiers, limit)
 	if err != nil {
 		return nil, fmt.Errorf("read stuck keys: %w", err)
 	}
@@ -87,7 +99,8 @@ func (s *Store) StuckKeys(ctx context.Context, q Querier, scope StuckScope, limi
 
 // StuckCounts counts the stuck keys by reason.
 func (s *Store) StuckCounts(ctx context.Context, q Querier, scope StuckScope) (map[string]int, error) {
-	rows, err := q.Query(ctx, s.stuckSQL(`SELECT reason, count(*) FROM stuck GROUP BY reason`), s.group, scope.Tiers, scope.Older, scope.Topics)
+	topics, older, tiers := scope.args()
+	rows, err := q.Query(ctx, s.stuckSQL(`SELECT reason, count(*) FROM stuck GROUP BY reason`), s.group, topics, older, tiers)
 	if err != nil {
 		return nil, fmt.Errorf("count stuck keys: %w", err)
 	}

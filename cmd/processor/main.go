@@ -1,17 +1,20 @@
-// Command processor consumes Kafka topics and applies every record to PostgreSQL exactly once,
-// with a built-in handler chosen by HANDLER. It is configured by environment variables (see
-// README.md) and exits 0 after a clean shutdown on SIGTERM, 2 on bad configuration.
+// Command processor is the kafkapg service with the built-in handlers of examples/ledger: it
+// consumes Kafka topics and applies every record to PostgreSQL exactly once. It is configured by
+// environment variables (docs/configuration.md); see package service for its commands and exit
+// statuses. Your own service is the same main with your handlers.
 //
-//	processor [run]    consume and apply (default)
-//	processor migrate  create or upgrade kafkapg's tables, then exit
+//	HANDLER=ledger           the demo's ledger of accounts and transfers
+//	HANDLER=ledger-careless  the same ledger written carelessly (for the fault-injection suite)
 package main
 
 import (
-	"os"
-
-	"github.com/kafkapg/kafkapg/internal/service"
+	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/service"
 )
 
 func main() {
-	os.Exit(service.Main(os.Args[1:], os.Stderr))
+	service.Main(
+		service.Handler{Name: "ledger", Handler: ledger.Handler{}, Setup: service.SetupSQL(ledger.Schema)},
+		service.Handler{Name: "ledger-careless", Handler: ledger.Careless{}, Setup: service.SetupSQL(ledger.CarelessSchema)},
+	)
 }

@@ -14,9 +14,9 @@ import (
 	"github.com/twmb/franz-go/pkg/sasl/scram"
 )
 
-// KafkaSecurityEnv is how the processor authenticates to Kafka and encrypts its connections.
+// kafkaSecurityEnv is how the processor authenticates to Kafka and encrypts its connections.
 // Setting any KAFKA_TLS_* file turns TLS on.
-type KafkaSecurityEnv struct {
+type kafkaSecurityEnv struct {
 	TLS                bool   `envconfig:"KAFKA_TLS" default:"false"`
 	TLSCAFile          string `envconfig:"KAFKA_TLS_CA_FILE"`
 	TLSCertFile        string `envconfig:"KAFKA_TLS_CERT_FILE"`
@@ -33,7 +33,7 @@ var saslMechanisms = []string{"PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"}
 
 // options returns the franz-go options for TLS and SASL. Errors name the variable at fault and
 // never contain the password.
-func (e *KafkaSecurityEnv) options() ([]kgo.Opt, error) {
+func (e *kafkaSecurityEnv) options() ([]kgo.Opt, error) {
 	var opts []kgo.Opt
 	var errs []error
 	if tlsCfg, err := e.tlsConfig(); err != nil {
@@ -49,7 +49,7 @@ func (e *KafkaSecurityEnv) options() ([]kgo.Opt, error) {
 	return opts, errors.Join(errs...)
 }
 
-func (e *KafkaSecurityEnv) tlsConfig() (*tls.Config, error) {
+func (e *kafkaSecurityEnv) tlsConfig() (*tls.Config, error) {
 	if !e.TLS && e.TLSCAFile == "" && e.TLSCertFile == "" && e.TLSKeyFile == "" {
 		if e.TLSServerName != "" || e.TLSInsecureSkipVer {
 			return nil, errors.New("KAFKA_TLS_SERVER_NAME and KAFKA_TLS_INSECURE_SKIP_VERIFY need TLS: set KAFKA_TLS=true")
@@ -86,7 +86,7 @@ func (e *KafkaSecurityEnv) tlsConfig() (*tls.Config, error) {
 	return cfg, errors.Join(errs...)
 }
 
-func (e *KafkaSecurityEnv) saslMechanism() (sasl.Mechanism, error) {
+func (e *kafkaSecurityEnv) saslMechanism() (sasl.Mechanism, error) {
 	if e.SASLMechanism == "" {
 		if e.SASLUsername != "" || e.SASLPassword != "" {
 			return nil, fmt.Errorf("KAFKA_SASL_USERNAME/KAFKA_SASL_PASSWORD are set but KAFKA_SASL_MECHANISM is not (one of %s)", strings.Join(saslMechanisms, ", "))

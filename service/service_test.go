@@ -34,11 +34,11 @@ func TestMainExitCodes(t *testing.T) {
 		{name: "-h", args: []string{"-h"}, want: 0, wantOut: []string{"usage: processor"}},
 		{name: "--help", args: []string{"--help"}, want: 0, wantOut: []string{"usage: processor"}},
 		{name: "run with nothing configured", args: []string{"run"}, want: 2,
-			wantOut: []string{"processor: configuration error: DATABASE_URL is required"}},
+			wantOut: []string{"service.test: configuration error: DATABASE_URL is required"}},
 		{name: "no arguments means run", args: nil, want: 2,
-			wantOut: []string{"processor: configuration error: DATABASE_URL is required"}},
+			wantOut: []string{"service.test: configuration error: DATABASE_URL is required"}},
 		{name: "run without brokers", args: []string{"run"}, vars: map[string]string{"DATABASE_URL": "postgres://a@b/c"}, want: 2,
-			wantOut: []string{"processor: configuration error: KAFKA_BROKERS is required"}},
+			wantOut: []string{"service.test: configuration error: KAFKA_BROKERS is required"}},
 		{name: "run with an unknown handler", args: []string{"run"}, vars: with("HANDLER", "nope"), want: 2,
 			wantOut: []string{"configuration error", `HANDLER="nope"`}},
 		{name: "run with a bad duration", args: []string{"run"}, vars: with("BATCH_MAX_WAIT", "soon"), want: 2,
@@ -49,19 +49,19 @@ func TestMainExitCodes(t *testing.T) {
 		{name: "run with a bad database URL", args: []string{"run"}, vars: with("DATABASE_URL", "postgres://%zz"), want: 2,
 			wantOut: []string{"configuration error", "DATABASE_URL is not a valid connection string"}},
 		{name: "migrate without a database", args: []string{"migrate"}, want: 2,
-			wantOut: []string{"processor: configuration error: DATABASE_URL is required"}},
+			wantOut: []string{"service.test: configuration error: DATABASE_URL is required"}},
 		{name: "migrate needs no Kafka settings, but a valid URL", args: []string{"migrate"},
 			vars: map[string]string{"DATABASE_URL": "postgres://%zz"}, want: 2,
 			wantOut: []string{"DATABASE_URL is not a valid connection string"}},
 		{name: "migrate with Postgres unreachable", args: []string{"migrate"},
 			vars: map[string]string{"DATABASE_URL": "postgres://kafkapg@127.0.0.1:1/kafkapg?sslmode=disable&connect_timeout=2"}, want: 1,
-			wantOut: []string{"processor: "}},
+			wantOut: []string{"service.test: "}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			setEnv(t, tt.vars)
 			var out bytes.Buffer
-			got := Main(tt.args, &out)
+			got := Run(tt.args, &out, builtinHandlers...)
 			if got != tt.want {
 				t.Errorf("Main(%q) = %d, want %d; output:\n%s", tt.args, got, tt.want, out.String())
 			}
@@ -79,7 +79,7 @@ func TestMainExitCodes(t *testing.T) {
 func TestMainConfigErrorOnOneLine(t *testing.T) {
 	setEnv(t, with("HANDLER", "nope", "LOG_FORMAT", "xml"))
 	var out bytes.Buffer
-	if code := Main([]string{"run"}, &out); code != 2 {
+	if code := Run([]string{"run"}, &out, builtinHandlers...); code != 2 {
 		t.Fatalf("Main = %d, want 2", code)
 	}
 	s := out.String()
@@ -201,7 +201,7 @@ func TestNewLogger(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			var buf bytes.Buffer
-			log := NewLogger(&Env{LogFormat: tt.format, LogLevel: tt.level}, &buf)
+			log := newLogger(&env{LogFormat: tt.format, LogLevel: tt.level}, &buf)
 			log.Info("info-line")
 			log.Error("error-line")
 			out := buf.String()
@@ -218,10 +218,10 @@ func TestNewLogger(t *testing.T) {
 	}
 }
 
-// TestLedgerSetupConcurrently: replicas start at the same time and all set up the handler's
-// tables; none may fail (concurrent CREATE TABLE IF NOT EXISTS races in Postgres's catalog).
-// Found by the chaos suite.
-func TestLedgerSetupConcurrently(t *testing.T) {
+// TestSetupConcurrently: replicas start at the same time and all set up the handler's tables;
+// none may fail (concurrent CREATE TABLE IF NOT EXISTS races in Postgres's catalog). Found by the
+// chaos suite.
+func TestSetupConcurrently(t *testing.T) {
 	for round := range 5 {
 		pool, _ := testenv.Postgres(t)
 		var wg sync.WaitGroup
@@ -230,7 +230,7 @@ func TestLedgerSetupConcurrently(t *testing.T) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				errs <- handlers["ledger"].setup(context.Background(), pool)
+				errs <- builtins().setup(context.Background(), pool, []string{"ledger"})
 			}()
 		}
 		wg.Wait()

@@ -139,13 +139,13 @@ func startService(t *testing.T, vars map[string]string) *service {
 	}
 	maps.Copy(all, vars)
 	setEnv(t, all)
-	env, err := LoadEnv()
+	e, err := loadEnv(builtins())
 	if err != nil {
 		t.Fatal(err)
 	}
 	var ctx context.Context
 	ctx, svc.cancel = context.WithCancel(context.Background())
-	go func() { svc.done <- Run(ctx, env, slog.New(slog.NewTextHandler(svc.logs, nil))) }()
+	go func() { svc.done <- serve(ctx, e, builtins(), slog.New(slog.NewTextHandler(svc.logs, nil))) }()
 	t.Cleanup(svc.cancel)
 	return svc
 }
@@ -225,7 +225,7 @@ func TestMainMigrate(t *testing.T) {
 	pool, dbURL := testenv.Postgres(t)
 	setEnv(t, map[string]string{"DATABASE_URL": dbURL, "DB_SCHEMA": "migrated"})
 	var out strings.Builder
-	if code := Main([]string{"migrate"}, &out); code != 0 {
+	if code := Run([]string{"migrate"}, &out, builtinHandlers...); code != 0 {
 		t.Fatalf("migrate exited %d: %s", code, out.String())
 	}
 	for _, table := range []string{"migrated.offsets", "migrated.outbox", "migrated.schema_migrations"} {
@@ -233,7 +233,7 @@ func TestMainMigrate(t *testing.T) {
 			t.Errorf("after migrate, %s: %v", table, err)
 		}
 	}
-	if code := Main([]string{"migrate"}, &out); code != 0 {
+	if code := Run([]string{"migrate"}, &out, builtinHandlers...); code != 0 {
 		t.Fatalf("second migrate exited %d: %s", code, out.String())
 	}
 }
@@ -288,11 +288,11 @@ func TestDeployQueriesUseExportedMetrics(t *testing.T) {
 func TestSecretsStayOutOfLogs(t *testing.T) {
 	const password = "hunter2-do-not-log"
 	setEnv(t, with("DATABASE_URL", "postgres://app:"+password+"@db.example:notaport/app"))
-	env, err := LoadEnv()
+	e, err := loadEnv(builtins())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := openPool(context.Background(), &env.DBEnv); err == nil {
+	if _, err := openPool(context.Background(), &e.dbEnv); err == nil {
 		t.Fatal("openPool accepted a malformed DATABASE_URL")
 	} else if strings.Contains(err.Error(), password) {
 		t.Errorf("the error for a malformed DATABASE_URL shows the password: %v", err)

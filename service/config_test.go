@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/processor"
 )
 
@@ -29,14 +30,20 @@ func envNames() []string {
 			}
 		}
 	}
-	walk(reflect.TypeFor[Env]())
+	walk(reflect.TypeFor[env]())
 	return names
 }
 
 // setEnv unsets every variable Env reads, then sets vars. The test must not be parallel.
 func setEnv(t *testing.T, vars map[string]string) {
 	t.Helper()
-	for _, n := range envNames() {
+	names := envNames()
+	for _, kv := range os.Environ() {
+		if n, _, _ := strings.Cut(kv, "="); strings.HasPrefix(n, topicPrefix) {
+			names = append(names, n)
+		}
+	}
+	for _, n := range names {
 		t.Setenv(n, "") // restores the old value after the test
 		os.Unsetenv(n)
 	}
@@ -82,12 +89,12 @@ func TestEnvNamesCoverKnownVariables(t *testing.T) {
 
 func TestLoadEnvDefaults(t *testing.T) {
 	setEnv(t, minimal())
-	env, err := LoadEnv()
+	e, err := loadEnv(builtins())
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := &Env{
-		DBEnv:                 DBEnv{DatabaseURL: "postgres://kafkapg@localhost:5432/kafkapg", DBSchema: "kafkapg", DBMaxConns: 10},
+	want := &env{
+		dbEnv:                 dbEnv{DatabaseURL: "postgres://kafkapg@localhost:5432/kafkapg", DBSchema: "kafkapg", DBMaxConns: 10},
 		KafkaBrokers:          []string{"localhost:9092"},
 		KafkaGroupID:          "billing",
 		KafkaTopics:           []string{"orders"},
@@ -105,8 +112,9 @@ func TestLoadEnvDefaults(t *testing.T) {
 		RetryTiers:            "1s,10s,1m",
 		OnDeadLetter:          "skip",
 		KafkaCreateTopics:     true,
-		Tiers:                 []time.Duration{time.Second, 10 * time.Second, time.Minute},
+		tiers:                 []time.Duration{time.Second, 10 * time.Second, time.Minute},
 		ShutdownTimeout:       10 * time.Second,
+		BreakerEnabled:        true,
 		BreakerThreshold:      0.5,
 		BreakerWindow:         30 * time.Second,
 		BreakerMinRecords:     20,
@@ -118,9 +126,10 @@ func TestLoadEnvDefaults(t *testing.T) {
 		MaxBufferedBytes:      64 << 20,
 		LogLevel:              "info",
 		LogFormat:             "json",
+		topics:                map[string]topicPolicy{},
 	}
-	if !reflect.DeepEqual(env, want) {
-		t.Fatalf("LoadEnv() =\n %+v\nwant\n %+v", env, want)
+	if !reflect.DeepEqual(e, want) {
+		t.Fatalf("loadEnv(builtins()) =\n %+v\nwant\n %+v", e, want)
 	}
 }
 
@@ -128,33 +137,33 @@ func TestLoadEnvValues(t *testing.T) {
 	tests := []struct {
 		name  string
 		vars  map[string]string
-		check func(e *Env) bool
+		check func(e *env) bool
 	}{
 		{
 			name:  "brokers list is trimmed and empty entries dropped",
 			vars:  with("KAFKA_BROKERS", " a:1 , ,b:2"),
-			check: func(e *Env) bool { return slices.Equal(e.KafkaBrokers, []string{"a:1", "b:2"}) },
+			check: func(e *env) bool { return slices.Equal(e.KafkaBrokers, []string{"a:1", "b:2"}) },
 		},
 		{
 			name:  "topics list is trimmed and empty entries dropped",
 			vars:  with("KAFKA_TOPICS", "orders,, refunds ,"),
-			check: func(e *Env) bool { return slices.Equal(e.KafkaTopics, []string{"orders", "refunds"}) },
+			check: func(e *env) bool { return slices.Equal(e.KafkaTopics, []string{"orders", "refunds"}) },
 		},
 		{
 			name:  "start offset latest",
 			vars:  with("KAFKA_START_OFFSET", "latest"),
-			check: func(e *Env) bool { return e.KafkaStartOffset == "latest" },
+			check: func(e *env) bool { return e.KafkaStartOffset == "latest" },
 		},
 		{
 			name:  "zero batch wait means apply at once",
 			vars:  with("BATCH_MAX_WAIT", "0"),
-			check: func(e *Env) bool { return e.BatchMaxWait == 0 },
+			check: func(e *env) bool { return e.BatchMaxWait == 0 },
 		},
 		{
 			name: "durations and integers",
 			vars: with("KAFKA_SESSION_TIMEOUT", "1m30s", "RETRY_BACKOFF_BASE", "1s", "RETRY_BACKOFF_MAX", "1s",
 				"BATCH_MAX_RECORDS", "1", "RETRY_LOCAL_ATTEMPTS", "7", "DB_MAX_CONNS", "2147483647"),
-			check: func(e *Env) bool {
+			check: func(e *env) bool {
 				return e.KafkaSessionTimeout == 90*time.Second && e.RetryBackoffBase == time.Second &&
 					e.RetryBackoffMax == time.Second && e.BatchMaxRecords == 1 && e.RetryLocalAttempts == 7 &&
 					e.DBMaxConns == 2147483647
@@ -163,35 +172,35 @@ func TestLoadEnvValues(t *testing.T) {
 		{
 			name: "retry tiers",
 			vars: with("RETRY_TIERS", "200ms, 500ms,1s"),
-			check: func(e *Env) bool {
-				return slices.Equal(e.Tiers, []time.Duration{200 * time.Millisecond, 500 * time.Millisecond, time.Second})
+			check: func(e *env) bool {
+				return slices.Equal(e.tiers, []time.Duration{200 * time.Millisecond, 500 * time.Millisecond, time.Second})
 			},
 		},
 		{
 			name:  "retry tiers set but empty: no tiers",
 			vars:  with("RETRY_TIERS", ""),
-			check: func(e *Env) bool { return e.Tiers != nil && len(e.Tiers) == 0 },
+			check: func(e *env) bool { return e.tiers != nil && len(e.tiers) == 0 },
 		},
 		{
 			name:  "dead-letter policy and topic creation",
 			vars:  with("ON_DEAD_LETTER", "block", "KAFKA_CREATE_TOPICS", "false"),
-			check: func(e *Env) bool { return e.OnDeadLetter == "block" && !e.KafkaCreateTopics },
+			check: func(e *env) bool { return e.OnDeadLetter == "block" && !e.KafkaCreateTopics },
 		},
 		{
 			name:  "log settings",
 			vars:  with("LOG_LEVEL", "debug", "LOG_FORMAT", "text"),
-			check: func(e *Env) bool { return e.LogLevel == "debug" && e.LogFormat == "text" },
+			check: func(e *env) bool { return e.LogLevel == "debug" && e.LogFormat == "text" },
 		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			setEnv(t, tt.vars)
-			env, err := LoadEnv()
+			e, err := loadEnv(builtins())
 			if err != nil {
 				t.Fatal(err)
 			}
-			if !tt.check(env) {
-				t.Fatalf("LoadEnv() = %+v", env)
+			if !tt.check(e) {
+				t.Fatalf("loadEnv(builtins()) = %+v", e)
 			}
 		})
 	}
@@ -208,11 +217,12 @@ func TestLoadEnvErrors(t *testing.T) {
 		{name: "only the database set", vars: map[string]string{"DATABASE_URL": "postgres://x@y/z"}, want: []string{"KAFKA_BROKERS is required"}},
 		{name: "group missing", vars: with("KAFKA_GROUP_ID", "<unset>"), want: []string{"KAFKA_GROUP_ID is required"}},
 		{name: "topics missing", vars: with("KAFKA_TOPICS", "<unset>"), want: []string{"KAFKA_TOPICS is required"}},
-		{name: "handler missing", vars: with("HANDLER", "<unset>"), want: []string{"HANDLER is required"}},
+		{name: "handler missing", vars: with("HANDLER", "<unset>"), want: []string{"HANDLER is required: this binary has handlers ledger, ledger-careless", "TOPIC_ORDERS_HANDLER"}},
 		{name: "database URL blank", vars: with("DATABASE_URL", "   "), want: []string{"DATABASE_URL is required"}},
 		{name: "brokers only separators", vars: with("KAFKA_BROKERS", " , ,"), want: []string{"KAFKA_BROKERS is required"}},
 		{name: "group blank", vars: with("KAFKA_GROUP_ID", "  "), want: []string{"KAFKA_GROUP_ID is required"}},
 		{name: "handler empty", vars: with("HANDLER", ""), want: []string{"HANDLER is required"}},
+		{name: "a topic without its handler", vars: with("HANDLER", "", "KAFKA_TOPICS", "orders,refunds", "TOPIC_ORDERS_HANDLER", "ledger"), want: []string{"HANDLER is required", "set TOPIC_REFUNDS_HANDLER"}},
 
 		{name: "session timeout without unit", vars: with("KAFKA_SESSION_TIMEOUT", "45"), want: []string{"KAFKA_SESSION_TIMEOUT", `"45"`, "duration"}},
 		{name: "batch wait garbled", vars: with("BATCH_MAX_WAIT", "soon"), want: []string{"BATCH_MAX_WAIT", `"soon"`, "duration"}},
@@ -226,21 +236,21 @@ func TestLoadEnvErrors(t *testing.T) {
 		{name: "max conns overflows int32", vars: with("DB_MAX_CONNS", "2147483648"), want: []string{"DB_MAX_CONNS", `"2147483648"`, "integer"}},
 
 		{name: "retry tier garbled", vars: with("RETRY_TIERS", "1s,soon"), want: []string{`RETRY_TIERS="1s,soon"`, `tier 2: "soon" is not a duration`}},
-		{name: "retry tier zero", vars: with("RETRY_TIERS", "0s"), want: []string{"RETRY_TIERS", "tier 1: delay 0s must be positive"}},
-		{name: "dead-letter policy unknown", vars: with("ON_DEAD_LETTER", "drop"), want: []string{"ON_DEAD_LETTER must be skip or block", `"drop"`}},
+		{name: "retry tier zero", vars: with("RETRY_TIERS", "0s"), want: []string{`RETRY_TIERS="0s": tier 1: delay 0s must be positive`}},
+		{name: "dead-letter policy unknown", vars: with("ON_DEAD_LETTER", "drop"), want: []string{`ON_DEAD_LETTER must be "skip" or "block", got "drop"`}},
 		{name: "topic creation not a boolean", vars: with("KAFKA_CREATE_TOPICS", "maybe"), want: []string{"KAFKA_CREATE_TOPICS", `"maybe"`, "boolean"}},
 		{name: "max record bytes zero", vars: with("MAX_RECORD_BYTES", "0"), want: []string{"MAX_RECORD_BYTES must be at least 1"}},
-		{name: "unknown handler", vars: with("HANDLER", "nope"), want: []string{`HANDLER="nope"`, "not a built-in handler", "(have: ledger, ledger-careless)"}},
-		{name: "start offset middle", vars: with("KAFKA_START_OFFSET", "middle"), want: []string{"KAFKA_START_OFFSET", "earliest or latest", `"middle"`}},
-		{name: "backoff max below base", vars: with("RETRY_BACKOFF_BASE", "2s", "RETRY_BACKOFF_MAX", "1s"), want: []string{"RETRY_BACKOFF_MAX (1s)", "RETRY_BACKOFF_BASE (2s)"}},
-		{name: "backoff base above default max", vars: with("RETRY_BACKOFF_BASE", "10s"), want: []string{"RETRY_BACKOFF_MAX (5s)", "RETRY_BACKOFF_BASE (10s)"}},
+		{name: "unknown handler", vars: with("HANDLER", "nope"), want: []string{`HANDLER="nope"`, "not a handler of this binary (it has: ledger, ledger-careless)"}},
+		{name: "start offset middle", vars: with("KAFKA_START_OFFSET", "middle"), want: []string{`KAFKA_START_OFFSET must be "earliest" or "latest", got "middle"`}},
+		{name: "backoff max below base", vars: with("RETRY_BACKOFF_BASE", "2s", "RETRY_BACKOFF_MAX", "1s"), want: []string{"RETRY_BACKOFF_MAX 1s is less than RETRY_BACKOFF_BASE (2s)"}},
+		{name: "backoff base above default max", vars: with("RETRY_BACKOFF_BASE", "10s"), want: []string{"RETRY_BACKOFF_MAX 5s is less than RETRY_BACKOFF_BASE (10s)"}},
 		{name: "zero session timeout", vars: with("KAFKA_SESSION_TIMEOUT", "0s"), want: []string{"KAFKA_SESSION_TIMEOUT must be positive"}},
 		{name: "zero backoff base", vars: with("RETRY_BACKOFF_BASE", "0"), want: []string{"RETRY_BACKOFF_BASE must be positive"}},
 		{name: "negative shutdown timeout", vars: with("SHUTDOWN_TIMEOUT", "-1s"), want: []string{"SHUTDOWN_TIMEOUT must be positive", "-1s"}},
 		{name: "zero tx idle timeout", vars: with("DB_TX_IDLE_TIMEOUT", "0ms"), want: []string{"DB_TX_IDLE_TIMEOUT must be positive"}},
 		{name: "zero stall timeout", vars: with("STALL_TIMEOUT", "0s"), want: []string{"STALL_TIMEOUT must be positive"}},
-		{name: "unknown group protocol", vars: with("KAFKA_GROUP_PROTOCOL", "consumer-v2"), want: []string{"KAFKA_GROUP_PROTOCOL must be auto or classic", `"consumer-v2"`}},
-		{name: "buffer under a mebibyte", vars: with("MAX_BUFFERED_BYTES", "1000"), want: []string{"MAX_BUFFERED_BYTES must be at least 1048576", "1000"}},
+		{name: "unknown group protocol", vars: with("KAFKA_GROUP_PROTOCOL", "consumer-v2"), want: []string{`KAFKA_GROUP_PROTOCOL must be "auto" or "classic", got "consumer-v2"`}},
+		{name: "buffer under a mebibyte", vars: with("MAX_BUFFERED_BYTES", "1000"), want: []string{"MAX_BUFFERED_BYTES must be at least 1 MiB (1048576), got 1000"}},
 		{name: "buffer garbled", vars: with("MAX_BUFFERED_BYTES", "64MiB"), want: []string{"MAX_BUFFERED_BYTES", `"64MiB"`, "integer"}},
 		{name: "negative batch wait", vars: with("BATCH_MAX_WAIT", "-1ms"), want: []string{"BATCH_MAX_WAIT must not be negative"}},
 		{name: "zero batch size", vars: with("BATCH_MAX_RECORDS", "0"), want: []string{"BATCH_MAX_RECORDS must be at least 1, got 0"}},
@@ -259,21 +269,38 @@ func TestLoadEnvErrors(t *testing.T) {
 		{name: "TLS client cert without key", vars: with("KAFKA_TLS_CERT_FILE", "/x/cert.pem"), want: []string{"KAFKA_TLS_CERT_FILE and KAFKA_TLS_KEY_FILE must be set together"}},
 		{name: "TLS skip-verify without TLS", vars: with("KAFKA_TLS_INSECURE_SKIP_VERIFY", "true"), want: []string{"set KAFKA_TLS=true"}},
 		{name: "TLS not a boolean", vars: with("KAFKA_TLS", "yes please"), want: []string{"KAFKA_TLS", "boolean"}},
-		{name: "breaker threshold above 1", vars: with("BREAKER_THRESHOLD", "50"), want: []string{"BREAKER_THRESHOLD is a share of records between 0 and 1", "50"}},
+		{name: "breaker threshold above 1", vars: with("BREAKER_THRESHOLD", "50"), want: []string{"BREAKER_THRESHOLD is a share of records, above 0 and at most 1, got 50"}},
+		{name: "breaker threshold zero", vars: with("BREAKER_THRESHOLD", "0"), want: []string{"BREAKER_THRESHOLD is a share of records", "got 0", "BREAKER_ENABLED=false turns the breaker off"}},
 		{name: "breaker threshold not a number", vars: with("BREAKER_THRESHOLD", "half"), want: []string{"BREAKER_THRESHOLD", `"half"`, "number"}},
-		{name: "breaker probe max below interval", vars: with("BREAKER_PROBE_INTERVAL", "10s", "BREAKER_PROBE_MAX", "1s"), want: []string{"BREAKER_PROBE_MAX (1s)", "BREAKER_PROBE_INTERVAL (10s)"}},
-		{name: "rebalance timeout within the drain", vars: with("KAFKA_REBALANCE_TIMEOUT", "5s"), want: []string{"KAFKA_REBALANCE_TIMEOUT", "must be longer than DrainTimeout 5s"}},
-		{name: "topic listed twice", vars: with("KAFKA_TOPICS", "orders,orders"), want: []string{"KAFKA_TOPICS", `lists "orders" twice`}},
-		{name: "a retry topic as a source", vars: with("KAFKA_TOPICS", "orders.billing.retry.1"), want: []string{"KAFKA_TOPICS", "looks like a retry or dead-letter topic"}},
+		{name: "breaker probe max below interval", vars: with("BREAKER_PROBE_INTERVAL", "10s", "BREAKER_PROBE_MAX", "1s"), want: []string{"BREAKER_PROBE_MAX 1s is less than BREAKER_PROBE_INTERVAL (10s)"}},
+		{name: "rebalance timeout within the handoff", vars: with("KAFKA_REBALANCE_TIMEOUT", "5s"), want: []string{"KAFKA_REBALANCE_TIMEOUT 5s must be longer than HandoffTimeout (5s)"}},
+		{name: "topic listed twice", vars: with("KAFKA_TOPICS", "orders,orders"), want: []string{`KAFKA_TOPICS lists "orders" twice`}},
+		{name: "a retry topic as a source", vars: with("KAFKA_TOPICS", "orders.billing.retry.1"), want: []string{"KAFKA_TOPICS lists", "looks like a retry or dead-letter topic"}},
+		{name: "per-topic variable for a topic not consumed", vars: with("TOPIC_REFUNDS_RETRY_TIERS", "1s"),
+			want: []string{"TOPIC_REFUNDS_RETRY_TIERS names no topic of KAFKA_TOPICS (orders → TOPIC_ORDERS_RETRY_TIERS)"}},
+		{name: "per-topic variable with an unknown setting", vars: with("TOPIC_ORDERS_RETRY_TIER", "1s"),
+			want: []string{"TOPIC_ORDERS_RETRY_TIER is not a per-topic setting", "TOPIC_<topic>_{HANDLER,RETRY_TIERS,"}},
+		{name: "per-topic handler unknown", vars: with("TOPIC_ORDERS_HANDLER", "nope"),
+			want: []string{`TOPIC_ORDERS_HANDLER="nope": not a handler of this binary`}},
+		{name: "per-topic tiers garbled", vars: with("TOPIC_ORDERS_RETRY_TIERS", "1s,later"),
+			want: []string{`TOPIC_ORDERS_RETRY_TIERS="1s,later"`, `"later" is not a duration`}},
+		{name: "per-topic attempts zero", vars: with("TOPIC_ORDERS_RETRY_LOCAL_ATTEMPTS", "0"),
+			want: []string{`TOPIC_ORDERS_RETRY_LOCAL_ATTEMPTS="0": must be at least 1, got 0`}},
+		{name: "per-topic max record bytes garbled", vars: with("TOPIC_ORDERS_MAX_RECORD_BYTES", "1MiB"),
+			want: []string{`TOPIC_ORDERS_MAX_RECORD_BYTES="1MiB": not an integer`}},
+		{name: "per-topic dead-letter policy unknown", vars: with("TOPIC_ORDERS_ON_DEAD_LETTER", "drop"),
+			want: []string{`TOPIC_ORDERS_ON_DEAD_LETTER must be "skip" or "block", got "drop"`}},
+		{name: "two topics with one variable name", vars: with("KAFKA_TOPICS", "a.b,a-b"),
+			want: []string{`KAFKA_TOPICS: topics "a.b" and "a-b" have the same name in per-topic variables (TOPIC_A_B_*)`}},
 		{name: "several problems are all reported", vars: with("HANDLER", "nope", "LOG_FORMAT", "xml", "BATCH_MAX_RECORDS", "0"),
 			want: []string{"HANDLER", "LOG_FORMAT", "BATCH_MAX_RECORDS"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			setEnv(t, tt.vars)
-			env, err := LoadEnv()
+			e, err := loadEnv(builtins())
 			if err == nil {
-				t.Fatalf("LoadEnv() = %+v, want an error", env)
+				t.Fatalf("loadEnv(builtins()) = %+v, want an error", e)
 			}
 			var ce *ConfigError
 			if !errors.As(err, &ce) {
@@ -292,24 +319,24 @@ func TestLoadDBEnv(t *testing.T) {
 	tests := []struct {
 		name    string
 		vars    map[string]string
-		want    *DBEnv
+		want    *dbEnv
 		wantErr []string
 	}{
 		{
 			name: "defaults",
 			vars: map[string]string{"DATABASE_URL": "postgres://a@b/c"},
-			want: &DBEnv{DatabaseURL: "postgres://a@b/c", DBSchema: "kafkapg", DBMaxConns: 10},
+			want: &dbEnv{DatabaseURL: "postgres://a@b/c", DBSchema: "kafkapg", DBMaxConns: 10},
 		},
 		{
 			name: "set",
 			vars: map[string]string{"DATABASE_URL": "postgres://a@b/c", "DB_SCHEMA": "kp", "DB_MAX_CONNS": "3"},
-			want: &DBEnv{DatabaseURL: "postgres://a@b/c", DBSchema: "kp", DBMaxConns: 3},
+			want: &dbEnv{DatabaseURL: "postgres://a@b/c", DBSchema: "kp", DBMaxConns: 3},
 		},
 		{
 			// migrate needs only the database: Kafka settings, good or bad, are not read.
 			name: "ignores the rest of the configuration",
 			vars: map[string]string{"DATABASE_URL": "postgres://a@b/c", "HANDLER": "nope", "BATCH_MAX_WAIT": "soon"},
-			want: &DBEnv{DatabaseURL: "postgres://a@b/c", DBSchema: "kafkapg", DBMaxConns: 10},
+			want: &dbEnv{DatabaseURL: "postgres://a@b/c", DBSchema: "kafkapg", DBMaxConns: 10},
 		},
 		{name: "url missing", vars: nil, wantErr: []string{"DATABASE_URL is required"}},
 		{name: "url blank", vars: map[string]string{"DATABASE_URL": " "}, wantErr: []string{"DATABASE_URL is required"}},
@@ -323,18 +350,18 @@ func TestLoadDBEnv(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			setEnv(t, tt.vars)
-			got, err := LoadDBEnv()
+			got, err := loadDBEnv()
 			if tt.wantErr == nil {
 				if err != nil {
 					t.Fatal(err)
 				}
 				if *got != *tt.want {
-					t.Fatalf("LoadDBEnv() = %+v, want %+v", got, tt.want)
+					t.Fatalf("loadDBEnv() = %+v, want %+v", got, tt.want)
 				}
 				return
 			}
 			if err == nil {
-				t.Fatalf("LoadDBEnv() = %+v, want an error", got)
+				t.Fatalf("loadDBEnv() = %+v, want an error", got)
 			}
 			var ce *ConfigError
 			if !errors.As(err, &ce) {
@@ -349,15 +376,22 @@ func TestLoadDBEnv(t *testing.T) {
 	}
 }
 
-func TestHandlerNames(t *testing.T) {
+func TestRegistryRefusesBadHandlers(t *testing.T) {
 	t.Parallel()
-	got := HandlerNames()
-	if !slices.Equal(got, []string{"ledger", "ledger-careless"}) {
-		t.Fatalf("HandlerNames() = %q, want [ledger ledger-careless]", got)
-	}
-	for _, n := range got {
-		if handlers[n].handler == nil || handlers[n].setup == nil {
-			t.Errorf("built-in handler %s lacks a handler or a setup", n)
+	h := Handler{Name: "a", Handler: ledger.Handler{}}
+	for _, tt := range []struct {
+		name string
+		hs   []Handler
+		want string
+	}{
+		{"none", nil, "no handlers"},
+		{"no name", []Handler{{Handler: ledger.Handler{}}}, "handler 1 has no Name"},
+		{"no handler", []Handler{{Name: "x"}}, `handler "x" has no Handler`},
+		{"twice", []Handler{h, h}, `two handlers are named "a"`},
+	} {
+		var out strings.Builder
+		if code := Run([]string{"run"}, &out, tt.hs...); code != 2 || !strings.Contains(out.String(), tt.want) {
+			t.Errorf("%s: Run = %d, %q; want 2 and %q", tt.name, code, out.String(), tt.want)
 		}
 	}
 }
@@ -365,7 +399,7 @@ func TestHandlerNames(t *testing.T) {
 // TestReadmeDocumentsEveryVariable keeps the README's configuration table complete.
 func TestReadmeDocumentsEveryVariable(t *testing.T) {
 	t.Parallel()
-	readme, err := os.ReadFile("../../README.md")
+	readme, err := os.ReadFile("../README.md")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -391,9 +425,22 @@ func TestProcessorConfig(t *testing.T) {
 			}
 			return ""
 		}},
-		{"BREAKER_THRESHOLD=0 turns the breaker off", with("BREAKER_THRESHOLD", "0"), func(c *processor.Config) string {
-			if c.BreakerThreshold >= 0 {
-				return fmt.Sprintf("BreakerThreshold = %v, want negative (off)", c.BreakerThreshold)
+		{"BREAKER_ENABLED=false turns the breaker off", with("BREAKER_ENABLED", "false"), func(c *processor.Config) string {
+			if !c.BreakerDisabled {
+				return "BreakerDisabled = false"
+			}
+			return ""
+		}},
+		{"per-topic settings", with("KAFKA_TOPICS", "orders,pay.ments-v1", "HANDLER", "ledger",
+			"TOPIC_PAY_MENTS_V1_HANDLER", "ledger-careless", "TOPIC_PAY_MENTS_V1_RETRY_TIERS", "5s",
+			"TOPIC_PAY_MENTS_V1_RETRY_LOCAL_ATTEMPTS", "9", "TOPIC_ORDERS_ON_DEAD_LETTER", "block",
+			"TOPIC_ORDERS_MAX_RECORD_BYTES", "2048", "TOPIC_ORDERS_RETRY_TIERS", ""), func(c *processor.Config) string {
+			want := map[string]processor.TopicPolicy{
+				"pay.ments-v1": {Handler: ledger.Careless{}, RetryTiers: []time.Duration{5 * time.Second}, LocalAttempts: 9},
+				"orders":       {OnDeadLetter: processor.OnDeadLetterBlock, MaxRecordBytes: 2048, RetryTiers: []time.Duration{}},
+			}
+			if !reflect.DeepEqual(c.TopicPolicies, want) || c.Handler != (ledger.Handler{}) {
+				return fmt.Sprintf("TopicPolicies = %+v, Handler = %T; want %+v", c.TopicPolicies, c.Handler, want)
 			}
 			return ""
 		}},
@@ -418,13 +465,28 @@ func TestProcessorConfig(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			setEnv(t, tt.vars)
-			env, err := LoadEnv()
+			e, err := loadEnv(builtins())
 			if err != nil {
 				t.Fatal(err)
 			}
-			if msg := tt.check(env.processorConfig(nil, nil, nil)); msg != "" {
+			if msg := tt.check(e.processorConfig(builtins(), nil, nil)); msg != "" {
 				t.Error(msg)
 			}
 		})
 	}
+}
+
+// builtinHandlers are cmd/processor's handlers.
+var builtinHandlers = []Handler{
+	{Name: "ledger", Handler: ledger.Handler{}, Setup: SetupSQL(ledger.Schema)},
+	{Name: "ledger-careless", Handler: ledger.Careless{}, Setup: SetupSQL(ledger.CarelessSchema)},
+}
+
+// builtins returns the registry of builtinHandlers.
+func builtins() *registry {
+	r, err := newRegistry(builtinHandlers)
+	if err != nil {
+		panic(err)
+	}
+	return r
 }

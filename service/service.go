@@ -1,3 +1,23 @@
+// Package service runs a processor as a complete service: your handlers, configured by
+// environment variables, with everything it takes to operate it. A main of a few lines,
+//
+//	func main() {
+//		service.Main(service.Handler{
+//			Name:    "orders",
+//			Handler: processor.HandlerFunc(handleOrder),
+//			Setup:   service.SetupSQL(`CREATE TABLE IF NOT EXISTS orders (id text PRIMARY KEY, amount bigint)`),
+//		})
+//	}
+//
+// builds a binary that reads its configuration from the environment (docs/configuration.md),
+// waits for Postgres and Kafka, creates kafkapg's tables and the handler's, serves /metrics,
+// /healthz and /readyz, logs in JSON, shuts down within SHUTDOWN_TIMEOUT on SIGTERM, and exits 0
+// after a clean shutdown, 2 on bad configuration and 1 on other failures. Its commands:
+//
+//	run      consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
+//	migrate  create or upgrade kafkapg's tables in DB_SCHEMA, then exit
+//
+// cmd/processor is this package with the built-in ledger handler.
 package service
 
 import (
@@ -11,6 +31,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"sort"
 	"strings"
 	"sync/atomic"
@@ -24,83 +45,137 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/backoff"
 	"github.com/kafkapg/kafkapg/processor"
 )
 
-// builtin is a handler cmd/processor can run by name.
-type builtin struct {
-	handler processor.Handler
-	// setup creates the handler's tables; it runs at startup.
-	setup func(ctx context.Context, pool *pgxpool.Pool) error
+// Handler is a handler a service can run, chosen by name with HANDLER (or, per topic, with
+// TOPIC_<topic>_HANDLER).
+type Handler struct {
+	// Name selects the handler. Required, and unique within a binary.
+	Name string
+	// Handler applies records. It may also be a processor.BatchHandler or a
+	// processor.ErrorClassifier. Required.
+	Handler processor.Handler
+	// Setup, if set, creates or upgrades the handler's own tables. It runs at startup, after
+	// kafkapg's migrations, inside a transaction that holds an advisory lock for the handler's
+	// name: replicas that start together run it one after the other, so it can be a plain
+	// CREATE TABLE IF NOT EXISTS (which two sessions running at once can fail).
+	Setup func(ctx context.Context, tx pgx.Tx) error
 }
 
-var handlers = map[string]builtin{
-	"ledger":          {handler: ledger.Handler{}, setup: setupUnderLock("ledger", ledger.Schema)},
-	"ledger-careless": {handler: ledger.Careless{}, setup: setupUnderLock("ledger-careless", ledger.CarelessSchema)},
+// SetupSQL returns a Handler.Setup that runs sql, which may hold several statements.
+func SetupSQL(sql string) func(ctx context.Context, tx pgx.Tx) error {
+	return func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, sql)
+		return err
+	}
 }
 
-// setupUnderLock runs a handler's schema SQL under an advisory lock: replicas start together, and
-// concurrent CREATE TABLE IF NOT EXISTS can fail on Postgres's catalog (23505 on pg_type).
-func setupUnderLock(name, sql string) func(ctx context.Context, pool *pgxpool.Pool) error {
-	return func(ctx context.Context, pool *pgxpool.Pool) error {
-		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('kafkapg.handler-setup:' || $1, 0))`, name); err != nil {
+// registry is a binary's handlers, by name.
+type registry struct {
+	names  []string // sorted
+	byName map[string]*Handler
+}
+
+func newRegistry(hs []Handler) (*registry, error) {
+	r := &registry{byName: map[string]*Handler{}}
+	var errs []error
+	for i := range hs {
+		h := &hs[i]
+		switch {
+		case h.Name == "":
+			errs = append(errs, fmt.Errorf("handler %d has no Name", i+1))
+		case h.Handler == nil:
+			errs = append(errs, fmt.Errorf("handler %q has no Handler", h.Name))
+		case r.byName[h.Name] != nil:
+			errs = append(errs, fmt.Errorf("two handlers are named %q", h.Name))
+		default:
+			r.byName[h.Name] = h
+			r.names = append(r.names, h.Name)
+		}
+	}
+	if len(hs) == 0 {
+		errs = append(errs, errors.New("no handlers: pass at least one to Main"))
+	}
+	sort.Strings(r.names)
+	return r, errors.Join(errs...)
+}
+
+// get returns the handler called name, or nil.
+func (r *registry) get(name string) *Handler { return r.byName[name] }
+
+// setup runs the Setup of the handlers called names, each under its advisory lock.
+func (r *registry) setup(ctx context.Context, pool *pgxpool.Pool, names []string) error {
+	for _, n := range names {
+		h := r.get(n)
+		if h.Setup == nil {
+			continue
+		}
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('kafkapg.handler-setup:' || $1, 0))`, n); err != nil {
 				return err
 			}
-			_, err := tx.Exec(ctx, sql)
-			return err
+			return h.Setup(ctx, tx)
 		})
+		if err != nil {
+			return fmt.Errorf("set up the tables of handler %s: %w", n, err)
+		}
 	}
+	return nil
 }
 
-// HandlerNames lists the built-in handlers.
-func HandlerNames() []string {
-	var out []string
-	for n := range handlers {
-		out = append(out, n)
-	}
-	sort.Strings(out)
-	return out
-}
-
-const usage = `usage: processor [run|migrate|help]
+const usage = `usage: %[1]s [run|migrate|help]
 
   run      consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
   migrate  create or upgrade kafkapg's tables in DB_SCHEMA, then exit
 
-Configuration is read from environment variables; see README.md.
+Configuration is read from environment variables; see docs/configuration.md.
+Handlers in this binary (HANDLER): %[2]s
 `
 
-// Main is cmd/processor. It returns the process exit status: 0 after a clean run or shutdown,
-// 2 for bad usage or configuration, 1 for other failures.
-func Main(args []string, stderr io.Writer) int {
+// Main runs the service with handlers, as the command line and the environment say, and exits
+// with its status: 0 after a clean run or shutdown, 2 for bad usage or configuration, 1 for other
+// failures.
+func Main(handlers ...Handler) {
+	os.Exit(Run(os.Args[1:], os.Stderr, handlers...))
+}
+
+// Run is Main without the exit: it runs the command args name (run if none) and returns the
+// exit status. It stops on SIGINT or SIGTERM.
+func Run(args []string, stderr io.Writer, handlers ...Handler) int {
+	prog := filepath.Base(os.Args[0])
+	hs, err := newRegistry(handlers)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %s\n", prog, strings.ReplaceAll(err.Error(), "\n", "; "))
+		return 2
+	}
+	help := func() { fmt.Fprintf(stderr, usage, prog, strings.Join(hs.names, ", ")) }
 	cmd := "run"
 	if len(args) > 0 {
 		cmd = args[0]
 	}
 	if len(args) > 1 {
-		fmt.Fprint(stderr, usage)
+		help()
 		return 2
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	var err error
 	switch cmd {
 	case "help", "-h", "-help", "--help":
-		fmt.Fprint(stderr, usage)
+		help()
 		return 0
 	case "migrate":
 		err = migrateOnly(ctx, stderr)
 	case "run":
-		var env *Env
-		if env, err = LoadEnv(); err == nil {
-			err = Run(ctx, env, NewLogger(env, stderr))
+		var e *env
+		if e, err = loadEnv(hs); err == nil {
+			err = serve(ctx, e, hs, newLogger(e, stderr))
 		}
 	default:
-		fmt.Fprintf(stderr, "processor: unknown command %q\n%s", cmd, usage)
+		fmt.Fprintf(stderr, "%s: unknown command %q\n", prog, cmd)
+		help()
 		return 2
 	}
 	var cerr *ConfigError
@@ -108,16 +183,16 @@ func Main(args []string, stderr io.Writer) int {
 	case err == nil:
 		return 0
 	case errors.As(err, &cerr):
-		fmt.Fprintf(stderr, "processor: configuration error: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))
+		fmt.Fprintf(stderr, "%s: configuration error: %s\n", prog, strings.ReplaceAll(err.Error(), "\n", "; "))
 		return 2
 	default:
-		fmt.Fprintf(stderr, "processor: %v\n", err)
+		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
 		return 1
 	}
 }
 
 func migrateOnly(ctx context.Context, stderr io.Writer) error {
-	env, err := LoadDBEnv()
+	env, err := loadDBEnv()
 	if err != nil {
 		return err
 	}
@@ -134,8 +209,8 @@ func migrateOnly(ctx context.Context, stderr io.Writer) error {
 	return nil
 }
 
-// NewLogger returns the logger LOG_FORMAT and LOG_LEVEL ask for.
-func NewLogger(env *Env, w io.Writer) *slog.Logger {
+// newLogger returns the logger LOG_FORMAT and LOG_LEVEL ask for.
+func newLogger(env *env, w io.Writer) *slog.Logger {
 	level, _ := parseLevel(env.LogLevel)
 	opts := &slog.HandlerOptions{Level: level}
 	if env.LogFormat == "text" {
@@ -144,7 +219,7 @@ func NewLogger(env *Env, w io.Writer) *slog.Logger {
 	return slog.New(slog.NewJSONHandler(w, opts))
 }
 
-func openPool(ctx context.Context, env *DBEnv) (*pgxpool.Pool, error) {
+func openPool(ctx context.Context, env *dbEnv) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(env.DatabaseURL)
 	if err != nil {
 		return nil, &ConfigError{fmt.Errorf("DATABASE_URL is not a valid connection string: %v", err)}
@@ -155,10 +230,9 @@ func openPool(ctx context.Context, env *DBEnv) (*pgxpool.Pool, error) {
 	return pgxpool.NewWithConfig(ctx, cfg)
 }
 
-// Run runs the processor service until ctx is done: it waits for Postgres, migrates, creates the
-// handler's tables, serves /metrics, /healthz and /readyz on HTTP_ADDR, and processes records.
-func Run(ctx context.Context, env *Env, log *slog.Logger) error {
-	b := handlers[env.Handler]
+// serve runs the processor service until ctx is done: it waits for Postgres, migrates, sets up
+// the handlers' tables, serves /metrics, /healthz and /readyz on HTTP_ADDR, and processes records.
+func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error {
 	// The Go runtime does not know its container's memory limit: without a soft limit, the
 	// garbage collector lets the heap grow to twice what is live, which a memory-limited pod pays
 	// for with an OOM kill. GOMEMLIMIT, if set, wins.
@@ -167,7 +241,7 @@ func Run(ctx context.Context, env *Env, log *slog.Logger) error {
 	} else if limit < math.MaxInt64 {
 		log.Info("soft memory limit", "gomemlimit_bytes", limit, "max_buffered_bytes", env.MaxBufferedBytes)
 	}
-	pool, err := openPool(ctx, &env.DBEnv)
+	pool, err := openPool(ctx, &env.dbEnv)
 	if err != nil {
 		return err
 	}
@@ -235,66 +309,16 @@ func Run(ctx context.Context, env *Env, log *slog.Logger) error {
 			return nil
 		}
 	}
-	if err := b.setup(ctx, pool); err != nil {
-		return fmt.Errorf("set up tables of handler %s: %w", env.Handler, err)
+	if err := hs.setup(ctx, pool, env.handlersUsed()); err != nil {
+		return err
 	}
 
-	p, err := processor.New(pool, env.processorConfig(b.handler, log, reg))
+	p, err := processor.New(pool, env.processorConfig(hs, log, reg))
 	if err != nil {
 		return err
 	}
 	proc.Store(p)
 	return p.Run(ctx)
-}
-
-// processorConfig is the processor configuration the environment describes. Where the
-// variables and processor.Config spell "off" differently, it translates: BATCH_MAX_WAIT=0 (apply
-// at once) and BREAKER_THRESHOLD=0 (no breaker) are negative there, zero meaning "default".
-func (env *Env) processorConfig(h processor.Handler, log *slog.Logger, reg prometheus.Registerer) *processor.Config {
-	start := processor.StartEarliest
-	if env.KafkaStartOffset == "latest" {
-		start = processor.StartLatest
-	}
-	batchWait := env.BatchMaxWait
-	if batchWait == 0 {
-		batchWait = -1
-	}
-	breaker := env.BreakerThreshold
-	if breaker == 0 {
-		breaker = -1
-	}
-	return &processor.Config{
-		Brokers:              env.KafkaBrokers,
-		Group:                env.KafkaGroupID,
-		Topics:               env.KafkaTopics,
-		Handler:              h,
-		Schema:               env.DBSchema,
-		StartOffset:          start,
-		GroupProtocol:        env.KafkaGroupProtocol,
-		BatchMaxRecords:      env.BatchMaxRecords,
-		BatchMaxWait:         batchWait,
-		LocalAttempts:        env.RetryLocalAttempts,
-		MaxRecordBytes:       env.MaxRecordBytes,
-		MaxBufferedBytes:     env.MaxBufferedBytes,
-		RetryTiers:           env.Tiers,
-		OnDeadLetter:         env.OnDeadLetter,
-		DisableTopicCreation: !env.KafkaCreateTopics,
-		BackoffBase:          env.RetryBackoffBase,
-		BackoffMax:           env.RetryBackoffMax,
-		SessionTimeout:       env.KafkaSessionTimeout,
-		RebalanceTimeout:     env.KafkaRebalanceTimeout,
-		ShutdownTimeout:      env.ShutdownTimeout,
-		BreakerThreshold:     breaker,
-		BreakerWindow:        env.BreakerWindow,
-		BreakerMinRecords:    env.BreakerMinRecords,
-		BreakerProbeInterval: env.BreakerProbeInterval,
-		BreakerProbeMax:      env.BreakerProbeMax,
-		TxIdleTimeout:        env.DBTxIdleTimeout,
-		StallTimeout:         env.StallTimeout,
-		KafkaOptions:         env.KafkaOpts,
-		Logger:               log,
-		Registerer:           reg,
-	}
 }
 
 func httpHandler(reg *prometheus.Registry, healthy, ready func(context.Context) error) http.Handler {

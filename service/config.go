@@ -1,0 +1,508 @@
+package service
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"os"
+	"reflect"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kelseyhightower/envconfig"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/retrytopics"
+)
+
+// dbEnv is the configuration `migrate` needs.
+type dbEnv struct {
+	DatabaseURL string `envconfig:"DATABASE_URL" required:"true"`
+	DBSchema    string `envconfig:"DB_SCHEMA" default:"kafkapg" field:"Schema"`
+	DBMaxConns  int32  `envconfig:"DB_MAX_CONNS" default:"10"`
+}
+
+// env is the whole configuration of `run`. A field tagged `field` sets the processor.Config field
+// of that name; processor errors about that field are reported under the variable's name.
+type env struct {
+	dbEnv
+	kafkaSecurityEnv
+	KafkaBrokers          []string      `envconfig:"KAFKA_BROKERS" required:"true" field:"Brokers"`
+	KafkaGroupID          string        `envconfig:"KAFKA_GROUP_ID" required:"true" field:"Group"`
+	KafkaTopics           []string      `envconfig:"KAFKA_TOPICS" required:"true" field:"Topics"`
+	KafkaStartOffset      string        `envconfig:"KAFKA_START_OFFSET" default:"earliest" field:"StartOffset"`
+	KafkaGroupProtocol    string        `envconfig:"KAFKA_GROUP_PROTOCOL" default:"auto" field:"GroupProtocol"`
+	KafkaSessionTimeout   time.Duration `envconfig:"KAFKA_SESSION_TIMEOUT" default:"45s" field:"SessionTimeout"`
+	KafkaRebalanceTimeout time.Duration `envconfig:"KAFKA_REBALANCE_TIMEOUT" default:"30s" field:"RebalanceTimeout"`
+	// Handler names the handler of every topic without a TOPIC_<topic>_HANDLER; it defaults to
+	// the binary's only handler, if it has one.
+	Handler              string        `envconfig:"HANDLER" field:"Handler"`
+	HTTPAddr             string        `envconfig:"HTTP_ADDR" default:":9090"`
+	BatchMaxRecords      int           `envconfig:"BATCH_MAX_RECORDS" default:"500" field:"BatchMaxRecords"`
+	BatchMaxWait         time.Duration `envconfig:"BATCH_MAX_WAIT" default:"20ms" field:"BatchMaxWait"`
+	RetryLocalAttempts   int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3" field:"LocalAttempts"`
+	MaxRecordBytes       int           `envconfig:"MAX_RECORD_BYTES" default:"1048576" field:"MaxRecordBytes"`
+	MaxBufferedBytes     int           `envconfig:"MAX_BUFFERED_BYTES" default:"67108864" field:"MaxBufferedBytes"`
+	RetryBackoffBase     time.Duration `envconfig:"RETRY_BACKOFF_BASE" default:"200ms" field:"BackoffBase"`
+	RetryBackoffMax      time.Duration `envconfig:"RETRY_BACKOFF_MAX" default:"5s" field:"BackoffMax"`
+	RetryTiers           string        `envconfig:"RETRY_TIERS" default:"1s,10s,1m" field:"RetryTiers"` // set but empty: no tiers
+	OnDeadLetter         string        `envconfig:"ON_DEAD_LETTER" default:"skip" field:"OnDeadLetter"`
+	KafkaCreateTopics    bool          `envconfig:"KAFKA_CREATE_TOPICS" default:"true" field:"DisableTopicCreation"`
+	ShutdownTimeout      time.Duration `envconfig:"SHUTDOWN_TIMEOUT" default:"10s" field:"ShutdownTimeout"`
+	BreakerEnabled       bool          `envconfig:"BREAKER_ENABLED" default:"true" field:"BreakerDisabled"`
+	BreakerThreshold     float64       `envconfig:"BREAKER_THRESHOLD" default:"0.5" field:"BreakerThreshold"`
+	BreakerWindow        time.Duration `envconfig:"BREAKER_WINDOW" default:"30s" field:"BreakerWindow"`
+	BreakerMinRecords    int           `envconfig:"BREAKER_MIN_RECORDS" default:"20" field:"BreakerMinRecords"`
+	BreakerProbeInterval time.Duration `envconfig:"BREAKER_PROBE_INTERVAL" default:"1s" field:"BreakerProbeInterval"`
+	BreakerProbeMax      time.Duration `envconfig:"BREAKER_PROBE_MAX" default:"30s" field:"BreakerProbeMax"`
+	DBTxIdleTimeout      time.Duration `envconfig:"DB_TX_IDLE_TIMEOUT" default:"30s" field:"TxIdleTimeout"`
+	StallTimeout         time.Duration `envconfig:"STALL_TIMEOUT" default:"2m" field:"StallTimeout"`
+	LogLevel             string        `envconfig:"LOG_LEVEL" default:"info"`
+	LogFormat            string        `envconfig:"LOG_FORMAT" default:"json"`
+
+	tiers     []time.Duration        // RETRY_TIERS, parsed
+	kafkaOpts []kgo.Opt              // KAFKA_TLS_*, KAFKA_SASL_*, parsed
+	topics    map[string]topicPolicy // TOPIC_<topic>_*, parsed, by topic
+}
+
+// topicPolicy is a topic's TOPIC_<topic>_* variables (see topicSettings).
+type topicPolicy struct {
+	handler string
+	policy  processor.TopicPolicy
+	vars    map[string]string // processor.TopicPolicy field -> the variable that set it
+}
+
+// topicSettings are the per-topic variables, TOPIC_<topic>_<setting>, and the TopicPolicy field
+// each sets.
+var topicSettings = []struct{ name, field string }{
+	{"HANDLER", "Handler"},
+	{"RETRY_TIERS", "RetryTiers"},
+	{"RETRY_LOCAL_ATTEMPTS", "LocalAttempts"},
+	{"ON_DEAD_LETTER", "OnDeadLetter"},
+	{"MAX_RECORD_BYTES", "MaxRecordBytes"},
+}
+
+// topicPrefix starts every per-topic variable.
+const topicPrefix = "TOPIC_"
+
+// topicVarName returns the name topic has in per-topic variables: upper case, with every
+// character other than a letter or digit (Kafka allows '.', '_' and '-') written '_'.
+func topicVarName(topic string) string {
+	return strings.Map(func(r rune) rune {
+		switch {
+		case r >= 'a' && r <= 'z':
+			return r - 'a' + 'A'
+		case r >= 'A' && r <= 'Z', r >= '0' && r <= '9':
+			return r
+		}
+		return '_'
+	}, topic)
+}
+
+// ConfigError is a missing or malformed setting: the service exits with status 2 on it.
+type ConfigError struct{ Err error }
+
+func (e *ConfigError) Error() string { return e.Err.Error() }
+func (e *ConfigError) Unwrap() error { return e.Err }
+
+// loadDBEnv reads the database settings from the environment.
+func loadDBEnv() (*dbEnv, error) {
+	var e dbEnv
+	if err := process(&e); err != nil {
+		return nil, err
+	}
+	if err := e.validate(); err != nil {
+		return nil, &ConfigError{err}
+	}
+	return &e, nil
+}
+
+// loadEnv reads the whole configuration from the environment and checks it, as far as it can
+// without connecting anywhere, against the handlers the binary has. Every error names the
+// variable at fault.
+func loadEnv(hs *registry) (*env, error) {
+	var e env
+	// envconfig skips unexported embedded structs: they are read on their own.
+	if err := errors.Join(process(&e.dbEnv), process(&e.kafkaSecurityEnv), process(&e)); err != nil {
+		return nil, &ConfigError{err}
+	}
+	e.KafkaBrokers = cleanList(e.KafkaBrokers)
+	e.KafkaTopics = cleanList(e.KafkaTopics)
+	if e.Handler == "" && len(hs.names) == 1 {
+		e.Handler = hs.names[0]
+	}
+	if err := e.validate(hs); err != nil {
+		return nil, &ConfigError{err}
+	}
+	return &e, nil
+}
+
+func process(spec any) error {
+	err := envconfig.Process("", spec)
+	var pe *envconfig.ParseError
+	switch {
+	case err == nil:
+		return nil
+	case errors.As(err, &pe):
+		return &ConfigError{fmt.Errorf("%s=%q is not a valid %s (%v)", pe.KeyName, pe.Value, typeName(pe.TypeName), pe.Err)}
+	case strings.HasPrefix(err.Error(), "required key "):
+		// envconfig: "required key X missing value"
+		name := strings.TrimSuffix(strings.TrimPrefix(err.Error(), "required key "), " missing value")
+		return &ConfigError{fmt.Errorf("%s is required", name)}
+	}
+	return &ConfigError{err}
+}
+
+func typeName(t string) string {
+	switch t {
+	case "time.Duration":
+		return "duration (e.g. 250ms, 10s, 1m)"
+	case "int", "int32":
+		return "integer"
+	case "bool":
+		return "boolean (true or false)"
+	case "float64":
+		return "number (e.g. 0.5)"
+	}
+	return t
+}
+
+func cleanList(in []string) []string {
+	var out []string
+	for _, s := range in {
+		if s = strings.TrimSpace(s); s != "" {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+func (e *dbEnv) validate() error {
+	var errs []error
+	if strings.TrimSpace(e.DatabaseURL) == "" {
+		errs = append(errs, errors.New("DATABASE_URL is required"))
+	}
+	if e.DBSchema == "" {
+		errs = append(errs, errors.New("DB_SCHEMA must not be empty"))
+	}
+	if e.DBMaxConns < 1 {
+		errs = append(errs, fmt.Errorf("DB_MAX_CONNS must be at least 1, got %d", e.DBMaxConns))
+	}
+	return errors.Join(errs...)
+}
+
+// validate checks what only the environment knows (variables that must not be zero, words,
+// handler names, per-topic variables), then the processor configuration the variables make,
+// with processor.Config.Validate, naming the variables at fault.
+func (e *env) validate(hs *registry) error {
+	errs := []error{e.dbEnv.validate()}
+	if len(e.KafkaBrokers) == 0 {
+		errs = append(errs, errors.New("KAFKA_BROKERS is required"))
+	}
+	if strings.TrimSpace(e.KafkaGroupID) == "" {
+		errs = append(errs, errors.New("KAFKA_GROUP_ID is required"))
+	}
+	if len(e.KafkaTopics) == 0 {
+		errs = append(errs, errors.New("KAFKA_TOPICS is required"))
+	}
+	if e.Handler != "" && hs.get(e.Handler) == nil {
+		errs = append(errs, fmt.Errorf("HANDLER=%q is not a handler of this binary (it has: %s)", e.Handler, strings.Join(hs.names, ", ")))
+	}
+	// Zero is no setting for these: in processor.Config it would mean "the default", so the
+	// environment refuses it instead of quietly reading it that way.
+	positive := func(name string, v time.Duration) {
+		if v <= 0 {
+			errs = append(errs, fmt.Errorf("%s must be positive, got %v", name, v))
+		}
+	}
+	positive("KAFKA_SESSION_TIMEOUT", e.KafkaSessionTimeout)
+	positive("KAFKA_REBALANCE_TIMEOUT", e.KafkaRebalanceTimeout)
+	positive("RETRY_BACKOFF_BASE", e.RetryBackoffBase)
+	positive("RETRY_BACKOFF_MAX", e.RetryBackoffMax)
+	positive("SHUTDOWN_TIMEOUT", e.ShutdownTimeout)
+	positive("DB_TX_IDLE_TIMEOUT", e.DBTxIdleTimeout)
+	positive("STALL_TIMEOUT", e.StallTimeout)
+	positive("BREAKER_WINDOW", e.BreakerWindow)
+	positive("BREAKER_PROBE_INTERVAL", e.BreakerProbeInterval)
+	positive("BREAKER_PROBE_MAX", e.BreakerProbeMax)
+	atLeast1 := func(name string, v int) {
+		if v < 1 {
+			errs = append(errs, fmt.Errorf("%s must be at least 1, got %d", name, v))
+		}
+	}
+	atLeast1("BATCH_MAX_RECORDS", e.BatchMaxRecords)
+	atLeast1("RETRY_LOCAL_ATTEMPTS", e.RetryLocalAttempts)
+	atLeast1("MAX_RECORD_BYTES", e.MaxRecordBytes)
+	atLeast1("MAX_BUFFERED_BYTES", e.MaxBufferedBytes)
+	atLeast1("BREAKER_MIN_RECORDS", e.BreakerMinRecords)
+	if e.BatchMaxWait < 0 {
+		errs = append(errs, fmt.Errorf("BATCH_MAX_WAIT must not be negative, got %v", e.BatchMaxWait))
+	}
+	if e.BreakerThreshold <= 0 || e.BreakerThreshold > 1 {
+		errs = append(errs, fmt.Errorf("BREAKER_THRESHOLD is a share of records, above 0 and at most 1, got %v (BREAKER_ENABLED=false turns the breaker off)", e.BreakerThreshold))
+	}
+	if _, err := parseLevel(e.LogLevel); err != nil {
+		errs = append(errs, err)
+	}
+	if e.LogFormat != "json" && e.LogFormat != "text" {
+		errs = append(errs, fmt.Errorf("LOG_FORMAT must be json or text, got %q", e.LogFormat))
+	}
+	tiers, err := retrytopics.ParseTiers(e.RetryTiers)
+	if err != nil {
+		errs = append(errs, fmt.Errorf("RETRY_TIERS=%q: %w", e.RetryTiers, err))
+	}
+	e.tiers = tiers
+	opts, err := e.kafkaSecurityEnv.options()
+	if err != nil {
+		errs = append(errs, err)
+	}
+	e.kafkaOpts = opts
+	topics, err := topicEnv(e.KafkaTopics, hs)
+	errs = append(errs, err)
+	e.topics = topics
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	if e.Handler == "" {
+		var without []string
+		for _, t := range e.KafkaTopics {
+			if e.topics[t].handler == "" {
+				without = append(without, topicPrefix+topicVarName(t)+"_HANDLER")
+			}
+		}
+		if len(without) > 0 {
+			return fmt.Errorf("HANDLER is required: this binary has handlers %s; choose one (or set %s)", strings.Join(hs.names, ", "), strings.Join(without, ", "))
+		}
+	}
+	if err := e.processorConfig(hs, nil, nil).Validate(); err != nil {
+		return e.rename(err)
+	}
+	return nil
+}
+
+// topicEnv reads the per-topic variables, TOPIC_<topic>_<setting>, of topics. A variable that
+// names no topic of topics, or no setting, is an error: a typo must not go unnoticed.
+func topicEnv(topics []string, hs *registry) (map[string]topicPolicy, error) {
+	byVar := map[string]string{} // topicVarName -> topic
+	var errs []error
+	for _, t := range topics {
+		n := topicVarName(t)
+		if other, ok := byVar[n]; ok && other != t { // the same topic twice: processor.Config.Validate says so
+			errs = append(errs, fmt.Errorf("KAFKA_TOPICS: topics %q and %q have the same name in per-topic variables (%s%s_*)", other, t, topicPrefix, n))
+		}
+		byVar[n] = t
+	}
+	out := map[string]topicPolicy{}
+	for _, kv := range os.Environ() {
+		name, value, _ := strings.Cut(kv, "=")
+		rest, ok := strings.CutPrefix(name, topicPrefix)
+		if !ok {
+			continue
+		}
+		var setting, field, topicVar string
+		for _, s := range topicSettings {
+			if tv, ok := strings.CutSuffix(rest, "_"+s.name); ok && tv != "" {
+				setting, field, topicVar = s.name, s.field, tv
+				break
+			}
+		}
+		if setting == "" {
+			errs = append(errs, fmt.Errorf("%s is not a per-topic setting: they are %s<topic>_{%s}", name, topicPrefix, strings.Join(settingNames(), ",")))
+			continue
+		}
+		topic, ok := byVar[topicVar]
+		if !ok {
+			var known []string
+			for _, t := range topics {
+				known = append(known, fmt.Sprintf("%s → %s%s_%s", t, topicPrefix, topicVarName(t), setting))
+			}
+			errs = append(errs, fmt.Errorf("%s names no topic of KAFKA_TOPICS (%s)", name, strings.Join(known, ", ")))
+			continue
+		}
+		tp := out[topic]
+		if tp.vars == nil {
+			tp.vars = map[string]string{}
+		}
+		tp.vars[field] = name
+		if err := tp.set(setting, value, hs); err != nil {
+			errs = append(errs, fmt.Errorf("%s=%q: %w", name, value, err))
+		}
+		out[topic] = tp
+	}
+	return out, errors.Join(errs...)
+}
+
+func settingNames() []string {
+	var out []string
+	for _, s := range topicSettings {
+		out = append(out, s.name)
+	}
+	return out
+}
+
+// set parses value as the per-topic setting.
+func (tp *topicPolicy) set(setting, value string, hs *registry) error {
+	switch setting {
+	case "HANDLER":
+		if hs.get(value) == nil {
+			return fmt.Errorf("not a handler of this binary (it has: %s)", strings.Join(hs.names, ", "))
+		}
+		tp.handler = value
+	case "RETRY_TIERS":
+		tiers, err := retrytopics.ParseTiers(value)
+		if err != nil {
+			return err
+		}
+		tp.policy.RetryTiers = tiers
+	case "RETRY_LOCAL_ATTEMPTS", "MAX_RECORD_BYTES":
+		n, err := strconv.Atoi(strings.TrimSpace(value))
+		if err != nil {
+			return errors.New("not an integer")
+		}
+		if n < 1 {
+			return fmt.Errorf("must be at least 1, got %d", n)
+		}
+		if setting == "RETRY_LOCAL_ATTEMPTS" {
+			tp.policy.LocalAttempts = n
+		} else {
+			tp.policy.MaxRecordBytes = n
+		}
+	case "ON_DEAD_LETTER":
+		tp.policy.OnDeadLetter = processor.OnDeadLetter(value)
+	}
+	return nil
+}
+
+// rename rewrites the processor's configuration errors to name the variables that set the fields
+// at fault.
+func (e *env) rename(err error) error {
+	names := fieldVars()
+	var errs []error
+	for _, err := range unjoin(err) {
+		var ce *processor.ConfigError
+		if !errors.As(err, &ce) {
+			errs = append(errs, err)
+			continue
+		}
+		name := names[ce.Field]
+		if ce.Topic != "" {
+			name = e.topics[ce.Topic].vars[ce.Field]
+		}
+		if name == "" {
+			name = "(processor." + ce.Field + ")" // a field no variable sets: a bug of the service
+		}
+		msg := ce.Err.Error()
+		for field, v := range names { // fields named in the message, e.g. "less than BackoffBase"
+			msg = strings.ReplaceAll(msg, field+" ", v+" ")
+		}
+		errs = append(errs, fmt.Errorf("%s %s", name, msg))
+	}
+	return errors.Join(errs...)
+}
+
+// unjoin returns the errors err joins (errors.Join, through any wrapping), or err alone.
+func unjoin(err error) []error {
+	for e := err; e != nil; e = errors.Unwrap(e) {
+		if j, ok := e.(interface{ Unwrap() []error }); ok {
+			return j.Unwrap()
+		}
+	}
+	return []error{err}
+}
+
+// fieldVars maps each processor.Config field the environment sets to its variable.
+func fieldVars() map[string]string {
+	out := map[string]string{}
+	var walk func(t reflect.Type)
+	walk = func(t reflect.Type) {
+		for f := range t.Fields() {
+			if f.Anonymous {
+				walk(f.Type)
+			} else if field := f.Tag.Get("field"); field != "" {
+				out[field] = f.Tag.Get("envconfig")
+			}
+		}
+	}
+	walk(reflect.TypeFor[env]())
+	return out
+}
+
+func parseLevel(s string) (slog.Level, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(s)); err != nil {
+		return 0, fmt.Errorf("LOG_LEVEL must be debug, info, warn or error, got %q", s)
+	}
+	return l, nil
+}
+
+// processorConfig is the processor configuration the environment describes, with the handlers
+// of hs.
+func (e *env) processorConfig(hs *registry, log *slog.Logger, reg prometheus.Registerer) *processor.Config {
+	batchWait := e.BatchMaxWait
+	if batchWait == 0 {
+		batchWait = -1 // BATCH_MAX_WAIT=0: apply at once
+	}
+	c := &processor.Config{
+		Brokers:              e.KafkaBrokers,
+		Group:                e.KafkaGroupID,
+		Topics:               e.KafkaTopics,
+		Schema:               e.DBSchema,
+		StartOffset:          processor.StartOffset(e.KafkaStartOffset),
+		GroupProtocol:        processor.GroupProtocol(e.KafkaGroupProtocol),
+		BatchMaxRecords:      e.BatchMaxRecords,
+		BatchMaxWait:         batchWait,
+		LocalAttempts:        e.RetryLocalAttempts,
+		MaxRecordBytes:       e.MaxRecordBytes,
+		MaxBufferedBytes:     e.MaxBufferedBytes,
+		RetryTiers:           e.tiers,
+		OnDeadLetter:         processor.OnDeadLetter(e.OnDeadLetter),
+		DisableTopicCreation: !e.KafkaCreateTopics,
+		BackoffBase:          e.RetryBackoffBase,
+		BackoffMax:           e.RetryBackoffMax,
+		SessionTimeout:       e.KafkaSessionTimeout,
+		RebalanceTimeout:     e.KafkaRebalanceTimeout,
+		ShutdownTimeout:      e.ShutdownTimeout,
+		BreakerDisabled:      !e.BreakerEnabled,
+		BreakerThreshold:     e.BreakerThreshold,
+		BreakerWindow:        e.BreakerWindow,
+		BreakerMinRecords:    e.BreakerMinRecords,
+		BreakerProbeInterval: e.BreakerProbeInterval,
+		BreakerProbeMax:      e.BreakerProbeMax,
+		TxIdleTimeout:        e.DBTxIdleTimeout,
+		StallTimeout:         e.StallTimeout,
+		KafkaOptions:         e.kafkaOpts,
+		Logger:               log,
+		Registerer:           reg,
+	}
+	if h := hs.get(e.Handler); h != nil {
+		c.Handler = h.Handler
+	}
+	for _, t := range slices.Sorted(maps.Keys(e.topics)) {
+		tp := e.topics[t]
+		if h := hs.get(tp.handler); h != nil {
+			tp.policy.Handler = h.Handler
+		}
+		if c.TopicPolicies == nil {
+			c.TopicPolicies = map[string]processor.TopicPolicy{}
+		}
+		c.TopicPolicies[t] = tp.policy
+	}
+	return c
+}
+
+// handlersUsed returns the names of the handlers the configuration runs, each once.
+func (e *env) handlersUsed() []string {
+	used := map[string]bool{}
+	for _, t := range e.KafkaTopics {
+		if h := cmp.Or(e.topics[t].handler, e.Handler); h != "" {
+			used[h] = true
+		}
+	}
+	return slices.Sorted(maps.Keys(used))
+}
