@@ -56,7 +56,7 @@ func (h *harness) config(handler processor.Handler) *processor.Config {
 		BackoffMax:       50 * time.Millisecond,
 		SessionTimeout:   3 * time.Second,
 		RebalanceTimeout: 8 * time.Second,
-		HandoffTimeout:     2 * time.Second,
+		HandoffTimeout:   2 * time.Second,
 		ShutdownTimeout:  10 * time.Second,
 		BatchMaxWait:     5 * time.Millisecond,
 		Logger:           testLogger(h.t),
