@@ -54,8 +54,8 @@ func TestHugeRecordIsDeadLettered(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if f.Class != "permanent" || !strings.Contains(f.Message, "MAX_RECORD_BYTES (2000)") || !strings.Contains(f.Message, "5011 bytes") {
-			t.Errorf("dead letter says %s: %q; want permanent, naming the size and MAX_RECORD_BYTES", f.Class, f.Message)
+		if f.Class != "permanent" || !strings.Contains(f.Message, "MaxRecordBytes (2000)") || !strings.Contains(f.Message, "5011 bytes") {
+			t.Errorf("dead letter says %s: %q; want permanent, naming the size and MaxRecordBytes", f.Class, f.Message)
 		}
 		var omitted string
 		for _, hd := range dlq[0].Headers {

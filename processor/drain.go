@@ -135,7 +135,7 @@ func (d *drainer) drainAll(keys []retrytopics.Key) (progressed bool, err error) 
 }
 
 // drainKey applies the records parked behind k in order, until none is left, the key is held
-// again (a record went to a retry tier, or was dead-lettered with ON_DEAD_LETTER=block) or
+// again (a record went to a retry tier, or was dead-lettered with OnDeadLetterBlock) or
 // another processor holds it. It reports whether it applied or moved anything, and returns only
 // errStopped.
 func (d *drainer) drainKey(k retrytopics.Key) (progressed bool, err error) {
@@ -200,7 +200,7 @@ func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error
 		if len(recs) == 0 {
 			return nil
 		}
-		if err := d.p.handle(ctx, tx, recs); err != nil {
+		if err := d.p.handle(ctx, tx, k.Topic, recs); err != nil {
 			return err
 		}
 		return own(d.p.retry.AppliedParked(ctx, tx, k, parked))

@@ -13,7 +13,7 @@ import (
 // refreshLag sets kafkapg_consumer_lag_records for every partition of the source topics: the
 // broker's end offset minus the next offset stored in Postgres, the position that counts (the
 // offsets committed to Kafka are advisory and lag behind). A partition with no stored offset
-// yet counts from its start offset (KAFKA_START_OFFSET=earliest) or as 0 (latest). Every
+// yet counts from its start offset (StartOffset earliest) or as 0 (latest). Every
 // processor of the group reports every partition, so a partition nobody owns still shows.
 func (p *Processor) refreshLag(ctx context.Context, adm *kadm.Client) error {
 	ends, err := adm.ListEndOffsets(ctx, p.cfg.Topics...)

@@ -133,7 +133,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		blockedKeys: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "blocked_keys",
-			Help: "Held keys waiting for an operator after a dead letter (ON_DEAD_LETTER=block; group-wide, from Postgres).",
+			Help: "Held keys waiting for an operator after a dead letter (OnDeadLetterBlock; group-wide, from Postgres).",
 		}),
 		heldRecords: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "held_records",
@@ -169,11 +169,11 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		stalled: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Name: "stalled_partitions",
-			Help: "Partitions of this process that have had records to apply and committed nothing for STALL_TIMEOUT, by cause: infrastructure, error (kafkapg's own statements fail: a bug or a changed schema), breaker, handler.",
+			Help: "Partitions of this process that have had records to apply and committed nothing for StallTimeout, by cause: infrastructure, error (kafkapg's own statements fail: a bug or a changed schema), breaker, handler.",
 		}, []string{"cause"}),
 		stuckKeys: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Name: "stuck_keys",
-			Help: "Held keys that have made no progress for STALL_TIMEOUT, by reason: orphaned (the record they wait for can no longer come back), overdue (it is long past due in its tier), undrained (ready, nothing applies their parked records); group-wide, from Postgres.",
+			Help: "Held keys that have made no progress for StallTimeout, by reason: orphaned (the record they wait for can no longer come back), overdue (it is long past due in its tier), undrained (ready, nothing applies their parked records); group-wide, from Postgres.",
 		}, []string{"reason"}),
 		outboxWaiting: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "outbox_records",

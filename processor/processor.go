@@ -117,7 +117,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 	m.initTierLabels(p.maxTiers())
 	if err := c.Registerer.Register(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Namespace: "kafkapg", Name: "buffered_bytes",
-		Help: "What the fetched records this process holds in memory (waiting or being applied) cost, counted against MAX_BUFFERED_BYTES.",
+		Help: "What the fetched records this process holds in memory (waiting or being applied) cost, counted against MaxBufferedBytes.",
 	}, func() float64 { return float64(p.buf.used.Load()) })); err != nil {
 		return nil, fmt.Errorf("processor: register metrics: %w", err)
 	}
@@ -159,7 +159,7 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schemaName string) error {
 //
 //	UPDATE kafkapg.held_keys SET state = 'ready', head_offset = NULL, updated_at = now()
 //	WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key = $4 AND state = 'blocked';
-func ReleaseBlockedKeys(ctx context.Context, db retrytopics.Execer, schemaName, group, topic string, partition int32, key []byte) (int64, error) {
+func ReleaseBlockedKeys(ctx context.Context, db *pgxpool.Pool, schemaName, group, topic string, partition int32, key []byte) (int64, error) {
 	if schemaName == "" {
 		schemaName = "kafkapg"
 	}
@@ -170,7 +170,7 @@ func ReleaseBlockedKeys(ctx context.Context, db retrytopics.Execer, schemaName, 
 // scope.Older (see retrytopics.StuckKey for the reasons), the longest stuck first; they are the
 // kafkapg_stuck_keys metric's. Pass the group's configuration as scope (its retry tiers and
 // source topics).
-func StuckKeys(ctx context.Context, db retrytopics.Querier, schemaName, group string, scope retrytopics.StuckScope, limit int) ([]retrytopics.StuckKey, error) {
+func StuckKeys(ctx context.Context, db *pgxpool.Pool, schemaName, group string, scope retrytopics.StuckScope, limit int) ([]retrytopics.StuckKey, error) {
 	if schemaName == "" {
 		schemaName = "kafkapg"
 	}
@@ -181,7 +181,7 @@ func StuckKeys(ctx context.Context, db retrytopics.Querier, schemaName, group st
 // come back, is dead-lettered as lost (a dead_letters row with class lost and the note: its
 // coordinates and key, its value left in the source topic), and the key goes on with its parked
 // records. It returns retrytopics.ErrNotStuck if the key moved on since it was found.
-func ReleaseStuckKey(ctx context.Context, db schema.Beginner, schemaName, group string, k retrytopics.StuckKey, note string) error {
+func ReleaseStuckKey(ctx context.Context, db *pgxpool.Pool, schemaName, group string, k retrytopics.StuckKey, note string) error {
 	if schemaName == "" {
 		schemaName = "kafkapg"
 	}
@@ -191,7 +191,7 @@ func ReleaseStuckKey(ctx context.Context, db schema.Beginner, schemaName, group 
 }
 
 // Run consumes and applies records until ctx is done, then shuts down: it stops fetching,
-// finishes (or, after Config.DrainTimeout, abandons) the transactions in flight, publishes what
+// finishes (or, after Config.HandoffTimeout, abandons) the transactions in flight, publishes what
 // is left in the outbox, commits offsets to Kafka and leaves the group, within
 // Config.ShutdownTimeout. It returns nil after a shutdown asked for through ctx, and an error if
 // it could not start or stopped on an unexpected internal error (a restart resumes from
@@ -218,7 +218,8 @@ func (p *Processor) Run(ctx context.Context) error {
 		Schema:        p.cfg.Schema,
 		Group:         p.cfg.Group,
 		Logger:        p.log.With("component", "outbox"),
-		Backoff:       p.backoff,
+		BackoffBase:   p.cfg.BackoffBase,
+		BackoffMax:    p.cfg.BackoffMax,
 		TxIdleTimeout: p.cfg.TxIdleTimeout,
 		Published:     func(topic string) { p.metrics.published.WithLabelValues(topic).Inc() },
 		Refused:       p.refused,
@@ -407,7 +408,7 @@ func (p *Processor) setGroupTimeouts(ctx context.Context, cl *kgo.Client) {
 	}
 	if err != nil {
 		p.log.Warn("the broker refused this group's session timeout and heartbeat interval (consumer protocol): its own group.consumer.session.timeout.ms "+
-			"and group.consumer.heartbeat.interval.ms apply (45s and 5s unless configured), not KAFKA_SESSION_TIMEOUT",
+			"and group.consumer.heartbeat.interval.ms apply (45s and 5s unless configured), not SessionTimeout",
 			"wanted_session_timeout", session, "wanted_heartbeat_interval", heartbeat, "err", err)
 	}
 }
@@ -434,7 +435,7 @@ func (p *Processor) newClient() (*kgo.Client, error) {
 		kgo.ConsumerGroup(p.cfg.Group),
 		kgo.Balancers(kgo.CooperativeStickyBalancer()),
 		// Where a partition starts is resolved once, at its first claim, and stored in Postgres
-		// (see resolveStarts): KAFKA_START_OFFSET is applied there. This is only what an
+		// (see resolveStarts): StartOffset is applied there. This is only what an
 		// out-of-range position (records deleted by retention) resets to, and what tells
 		// resolveStarts that Kafka has no committed offset.
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
@@ -495,7 +496,7 @@ func (p *Processor) ensureTopics(ctx context.Context, adm *kadm.Client) error {
 			p.log.Info("created topic", "topic", t)
 		}
 		if errors.Is(err, retrytopics.ErrTopicMissing) {
-			return fmt.Errorf("processor: %w; create them, or let the processor create them (KAFKA_CREATE_TOPICS=true)", err)
+			return fmt.Errorf("processor: %w; create them, or let the processor create them (DisableTopicCreation false)", err)
 		}
 		if err == nil && len(missing) == 0 {
 			p.waiting.Store(nil)
@@ -603,7 +604,7 @@ func (p *Processor) refreshStuck(ctx context.Context) error {
 		p.metrics.stuckKeys.WithLabelValues(r).Set(float64(counts[r]))
 	}
 	if changed && len(counts) > 0 {
-		p.log.Warn("held keys have made no progress for STALL_TIMEOUT (kafkapg_stuck_keys); see processor.StuckKeys",
+		p.log.Warn("held keys have made no progress for StallTimeout (kafkapg_stuck_keys); see processor.StuckKeys",
 			"orphaned", counts[retrytopics.StuckOrphaned], "overdue", counts[retrytopics.StuckOverdue], "undrained", counts[retrytopics.StuckUndrained])
 	}
 	p.lastStuck = counts
@@ -733,11 +734,11 @@ func (p *Processor) claim(ctx context.Context, owner string, parts []offsets.Par
 // endStaleHolders ends the transactions of a previous owner that hold parts' rows while waiting
 // for their client (a process that froze or lost its network mid-batch). Without it, such an owner
 // would hold up the claim of every partition assigned with its own until Postgres's
-// idle-in-transaction timeout (DB_TX_IDLE_TIMEOUT) ended it. It reports whether it ended any.
+// idle-in-transaction timeout (TxIdleTimeout) ended it. It reports whether it ended any.
 func (p *Processor) endStaleHolders(ctx context.Context, parts []offsets.Partition) bool {
 	held, err := p.store.EndStaleHolders(ctx, p.pool, parts)
 	if err != nil {
-		p.log.Warn("cannot end the transactions that hold the assigned partitions' rows; waiting for them (DB_TX_IDLE_TIMEOUT bounds it)", "err", err)
+		p.log.Warn("cannot end the transactions that hold the assigned partitions' rows; waiting for them (TxIdleTimeout bounds it)", "err", err)
 		return false
 	}
 	ended := false

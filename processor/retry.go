@@ -197,7 +197,7 @@ func (p *Processor) moved(m move, source string, f failure) {
 	}
 	p.metrics.deadLettered.WithLabelValues(source, m.Class).Inc()
 	if m.Held && m.Block {
-		log.Warn("record dead-lettered; its key stays held until an operator releases it (ON_DEAD_LETTER=block)", "err", f.cause)
+		log.Warn("record dead-lettered; its key stays held until an operator releases it (OnDeadLetterBlock)", "err", f.cause)
 		return
 	}
 	log.Warn("record dead-lettered", "err", f.cause)

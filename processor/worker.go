@@ -398,7 +398,7 @@ func (w *worker) handleAll(recs []*Record) error {
 			return own(err)
 		}
 		if len(live) > 0 {
-			if err := w.p.handle(ctx, tx, live); err != nil {
+			if err := w.p.handle(ctx, tx, w.source, live); err != nil {
 				if k, cause := failedRecord(err, len(live)); k >= 0 && index != nil {
 					return &RecordError{Index: index[k], Err: cause} // an index in recs
 				}
@@ -691,11 +691,11 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 // MaxRecordBytes fails, permanently, without reaching the handler. A handler that returns nil
 // but left tx unusable (a statement of its failed, or its connection closed) fails: nothing of
 // kafkapg's own may run in that transaction, and it could not commit.
-func (p *Processor) handle(ctx context.Context, tx pgx.Tx, recs []*Record) error {
-	pol := p.policy(recs[0].Topic) // recs are all of one source topic
+func (p *Processor) handle(ctx context.Context, tx pgx.Tx, source string, recs []*Record) error {
+	pol := p.policy(source)
 	for i, r := range recs {
 		if n := r.size(); n > pol.maxRecordBytes {
-			return &RecordError{Index: i, Err: Permanent(fmt.Errorf("%w: key, value and headers are %d bytes, more than the %d the topic allows",
+			return &RecordError{Index: i, Err: Permanent(fmt.Errorf("%w: key, value and headers are %d bytes, more than MaxRecordBytes (%d)",
 				ErrRecordTooLarge, n, pol.maxRecordBytes))}
 		}
 	}

@@ -74,15 +74,15 @@ func ParseTiers(s string) ([]time.Duration, error) {
 	return tiers, nil
 }
 
-// JitterFraction is the most that DueAt adds to a tier's delay, as a fraction of it.
-const JitterFraction = 0.1
+// jitterFraction is the most that DueAt adds to a tier's delay, as a fraction of it.
+const jitterFraction = 0.1
 
 // DueAt returns when a record that failed at failedAt may be tried again from a tier with the given
-// delay: failedAt + delay + jitter, where jitter is u × JitterFraction × delay and u is in [0, 1)
+// delay: failedAt + delay + jitter, where jitter is u × jitterFraction × delay and u is in [0, 1)
 // (pass a random number). The jitter spreads the retries of records that failed together; it never
 // makes a record due earlier than its tier's delay.
 func DueAt(failedAt time.Time, delay time.Duration, u float64) time.Time {
-	return failedAt.Add(delay + time.Duration(u*JitterFraction*float64(delay)))
+	return failedAt.Add(delay + time.Duration(u*jitterFraction*float64(delay)))
 }
 
 // Failure describes why and where a record failed. Topic, Partition, Offset and Timestamp are
@@ -212,9 +212,9 @@ func topicAbsent(d kadm.TopicDetail, ok bool) (bool, error) {
 	return false, nil
 }
 
-// Targets returns the topics that records of source consumed by group can be sent to: its retry
+// targets returns the topics that records of source consumed by group can be sent to: its retry
 // tiers 1..tiers, then its dead-letter topic.
-func Targets(source, group string, tiers int) []string {
+func targets(source, group string, tiers int) []string {
 	out := make([]string, 0, tiers+1)
 	for n := 1; n <= tiers; n++ {
 		out = append(out, TierTopic(source, group, n))
@@ -227,7 +227,7 @@ func Targets(source, group string, tiers int) []string {
 var ErrTopicMissing = errors.New("topic does not exist")
 
 // EnsureTopics checks that the retry-tier and dead-letter topics of every source topic exist
-// (see Targets); tiers gives each source topic's number of retry tiers. If create is true it creates missing ones with the source topic's partition count
+// (see targets); tiers gives each source topic's number of retry tiers. If create is true it creates missing ones with the source topic's partition count
 // and the broker's default replication factor; otherwise a missing one is an error wrapping
 // ErrTopicMissing. A source topic that does not exist yet is reported in missing and skipped:
 // retry later.
@@ -235,7 +235,7 @@ func EnsureTopics(ctx context.Context, adm *kadm.Client, group string, tiers map
 	sources := slices.Sorted(maps.Keys(tiers))
 	want := map[string]string{} // target -> source
 	for _, s := range sources {
-		for _, t := range Targets(s, group, tiers[s]) {
+		for _, t := range targets(s, group, tiers[s]) {
 			want[t] = s
 		}
 	}

@@ -232,13 +232,13 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message)
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)`,
-			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, safetext.Text(m.Message, MaxStoredMessage)); err != nil {
+			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage)); err != nil {
 			return fmt.Errorf("store retry state of %s: %w", m.Origin, err)
 		}
 	case FromTier:
 		tag, err := tx.Exec(ctx, `UPDATE `+s.retries+` SET attempt = $6, due_at = $7, error_class = $8, error_message = $9, updated_at = now()
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4 AND attempt = $5`,
-			s.group, m.Topic, m.Partition, m.Offset, m.Attempt, next, m.DueAt, m.Class, safetext.Text(m.Message, MaxStoredMessage))
+			s.group, m.Topic, m.Partition, m.Offset, m.Attempt, next, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage))
 		if err != nil {
 			return fmt.Errorf("update retry state of %s: %w", m.Origin, err)
 		}
@@ -266,8 +266,8 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 	return nil
 }
 
-// MaxStoredMessage bounds the error messages stored in Postgres, in bytes.
-const MaxStoredMessage = 8 << 10
+// maxStoredMessage bounds the error messages stored in Postgres, in bytes.
+const maxStoredMessage = 8 << 10
 
 // DeadLetter records that a failed record is dead-lettered: one dead_letters row, and the record
 // leaves the retry path. Its key, if held, goes on with its next record, or stays held (blocked)
@@ -300,7 +300,7 @@ func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
 			error_class, error_message, attempts, first_failed_at)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)`,
 		s.group, m.Topic, m.Partition, m.Offset, m.Key, m.Value, keys, vals, m.Timestamp.UnixMilli(),
-		m.Class, safetext.Text(m.Message, MaxStoredMessage), m.Attempt, m.FirstFailedAt); err != nil {
+		m.Class, safetext.Text(m.Message, maxStoredMessage), m.Attempt, m.FirstFailedAt); err != nil {
 		return fmt.Errorf("store dead letter %s: %w", m.Origin, err)
 	}
 	if !m.Held {
@@ -451,7 +451,7 @@ func (s *Store) release(ctx context.Context, tx pgx.Tx, k Key) error {
 	return nil
 }
 
-// Unblock releases keys held after a dead letter (ON_DEAD_LETTER=block): their parked records are
+// Unblock releases keys held after a dead letter (OnDeadLetterBlock): their parked records are
 // applied next. key nil releases every blocked key of the partition. It returns how many keys it
 // released.
 func (s *Store) Unblock(ctx context.Context, db Execer, topic string, partition int32, key []byte) (int64, error) {

@@ -31,8 +31,8 @@ const (
 // StuckReasons lists the reasons a key can be stuck.
 var StuckReasons = []string{StuckOrphaned, StuckOverdue, StuckUndrained}
 
-// StuckKey is a held key that has made no progress for too long. Blocked keys (ON_DEAD_LETTER=
-// block) wait for an operator by design and are not stuck.
+// StuckKey is a held key that has made no progress for too long. Blocked keys (a dead letter
+// under processor.OnDeadLetterBlock) wait for an operator by design and are not stuck.
 type StuckKey struct {
 	Key
 	State  string // retrying or ready
@@ -169,5 +169,5 @@ func (s *Store) ReleaseStuck(ctx context.Context, tx pgx.Tx, k StuckKey, note st
 
 func safeNote(note string, k StuckKey) string {
 	return safetext.Text(fmt.Sprintf("lost in the retry path (%s since %s): %s; its value is in the source topic at these coordinates while retention keeps it",
-		k.Reason, k.Since.UTC().Format(time.RFC3339), note), MaxStoredMessage)
+		k.Reason, k.Since.UTC().Format(time.RFC3339), note), maxStoredMessage)
 }

@@ -266,7 +266,7 @@ func TestDeployQueriesUseExportedMetrics(t *testing.T) {
 	if len(exported) < 20 {
 		t.Fatalf("only %d kafkapg metrics exported:\n%s", len(exported), body)
 	}
-	for _, f := range []string{"../../deploy/kubernetes/prometheusrule.yaml", "../../deploy/grafana/kafkapg-dashboard.json"} {
+	for _, f := range []string{"../deploy/kubernetes/prometheusrule.yaml", "../deploy/grafana/kafkapg-dashboard.json"} {
 		b, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)

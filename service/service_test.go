@@ -27,12 +27,12 @@ func TestMainExitCodes(t *testing.T) {
 		wantOut []string
 	}{
 		{name: "unknown command", args: []string{"bogus"}, want: 2,
-			wantOut: []string{`unknown command "bogus"`, "usage: processor"}},
+			wantOut: []string{`unknown command "bogus"`, "usage: service.test"}},
 		{name: "too many arguments", args: []string{"run", "now"}, want: 2,
-			wantOut: []string{"usage: processor"}},
-		{name: "help", args: []string{"help"}, want: 0, wantOut: []string{"usage: processor", "migrate"}},
-		{name: "-h", args: []string{"-h"}, want: 0, wantOut: []string{"usage: processor"}},
-		{name: "--help", args: []string{"--help"}, want: 0, wantOut: []string{"usage: processor"}},
+			wantOut: []string{"usage: service.test"}},
+		{name: "help", args: []string{"help"}, want: 0, wantOut: []string{"usage: service.test", "migrate"}},
+		{name: "-h", args: []string{"-h"}, want: 0, wantOut: []string{"usage: service.test"}},
+		{name: "--help", args: []string{"--help"}, want: 0, wantOut: []string{"usage: service.test"}},
 		{name: "run with nothing configured", args: []string{"run"}, want: 2,
 			wantOut: []string{"service.test: configuration error: DATABASE_URL is required"}},
 		{name: "no arguments means run", args: nil, want: 2,

@@ -27,8 +27,9 @@ type RelayConfig struct {
 	// Interval between checks for rows written by other processes (or left by a crashed one).
 	// Rows written by this process wake the relay at once through Notify. Defaults to 1s.
 	Interval time.Duration
-	// Backoff after a failed publish. Defaults to 200ms doubling to 5s.
-	Backoff backoff.Policy
+	// BackoffBase is the delay after a failed publish; it doubles per failure in a row, with
+	// jitter, up to BackoffMax. Default to 200ms and 5s.
+	BackoffBase, BackoffMax time.Duration
 	// BatchSize is the most rows published per transaction. Defaults to 500.
 	BatchSize int
 	// BatchBytes bounds the keys, values and headers published per transaction (a batch holds at
@@ -47,7 +48,7 @@ type RelayConfig struct {
 	// Published, if not nil, is called with the topic of every record published and acknowledged.
 	Published func(topic string)
 	// Refused, if not nil, is called inside the relay's transaction for a message Kafka refuses
-	// for good (too large, invalid; see IsRefusal), published alone: it may write what the
+	// for good (too large, invalid; see isRefusal), published alone: it may write what the
 	// message's fate means for its writer, and return a message to publish in its place (nil:
 	// none). The refused row is then deleted. A message Refused gives up on (it returns an
 	// error), or every refused message when Refused is nil, stays in the outbox set aside
@@ -83,9 +84,13 @@ func NewRelay(pool *pgxpool.Pool, client *kgo.Client, cfg RelayConfig) *Relay {
 	if cfg.Interval <= 0 {
 		cfg.Interval = time.Second
 	}
-	if cfg.Backoff.Base <= 0 {
-		cfg.Backoff = backoff.Policy{Base: 200 * time.Millisecond, Max: 5 * time.Second}
+	if cfg.BackoffBase <= 0 {
+		cfg.BackoffBase = 200 * time.Millisecond
 	}
+	if cfg.BackoffMax <= 0 {
+		cfg.BackoffMax = 5 * time.Second
+	}
+	cfg.BackoffMax = max(cfg.BackoffMax, cfg.BackoffBase)
 	if cfg.BatchSize <= 0 {
 		cfg.BatchSize = 500
 	}
@@ -153,7 +158,7 @@ func (r *Relay) Run(ctx context.Context) error {
 				return nil
 			}
 			failures++
-			d := r.cfg.Backoff.Delay(failures)
+			d := backoff.Policy{Base: r.cfg.BackoffBase, Max: r.cfg.BackoffMax}.Delay(failures)
 			if failures == 1 || failures%10 == 0 {
 				r.cfg.Logger.Warn("outbox publish failed; will retry", "err", err, "retry_in", d, "failures", failures)
 			}
@@ -233,7 +238,7 @@ func (r *Relay) publishBatch(parent context.Context) (n int, full bool, err erro
 	// Kafka fails every record buffered for a partition when it refuses one batch of it: publish
 	// the refused ones again, one at a time, to tell the guilty from the innocent.
 	for _, rw := range rows {
-		if IsRefusal(rw.err) {
+		if isRefusal(rw.err) {
 			rw.err = r.client.ProduceSync(ctx, rw.rec).FirstErr()
 		}
 	}
@@ -245,7 +250,7 @@ func (r *Relay) publishBatch(parent context.Context) (n int, full bool, err erro
 		switch {
 		case rw.err == nil:
 			done = append(done, rw.id)
-		case IsRefusal(rw.err):
+		case isRefusal(rw.err):
 			if err := r.refused(ctx, tx, rw); err != nil {
 				return 0, false, err
 			}
@@ -371,9 +376,9 @@ func (r *Relay) setAside(ctx context.Context, tx pgx.Tx, id int64, why error) er
 	return nil
 }
 
-// IsRefusal reports whether a produce error means Kafka will never take the record as it is:
+// isRefusal reports whether a produce error means Kafka will never take the record as it is:
 // too large for the topic or the producer, or invalid. Retrying it can only fail the same way.
-func IsRefusal(err error) bool {
+func isRefusal(err error) bool {
 	for _, e := range []error{kerr.MessageTooLarge, kerr.RecordListTooLarge, kerr.InvalidRecord, kerr.CorruptMessage, kerr.InvalidTopicException, kerr.PolicyViolation} {
 		if errors.Is(err, e) {
 			return true
