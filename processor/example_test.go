@@ -2,45 +2,88 @@ package processor_test
 
 import (
 	"context"
-	"errors"
+	"encoding/json"
 	"fmt"
+	"log"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/kafkapg/kafkapg/processor"
 )
 
-// A handler decides what happens to a record that fails by the error it returns.
-func ExampleClassify() {
-	bad := errors.New("amount is not a number")
-	fmt.Println(processor.Classify(processor.Permanent(bad)))                // dead-lettered at once
-	fmt.Println(processor.Classify(fmt.Errorf("call pricing API: %w", bad))) // retried, then dead-lettered
-	fmt.Println(processor.Classify(processor.Infrastructure(bad)))           // partition waits, retries in place
-	// Output:
-	// permanent
-	// retryable
-	// infrastructure
-}
-
-// A batch handler says which record of the batch failed; the records before it are applied
-// without it.
-func ExampleRecordFailed() {
-	var h processor.BatchHandler = batchFunc(func(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
-		for i, r := range recs {
-			if len(r.Value) == 0 {
-				return processor.RecordFailed(i, processor.Permanent(errors.New("empty value")))
+// A processor in a program of your own: migrate kafkapg's tables, create the handler's, and run
+// until SIGTERM. (The service package does all this, and more, from environment variables.)
+func ExampleNew() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	if err := processor.Migrate(ctx, pool, "kafkapg"); err != nil {
+		log.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS orders (order_id text PRIMARY KEY, amount bigint NOT NULL)`); err != nil {
+		log.Fatal(err)
+	}
+	p, err := processor.New(pool, &processor.Config{
+		Brokers: []string{"localhost:9092"},
+		Group:   "orders-to-postgres",
+		Topics:  []string{"orders", "refunds"},
+		Handler: processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			var o struct {
+				OrderID string `json:"order_id"`
+				Amount  int64  `json:"amount"`
 			}
-		}
-		return nil
+			if err := json.Unmarshal(rec.Value, &o); err != nil {
+				return processor.Permanent(err) // straight to the dead letters
+			}
+			_, err := tx.Exec(ctx, `INSERT INTO orders (order_id, amount) VALUES ($1, $2)`, o.OrderID, o.Amount)
+			return err // retried, then through the retry tiers
+		}),
+		// Refunds are urgent and cheap to retry: faster tiers than the default 1s, 10s, 1m.
+		TopicPolicies: map[string]processor.TopicPolicy{
+			"refunds": {RetryTiers: []time.Duration{200 * time.Millisecond, time.Second}},
+		},
 	})
-	err := h.HandleBatch(context.Background(), nil, []*processor.Record{{Value: []byte("x")}, {}})
-	var re *processor.RecordError
-	fmt.Println(errors.As(err, &re), re.Index, processor.Classify(err))
-	// Output: true 1 permanent
+	if err != nil {
+		log.Fatal(err) // a *processor.ConfigError names the field at fault
+	}
+	if err := p.Run(ctx); err != nil {
+		log.Fatal(err)
+	}
 }
 
-type batchFunc func(context.Context, pgx.Tx, []*processor.Record) error
+// pageViews counts page views with one COPY per batch: the fastest way into Postgres.
+type pageViews struct{}
 
-func (f batchFunc) HandleBatch(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
-	return f(ctx, tx, recs)
+// HandleBatch writes the whole batch with COPY. It cannot tell which row a failure was, so it
+// returns the error as the batch's: the processor then splits the batch to find the record.
+func (pageViews) HandleBatch(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
+	rows := make([][]any, len(recs))
+	for i, r := range recs {
+		rows[i] = []any{r.Topic, r.Partition, r.Offset, string(r.Key)}
+	}
+	_, err := tx.CopyFrom(ctx, pgx.Identifier{"page_views"}, []string{"topic", "partition", "offset", "url"}, pgx.CopyFromRows(rows))
+	return err
+}
+
+// Handle applies one record: the processor uses it for a record it retries alone.
+func (v pageViews) Handle(ctx context.Context, tx pgx.Tx, r *processor.Record) error {
+	return v.HandleBatch(ctx, tx, []*processor.Record{r})
+}
+
+// A BatchHandler receives a partition's batch at once, in the transaction that commits its
+// offset.
+func ExampleBatchHandler() {
+	var h processor.Handler = pageViews{}
+	_, ok := h.(processor.BatchHandler)
+	fmt.Println("batch handler:", ok)
+	// Output: batch handler: true
 }

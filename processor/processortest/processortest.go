@@ -1,0 +1,98 @@
+// Package processortest tests a processor.Handler (or processor.BatchHandler) without Kafka:
+// it runs the handler on records the test builds, inside a real Postgres transaction, exactly as
+// a processor runs a batch (panics recovered, records over the size bound refused, a swallowed
+// statement error or a connection the handler closed caught), and reports what the processor
+// would do with the outcome.
+//
+//	func TestHandleOrder(t *testing.T) {
+//		res := processortest.Run(t, pool, processor.HandlerFunc(handleOrder),
+//			processortest.NewRecord("orders", "o-1", `{"order_id":"o-1","amount":42}`))
+//		if !res.Applied() {
+//			t.Fatal(res)
+//		}
+//	}
+//
+// Run rolls the transaction back; RunInTx runs in a transaction of the test's, to look at what
+// the handler wrote before rolling back.
+package processortest
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/kafkapg/kafkapg/internal/handlertest"
+	"github.com/kafkapg/kafkapg/processor"
+)
+
+// Result is how a run of a handler ended, as the processor sees it.
+type Result struct {
+	// Err is the failure; nil means the records would be applied (and the offset advanced in
+	// the same transaction).
+	Err error
+	// Class is the class the processor gives Err: processor.ClassRetryable records are retried
+	// and go through the retry tiers, processor.ClassPermanent ones are dead-lettered at once,
+	// and processor.ClassInfrastructure failures are retried in place without counting an
+	// attempt. It is meaningless when Err is nil.
+	Class processor.ErrorClass
+	// Index is the index, among the records run, of the record that failed; -1 if Err is not one
+	// record's (a batch handler's error without processor.RecordFailed: the processor then
+	// bisects the batch to find it).
+	Index int
+}
+
+// Applied reports whether the records would be applied.
+func (r Result) Applied() bool { return r.Err == nil }
+
+// String describes the result, for test failures.
+func (r Result) String() string {
+	if r.Err == nil {
+		return "applied"
+	}
+	if r.Index < 0 {
+		return fmt.Sprintf("failed (%v): %v", r.Class, r.Err)
+	}
+	return fmt.Sprintf("record %d failed (%v): %v", r.Index, r.Class, r.Err)
+}
+
+// Beginner starts transactions: a *pgxpool.Pool or a *pgx.Conn.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// Run runs h on recs in a new transaction on db, which it then rolls back. A failure to begin the
+// transaction fails the test.
+func Run(t testing.TB, db Beginner, h processor.Handler, recs ...*processor.Record) Result {
+	t.Helper()
+	ctx := t.Context()
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		t.Fatalf("processortest: begin: %v", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	return RunInTx(ctx, tx, h, recs...)
+}
+
+// RunInTx runs h on recs in tx, as one batch of a partition. It leaves tx open: the caller can
+// query what the handler wrote, then roll back. After a failure the processor would roll back
+// too; tx may then be unusable.
+func RunInTx(ctx context.Context, tx pgx.Tx, h processor.Handler, recs ...*processor.Record) Result {
+	if len(recs) == 0 {
+		return Result{Index: -1}
+	}
+	i, class, err := handlertest.Try(ctx, tx, h, recs)
+	return Result{Err: err, Class: processor.ErrorClass(class), Index: i}
+}
+
+// NewRecord returns a record of topic with key and value, as first delivered: partition 0,
+// offset 0, attempt 1, timestamped now. Set other fields as the test needs.
+func NewRecord(topic, key, value string) *processor.Record {
+	r := &processor.Record{Topic: topic, Value: []byte(value), Attempt: 1, Timestamp: time.Now()}
+	if key != "" {
+		r.Key = []byte(key)
+	}
+	return r
+}

@@ -1,0 +1,45 @@
+package processor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kafkapg/kafkapg/internal/handlertest"
+	"github.com/kafkapg/kafkapg/sink"
+)
+
+func init() {
+	handlertest.Try = func(ctx context.Context, tx pgx.Tx, h any, recs any) (int, int, error) {
+		i, class, err := try(ctx, tx, h.(Handler), recs.([]*Record))
+		return i, int(class), err
+	}
+}
+
+// try runs h over recs in tx the way a partition's batch runs (handle), for package
+// processortest, and says how the processor would take the outcome.
+func try(ctx context.Context, tx pgx.Tx, h Handler, recs []*Record) (index int, class ErrorClass, err error) {
+	c := (&Config{Topics: []string{"test"}, Handler: h}).withDefaults()
+	m, merr := newMetrics(prometheus.NewRegistry())
+	if merr != nil {
+		return -1, ClassInfrastructure, merr
+	}
+	p := &Processor{cfg: c, log: slog.New(slog.DiscardHandler), metrics: m, policies: map[string]*policy{"test": c.policy("test")}}
+	err = p.handle(ctx, tx, "test", recs)
+	if err == nil {
+		return -1, 0, nil
+	}
+	index, cause := failedRecord(err, len(recs))
+	var pgErr *pgconn.PgError
+	if tx.Conn().IsClosed() && !errors.As(cause, &pgErr) {
+		// Postgres is up (this is a test): what closed the connection was the handler, or a
+		// context of its own, as sink.Apply would find.
+		cause = fmt.Errorf("%w: %w", sink.ErrConnClosedByHandler, cause)
+	}
+	return index, p.classify("test", cause), cause
+}
