@@ -19,7 +19,7 @@ import (
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
-// The bad-input cases of the README's table, one test each.
+// The bad-input cases of docs/guarantees.md's table, one test each.
 
 // TestHugeRecordIsDeadLettered: a record larger than MaxRecordBytes never reaches the handler;
 // it is dead-lettered with the reason, its DLQ copy without the value (the broker may refuse it),

@@ -396,16 +396,22 @@ func TestRegistryRefusesBadHandlers(t *testing.T) {
 	}
 }
 
-// TestReadmeDocumentsEveryVariable keeps the README's configuration table complete.
-func TestReadmeDocumentsEveryVariable(t *testing.T) {
+// TestDocsDocumentEveryVariable keeps docs/configuration.md's tables complete: a row for every
+// variable and every per-topic setting.
+func TestDocsDocumentEveryVariable(t *testing.T) {
 	t.Parallel()
-	readme, err := os.ReadFile("../README.md")
+	doc, err := os.ReadFile("../docs/configuration.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, n := range envNames() {
-		if !strings.Contains(string(readme), "| `"+n+"`") && !strings.Contains(string(readme), "/ `"+n+"`") {
-			t.Errorf("README.md has no configuration row for %s", n)
+		if !strings.Contains(string(doc), "| `"+n+"`") && !strings.Contains(string(doc), "/ `"+n+"`") {
+			t.Errorf("docs/configuration.md has no row for %s", n)
+		}
+	}
+	for _, s := range topicSettings {
+		if !strings.Contains(string(doc), "| `"+topicPrefix+"<topic>_"+s.name+"` |") {
+			t.Errorf("docs/configuration.md has no row for %s<topic>_%s", topicPrefix, s.name)
 		}
 	}
 }

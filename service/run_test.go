@@ -239,8 +239,9 @@ func TestMainMigrate(t *testing.T) {
 }
 
 // TestDeployQueriesUseExportedMetrics scrapes /metrics from a running processor and checks that
-// every kafkapg metric the alert rules (deploy/kubernetes/prometheusrule.yaml) and the Grafana
-// dashboard (deploy/grafana) query is one the processor exports. (deploy/validate checks that
+// docs/operations.md documents every kafkapg metric it exports, and that every kafkapg metric the
+// alert rules (deploy/kubernetes/prometheusrule.yaml) and the Grafana dashboard (deploy/grafana)
+// query is one it exports. (deploy/validate checks that
 // the queries are valid PromQL.)
 func TestDeployQueriesUseExportedMetrics(t *testing.T) {
 	pool, dbURL := testenv.Postgres(t)
@@ -265,6 +266,19 @@ func TestDeployQueriesUseExportedMetrics(t *testing.T) {
 	svc.stop()
 	if len(exported) < 20 {
 		t.Fatalf("only %d kafkapg metrics exported:\n%s", len(exported), body)
+	}
+	// Every metric exported is documented, in its own row of the metrics table.
+	ops, err := os.ReadFile("../docs/operations.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name := range exported {
+		if strings.HasPrefix(name, "kafkapg_kafka_") || strings.HasSuffix(name, "_bucket") || strings.HasSuffix(name, "_sum") || strings.HasSuffix(name, "_count") {
+			continue // franz-go's client metrics are documented as a family; histogram series with their histogram
+		}
+		if !regexp.MustCompile("\\| `" + name + `(\{[a-z,]*\})?` + "` ").Match(ops) && !strings.Contains(string(ops), "`"+name+"` / ") && !strings.Contains(string(ops), " / `"+name+"`") {
+			t.Errorf("docs/operations.md has no row for the metric %s", name)
+		}
 	}
 	for _, f := range []string{"../deploy/kubernetes/prometheusrule.yaml", "../deploy/grafana/kafkapg-dashboard.json"} {
 		b, err := os.ReadFile(f)

@@ -125,6 +125,16 @@ func (r *registry) setup(ctx context.Context, pool *pgxpool.Pool, names []string
 	return nil
 }
 
+// progName is the binary's name, for messages: its file's, through any link to it.
+func progName() string {
+	if exe, err := os.Executable(); err == nil {
+		if real, err := filepath.EvalSymlinks(exe); err == nil {
+			return filepath.Base(real)
+		}
+	}
+	return filepath.Base(os.Args[0])
+}
+
 const usage = `usage: %[1]s [run|migrate|help]
 
   run      consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
@@ -144,7 +154,7 @@ func Main(handlers ...Handler) {
 // Run is Main without the exit: it runs the command args name (run if none) and returns the
 // exit status. It stops on SIGINT or SIGTERM.
 func Run(args []string, stderr io.Writer, handlers ...Handler) int {
-	prog := filepath.Base(os.Args[0])
+	prog := progName()
 	hs, err := newRegistry(handlers)
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: %s\n", prog, strings.ReplaceAll(err.Error(), "\n", "; "))

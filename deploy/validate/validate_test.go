@@ -3,7 +3,7 @@
 // with each other, the alert rules pass Prometheus's rule checks, and the dashboard's queries are
 // valid PromQL. It is a module of its own so that kafkapg's users do not inherit these
 // dependencies. That the queries only use metrics kafkapg exports is checked against a running
-// processor by internal/service's TestDeployQueriesUseExportedMetrics.
+// processor by package service's TestDeployQueriesUseExportedMetrics.
 package validate
 
 import (

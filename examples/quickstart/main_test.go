@@ -30,11 +30,62 @@ func build(t *testing.T) string {
 	return bin
 }
 
-// TestQuickstartService runs the README's ten-line service as a user would deploy it: the built
-// binary, configured by environment variables only. It must become ready, serve metrics, apply
-// the good records exactly once, dead-letter the bad one, and exit 0 on SIGTERM.
+// TestQuickstartService runs the quickstart service as a user would deploy it: the built binary,
+// configured by environment variables only.
 func TestQuickstartService(t *testing.T) {
-	bin := build(t)
+	runService(t, build(t))
+}
+
+// TestReadmeService builds the README's ten-line service from the README's text alone, in a
+// module of its own outside this repository (a replace directive pointing here, as a user with a
+// checkout would write), and runs it like TestQuickstartService.
+func TestReadmeService(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := string(readme)
+	start := strings.Index(text, "## Your service in ten lines")
+	code := strings.Index(text[start:], "```go\n")
+	if start < 0 || code < 0 {
+		t.Fatal(`README.md has no "## Your service in ten lines" section with a Go block`)
+	}
+	code += start + len("```go\n")
+	end := strings.Index(text[code:], "```")
+	root, err := filepath.Abs("../..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	sum, err := os.ReadFile(filepath.Join(root, "go.sum"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, content := range map[string]string{
+		"main.go": text[code : code+end],
+		"go.mod":  "module example.com/orders\n\ngo 1.26\n\nrequire github.com/kafkapg/kafkapg v0.0.0\n\nreplace github.com/kafkapg/kafkapg => " + root + "\n",
+		"go.sum":  string(sum), // the modules are those of this repository: no download needed
+	} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	bin := filepath.Join(dir, "orders")
+	for _, args := range [][]string{{"mod", "tidy"}, {"build", "-o", bin, "."}} {
+		cmd := exec.Command("go", args...)
+		cmd.Dir = dir
+		cmd.Env = append(os.Environ(), "GOFLAGS=-mod=mod", "GOPROXY=off", "GOWORK=off")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("go %s in a module of its own: %v\n%s", strings.Join(args, " "), err, out)
+		}
+	}
+	runService(t, bin)
+}
+
+// runService runs a built service binary (the quickstart's handler, under any name) with
+// environment variables only. It must become ready, serve metrics, apply the good records
+// exactly once, dead-letter the bad one, and exit 0 on SIGTERM.
+func runService(t *testing.T, bin string) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		pool, dbURL := testenv.Postgres(t)
 		topic := k.CreateTopic(t, 2)

@@ -66,7 +66,7 @@ type stats struct {
 	termExit, killRecovery, pgRecovery []time.Duration
 	unmeasured                         int // recoveries that could not be measured (no traffic left)
 	// alone holds the recoveries measured one fault at a time, with nothing else broken (the
-	// README's targets are for these); the slices above are measured under overlapping faults.
+	// docs/testing.md's targets are for these); the slices above are measured under overlapping faults.
 	alone      struct{ term, kill, pg time.Duration }
 	settle     time.Duration
 	violations []string // problems seen during the run (bad exit codes)
@@ -334,7 +334,7 @@ func (s *suite) inject(ctx context.Context) error {
 // measureSpan is roughly how long measure takes; events are produced over it and the fault period.
 const measureSpan = 30 * time.Second
 
-// measure measures the recoveries the README sets targets for, one fault at a time with nothing
+// measure measures the recoveries docs/testing.md sets targets for, one fault at a time with nothing
 // else broken and events flowing: SIGTERM to exit, a SIGKILL to the dead process's partitions
 // flowing again on the other processes (it is restarted only afterwards), and Postgres coming
 // back to commits resuming after a 3 s cut.

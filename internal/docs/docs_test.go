@@ -1,0 +1,80 @@
+package docs
+
+import (
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// markdown lists the documents checked, relative to the repository root.
+func markdown(t *testing.T) []string {
+	t.Helper()
+	files := []string{"README.md", "deploy/README.md"}
+	more, err := filepath.Glob("../../docs/*.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range more {
+		files = append(files, strings.TrimPrefix(f, "../../"))
+	}
+	return files
+}
+
+// anchors returns the GitHub anchors of a Markdown document's headings.
+func anchors(doc string) map[string]bool {
+	out := map[string]bool{}
+	drop := regexp.MustCompile("[^a-z0-9 _-]")
+	for _, line := range strings.Split(doc, "\n") {
+		if !strings.HasPrefix(line, "#") {
+			continue
+		}
+		h := strings.ToLower(strings.TrimSpace(strings.TrimLeft(line, "#")))
+		h = drop.ReplaceAllString(h, "")
+		out[strings.ReplaceAll(h, " ", "-")] = true
+	}
+	return out
+}
+
+// TestLinksLeadSomewhere: every relative link of the documents names a file or directory that
+// exists and, with a #fragment, a heading of that document.
+func TestLinksLeadSomewhere(t *testing.T) {
+	link := regexp.MustCompile(`\]\(([^)\s]+)\)`)
+	files := markdown(t)
+	if len(files) < 5 {
+		t.Fatalf("only %d documents found: %v", len(files), files)
+	}
+	checked := 0
+	for _, f := range files {
+		b, err := os.ReadFile(filepath.Join("../..", f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range link.FindAllStringSubmatch(string(b), -1) {
+			target := m[1]
+			if strings.Contains(target, "://") || strings.HasPrefix(target, "mailto:") {
+				continue
+			}
+			path, frag, _ := strings.Cut(target, "#")
+			full := filepath.Join("../..", filepath.Dir(f), path)
+			if path == "" {
+				full = filepath.Join("../..", f)
+			}
+			checked++
+			if _, err := os.Stat(full); err != nil {
+				t.Errorf("%s links to %s, which does not exist", f, target)
+				continue
+			}
+			if frag != "" {
+				doc, err := os.ReadFile(full)
+				if err != nil || !anchors(string(doc))[frag] {
+					t.Errorf("%s links to %s, which has no heading #%s", f, path, frag)
+				}
+			}
+		}
+	}
+	if checked < 10 {
+		t.Errorf("only %d relative links checked", checked)
+	}
+}
