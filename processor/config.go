@@ -104,8 +104,8 @@ type Config struct {
 	// they cost this much, and each partition pauses at its equal share of it (resuming at half),
 	// so one partition that cannot move on does not starve the others. A record costs its key,
 	// value and headers plus about 400 bytes of bookkeeping. franz-go's fetch buffers come on
-	// top: at most one fetch per broker of up to a quarter of this (see docs/guarantees.md for the whole
-	// bound). Defaults to 64 MiB.
+	// top: at most one fetch per broker of up to an eighth of this (docs/guarantees.md has the
+	// whole bound). Defaults to 64 MiB.
 	MaxBufferedBytes int
 
 	// RetryTiers are the delays of the retry tiers. A record that still fails with a retryable

@@ -276,7 +276,7 @@ func TestDeployQueriesUseExportedMetrics(t *testing.T) {
 		if strings.HasPrefix(name, "kafkapg_kafka_") || strings.HasSuffix(name, "_bucket") || strings.HasSuffix(name, "_sum") || strings.HasSuffix(name, "_count") {
 			continue // franz-go's client metrics are documented as a family; histogram series with their histogram
 		}
-		if !regexp.MustCompile("\\| `" + name + `(\{[a-z,]*\})?` + "` ").Match(ops) && !strings.Contains(string(ops), "`"+name+"` / ") && !strings.Contains(string(ops), " / `"+name+"`") {
+		if !regexp.MustCompile("\\| `"+name+`(\{[a-z,]*\})?`+"` ").Match(ops) && !strings.Contains(string(ops), "`"+name+"` / ") && !strings.Contains(string(ops), " / `"+name+"`") {
 			t.Errorf("docs/operations.md has no row for the metric %s", name)
 		}
 	}
