@@ -394,6 +394,9 @@ func (c *Config) validate() error {
 			bad("TopicPolicies", "has a policy for %q, which is not one of Topics %q", t, c.Topics)
 		}
 	}
+	if len(c.Topics) == 0 && c.Handler == nil {
+		bad("Handler", "required")
+	}
 	for _, t := range c.Topics {
 		if t == "" {
 			continue

@@ -86,7 +86,8 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 				return err
 			}
 			var dead []string
-			rows, err = h.pool.Query(ctx, `SELECT topic || '/' || encode(key, 'escape') || '/' || error_class || '/' || attempts FROM kafkapg.dead_letters ORDER BY 1 COLLATE "C"`)
+			rows, err = h.pool.Query(ctx, `SELECT d FROM (SELECT topic || '/' || encode(key, 'escape') || '/' || error_class || '/' || attempts AS d
+				FROM kafkapg.dead_letters) AS dl ORDER BY d COLLATE "C"`)
 			if err != nil {
 				return err
 			}

@@ -390,7 +390,7 @@ func TestMissingRetryTopicIsAStartupError(t *testing.T) {
 		if err == nil {
 			t.Fatal("Run returned nil with its retry and dead-letter topics missing")
 		}
-		for _, want := range []string{retrytopics.TierTopic(h.topic, h.group, 1), h.dlq(), "KAFKA_CREATE_TOPICS"} {
+		for _, want := range []string{retrytopics.TierTopic(h.topic, h.group, 1), h.dlq(), "DisableTopicCreation"} {
 			if !strings.Contains(err.Error(), want) {
 				t.Errorf("Run error %q does not name %s", err, want)
 			}

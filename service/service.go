@@ -47,6 +47,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/internal/backoff"
 	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
 // Handler is a handler a service can run, chosen by name with HANDLER (or, per topic, with
@@ -328,7 +329,11 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		return err
 	}
 	proc.Store(p)
-	return p.Run(ctx)
+	err = p.Run(ctx)
+	if errors.Is(err, retrytopics.ErrTopicMissing) {
+		return fmt.Errorf("%w (KAFKA_CREATE_TOPICS=true lets the service create them)", err)
+	}
+	return err
 }
 
 func httpHandler(reg *prometheus.Registry, healthy, ready func(context.Context) error) http.Handler {
