@@ -28,9 +28,9 @@ func TestHugeRecordIsDeadLettered(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 1)
-		cfg := h.config(ledger.Handler{})
+		cfg := h.Config(ledger.Handler{})
 		cfg.MaxRecordBytes = 2000
-		h.start(cfg)
+		h.Start(cfg)
 		ok := func(id string, seq int64) ledger.Item {
 			ev := ledger.Event{EventID: id, Account: "A", Amount: 1, Seq: seq}
 			v, _ := json.Marshal(ev)
@@ -38,15 +38,15 @@ func TestHugeRecordIsDeadLettered(t *testing.T) {
 		}
 		huge := ledger.Item{Kind: ledger.KindMalformed, Key: []byte("A"), Value: []byte(`{"pad":"` + strings.Repeat("x", 5000) + `"}`)}
 		items := []ledger.Item{ok("h1", 1), huge, ok("h2", 3)}
-		h.produce(items)
-		h.waitSettled(items, 1, 30*time.Second)
+		h.Produce(items)
+		h.WaitSettled(items, 1, 30*time.Second)
 		// The ledger and the dead_letters rows as usual (the DLQ copy lacks its value, so the
 		// DLQ topic is checked by hand below).
-		if _, err := ledger.Verify(context.Background(), h.pool, items, 1); err != nil {
+		if _, err := ledger.Verify(context.Background(), h.Pool, items, 1); err != nil {
 			t.Fatalf("ledger verification failed:\n%v", err)
 		}
-		h.checkDeadLetterRows(items, 1)
-		dlq := k.ReadAll(t, h.dlq())
+		h.CheckDeadLetterRows(items, 1)
+		dlq := k.ReadAll(t, h.DLQ())
 		if len(dlq) != 1 {
 			t.Fatalf("%d dead letters, want 1", len(dlq))
 		}
@@ -67,7 +67,7 @@ func TestHugeRecordIsDeadLettered(t *testing.T) {
 			t.Errorf("DLQ copy has a %d-byte value and %s=%q; want no value and the size 5010", len(dlq[0].Value), retrytopics.HeaderValueOmitted, omitted)
 		}
 		var stored []byte
-		if err := h.pool.QueryRow(context.Background(), `SELECT value FROM kafkapg.dead_letters`).Scan(&stored); err != nil {
+		if err := h.Pool.QueryRow(context.Background(), `SELECT value FROM kafkapg.dead_letters`).Scan(&stored); err != nil {
 			t.Fatal(err)
 		}
 		if string(stored) != string(huge.Value) {
@@ -82,10 +82,10 @@ func TestInvalidUTF8Keys(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 2)
-		cfg := h.config(ledger.Handler{})
+		cfg := h.Config(ledger.Handler{})
 		cfg.RetryTiers = []time.Duration{100 * time.Millisecond}
 		cfg.LocalAttempts = 1
-		h.start(cfg)
+		h.Start(cfg)
 		var items []ledger.Item
 		keys := [][]byte{{0xff, 0xfe, 0x00}, {0xc3, 0x28}, {}, {0xed, 0xa0, 0x80}}
 		for i := range 40 {
@@ -101,9 +101,9 @@ func TestInvalidUTF8Keys(t *testing.T) {
 			v, _ := json.Marshal(ev)
 			items = append(items, ledger.Item{Kind: kind, Event: ev, Key: key, Value: v})
 		}
-		h.produce(items)
-		h.waitSettled(items, 2, 60*time.Second)
-		h.verify(items, 2, false)
+		h.Produce(items)
+		h.WaitSettled(items, 2, 60*time.Second)
+		h.Verify(items, 2, false)
 	})
 }
 
@@ -125,27 +125,27 @@ func TestGarbledRetryRecordIsAFreshRecord(t *testing.T) {
 			_, err := tx.Exec(ctx, `INSERT INTO ledger_entries (event_id, account, amount, seq) VALUES ($1, 'a', 0, $2)`, string(rec.Value), rec.Attempt)
 			return err
 		})
-		cfg := h.config(handler)
+		cfg := h.Config(handler)
 		cfg.RetryTiers = []time.Duration{100 * time.Millisecond}
-		h.start(cfg)
-		tier := retrytopics.TierTopic(h.topic, h.group, 1)
+		h.Start(cfg)
+		tier := retrytopics.TierTopic(h.Topic, h.Group, 1)
 		testenv.Eventually(t, 30*time.Second, func() error { // the processor creates the tier topic
 			_, err := k.Client(t).ProduceSync(context.Background(), &kgo.Record{Topic: tier, Key: []byte("k"), Value: []byte("none"),
 				Headers: []kgo.RecordHeader{{Key: retrytopics.HeaderAttempt, Value: []byte("two")}}}).First()
 			return err
 		})
-		h.k.Produce(t, &kgo.Record{Topic: tier, Key: []byte("k"), Value: []byte("plain")})
-		h.waitApplied(2, 30*time.Second)
+		h.K.Produce(t, &kgo.Record{Topic: tier, Key: []byte("k"), Value: []byte("plain")})
+		h.WaitApplied(2, 30*time.Second)
 		// One that fails: with no origin to retry, it is dead-lettered, not sent round tier 1.
-		h.k.Produce(t, &kgo.Record{Topic: tier, Key: []byte("k"), Value: []byte("failing")})
+		h.K.Produce(t, &kgo.Record{Topic: tier, Key: []byte("k"), Value: []byte("failing")})
 		testenv.Eventually(t, 30*time.Second, func() error {
-			if n := len(h.k.ReadAll(t, h.dlq())); n != 1 {
+			if n := len(h.K.ReadAll(t, h.DLQ())); n != 1 {
 				return fmt.Errorf("%d dead letters, want 1", n)
 			}
 			return nil
 		})
-		if rows := h.retryPathRows(); rows != "" {
-			t.Errorf("retry path not empty after the garbled record was dead-lettered: %s", rows)
+		if p := h.Progress(); p.Tiers+p.HeldKeys+p.HeldRecords != 0 {
+			t.Errorf("retry path not empty after the garbled record was dead-lettered: %s", p)
 		}
 		mu.Lock()
 		defer mu.Unlock()

@@ -43,19 +43,19 @@ func TestBreakerHoldsRecordsDuringOutage(t *testing.T) {
 		h := newHarness(t, k, 4)
 		items := ledger.Generate(ledger.GenConfig{Events: 400, Accounts: 400, Seed: 51, Prefix: "cb"})
 		d := &downstream{}
-		cfg := h.config(d)
+		cfg := h.Config(d)
 		cfg.RetryTiers = []time.Duration{100 * time.Millisecond, 200 * time.Millisecond}
 		cfg.LocalAttempts = 2
 		cfg.BreakerMinRecords = 10
 		cfg.BreakerWindow = 10 * time.Second
 		cfg.BreakerProbeInterval = 100 * time.Millisecond
 		cfg.BreakerProbeMax = 400 * time.Millisecond
-		r := h.start(cfg)
+		r := h.Start(cfg)
 
 		d.down.Store(true)
-		h.produce(items)
+		h.Produce(items)
 		testenv.Eventually(t, 30*time.Second, func() error {
-			open, held := r.gauge("kafkapg_circuit_breaker_open"), r.gauge("kafkapg_circuit_breaker_held_records")
+			open, held := r.Gauge("kafkapg_circuit_breaker_open"), r.Gauge("kafkapg_circuit_breaker_held_records")
 			if open != 1 || held < 4 {
 				return fmt.Errorf("circuit_breaker_open = %v, held records = %v; want open, holding at least one record per source partition", open, held)
 			}
@@ -63,11 +63,11 @@ func TestBreakerHoldsRecordsDuringOutage(t *testing.T) {
 		})
 		// Let the outage last: probes fail, the breaker stays open, nothing more moves.
 		time.Sleep(2 * time.Second)
-		retried := r.counter("kafkapg_records_retried_total")
-		dead := r.counter("kafkapg_records_dead_lettered_total")
+		retried := r.Counter("kafkapg_records_retried_total")
+		dead := r.Counter("kafkapg_records_dead_lettered_total")
 		t.Logf("during the outage: %v records sent to a retry tier, %v dead-lettered, %v handler calls, breaker opened %v times",
-			retried, dead, d.calls.Load(), r.counter("kafkapg_circuit_breaker_opened_total"))
-		if r.gauge("kafkapg_circuit_breaker_open") != 1 {
+			retried, dead, d.calls.Load(), r.Counter("kafkapg_circuit_breaker_opened_total"))
+		if r.Gauge("kafkapg_circuit_breaker_open") != 1 {
 			t.Errorf("the breaker closed while the downstream was still down")
 		}
 		if retried > 2*float64(cfg.BreakerMinRecords) {
@@ -76,20 +76,20 @@ func TestBreakerHoldsRecordsDuringOutage(t *testing.T) {
 		if dead > 0 {
 			t.Errorf("%v records were dead-lettered during the outage", dead)
 		}
-		if got := h.applied(); got != 0 {
+		if got := h.Applied(); got != 0 {
 			t.Errorf("%d events applied while the downstream was down", got)
 		}
 
 		d.down.Store(false)
-		h.waitSettled(items, 1, 60*time.Second)
-		if got := r.gauge("kafkapg_circuit_breaker_open"); got != 0 {
+		h.WaitSettled(items, 1, 60*time.Second)
+		if got := r.Gauge("kafkapg_circuit_breaker_open"); got != 0 {
 			t.Errorf("circuit_breaker_open = %v after the outage", got)
 		}
-		if got := r.gauge("kafkapg_circuit_breaker_held_records"); got != 0 {
+		if got := r.Gauge("kafkapg_circuit_breaker_held_records"); got != 0 {
 			t.Errorf("circuit_breaker_held_records = %v after the outage", got)
 		}
-		r.stop(t)
+		r.Stop(t)
 		// The records that reached a tier before the breaker opened are applied at attempt 2.
-		h.verifyWith(items, 1, false, ledger.VerifyOptions{ExternalFailures: true})
+		h.VerifyWith(items, 1, false, ledger.VerifyOptions{ExternalFailures: true})
 	})
 }

@@ -71,7 +71,7 @@ func insertEffect(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
 func carelessHarness(t *testing.T, k *testenv.Kafka, partitions int32) *harness {
 	t.Helper()
 	h := newHarness(t, k, partitions)
-	if _, err := h.pool.Exec(context.Background(), effectsSchema); err != nil {
+	if _, err := h.Pool.Exec(context.Background(), effectsSchema); err != nil {
 		t.Fatal(err)
 	}
 	return h
@@ -85,10 +85,10 @@ type effect struct {
 
 // effects returns the effects rows in the order they were applied.
 func (h *harness) effects() []effect {
-	h.t.Helper()
-	rows, err := h.pool.Query(context.Background(), `SELECT value, attempt FROM effects ORDER BY id`)
+	h.T.Helper()
+	rows, err := h.Pool.Query(context.Background(), `SELECT value, attempt FROM effects ORDER BY id`)
 	if err != nil {
-		h.t.Fatal(err)
+		h.T.Fatal(err)
 	}
 	var out []effect
 	var v []byte
@@ -97,7 +97,7 @@ func (h *harness) effects() []effect {
 		out = append(out, effect{string(v), a})
 		return nil
 	}); err != nil {
-		h.t.Fatal(err)
+		h.T.Fatal(err)
 	}
 	return out
 }
@@ -105,8 +105,8 @@ func (h *harness) effects() []effect {
 // waitEffects waits until every value has at least one effect, then checks that each has exactly
 // one (applied once) and returns the attempt each was applied at.
 func (h *harness) waitEffects(values []string, timeout time.Duration) map[string]int {
-	h.t.Helper()
-	testenv.Eventually(h.t, timeout, func() error {
+	h.T.Helper()
+	testenv.Eventually(h.T, timeout, func() error {
 		seen := map[string]bool{}
 		for _, e := range h.effects() {
 			seen[e.value] = true
@@ -128,7 +128,7 @@ func (h *harness) waitEffects(values []string, timeout time.Duration) map[string
 // appliedOnce fails the test if any record was applied more than once, and returns the attempt
 // each value was applied at.
 func (h *harness) appliedOnce() map[string]int {
-	h.t.Helper()
+	h.T.Helper()
 	count := map[string]int{}
 	at := map[string]int{}
 	for _, e := range h.effects() {
@@ -137,7 +137,7 @@ func (h *harness) appliedOnce() map[string]int {
 	}
 	for v, n := range count {
 		if n != 1 {
-			h.t.Errorf("%q applied %d times", v, n)
+			h.T.Errorf("%q applied %d times", v, n)
 		}
 	}
 	return at
@@ -152,10 +152,10 @@ type deadLetter struct {
 
 // deadLetters returns the dead_letters rows by value.
 func (h *harness) deadLetters() map[string]deadLetter {
-	h.t.Helper()
-	rows, err := h.pool.Query(context.Background(), `SELECT value, error_class, error_message, header_keys FROM kafkapg.dead_letters`)
+	h.T.Helper()
+	rows, err := h.Pool.Query(context.Background(), `SELECT value, error_class, error_message, header_keys FROM kafkapg.dead_letters`)
 	if err != nil {
-		h.t.Fatal(err)
+		h.T.Fatal(err)
 	}
 	out := map[string]deadLetter{}
 	var d deadLetter
@@ -164,15 +164,20 @@ func (h *harness) deadLetters() map[string]deadLetter {
 		d = deadLetter{}
 		return nil
 	}); err != nil {
-		h.t.Fatal(err)
+		h.T.Fatal(err)
 	}
 	return out
 }
 
 // waitRetryPathEmpty waits until nothing is left in the retry path or the outbox.
 func (h *harness) waitRetryPathEmpty(timeout time.Duration) {
-	h.t.Helper()
-	testenv.Eventually(h.t, timeout, h.inFlight)
+	h.T.Helper()
+	testenv.Eventually(h.T, timeout, func() error {
+		if p := h.Progress(); p.InFlight() > 0 {
+			return errors.New(p.String())
+		}
+		return nil
+	})
 }
 
 // TestDuplicateRetryCopiesInOneBatchApplyOnce: the relay publishes at least once, so a tier can
@@ -183,7 +188,7 @@ func TestDuplicateRetryCopiesInOneBatchApplyOnce(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := carelessHarness(t, k, 1)
-		cfg := h.config(careless{before: func(_ context.Context, _ pgx.Tx, rec *processor.Record) error {
+		cfg := h.Config(careless{before: func(_ context.Context, _ pgx.Tx, rec *processor.Record) error {
 			if rec.Attempt == 1 && string(rec.Value) == "dup" {
 				return errors.New("first delivery fails")
 			}
@@ -191,10 +196,10 @@ func TestDuplicateRetryCopiesInOneBatchApplyOnce(t *testing.T) {
 		}})
 		cfg.RetryTiers = []time.Duration{500 * time.Millisecond}
 		cfg.LocalAttempts = 1
-		r := h.start(cfg)
+		r := h.Start(cfg)
 		waitJoined(t, r) // the tier topic exists
-		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k"), Value: []byte("dup")})
-		tier := retrytopics.TierTopic(h.topic, h.group, 1)
+		h.K.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte("k"), Value: []byte("dup")})
+		tier := retrytopics.TierTopic(h.Topic, h.Group, 1)
 		var copies []*kgo.Record
 		testenv.Eventually(t, 30*time.Second, func() error {
 			if copies = k.ReadAll(t, tier); len(copies) == 0 {
@@ -204,7 +209,7 @@ func TestDuplicateRetryCopiesInOneBatchApplyOnce(t *testing.T) {
 		})
 		// The tier's consumer goes down before the record is due; a second copy is published, as
 		// a relay killed between Kafka's ack and its delete would.
-		r.stop(t)
+		r.Stop(t)
 		if got := h.effects(); len(got) != 0 {
 			t.Fatalf("applied before its due time: %v", got)
 		}
@@ -212,13 +217,13 @@ func TestDuplicateRetryCopiesInOneBatchApplyOnce(t *testing.T) {
 		dup.Topic = tier
 		k.Produce(t, &dup)
 
-		cfg2 := h.config(cfg.Handler)
+		cfg2 := h.Config(cfg.Handler)
 		cfg2.RetryTiers, cfg2.LocalAttempts = cfg.RetryTiers, cfg.LocalAttempts
-		r = h.start(cfg2)
+		r = h.Start(cfg2)
 		h.waitEffects([]string{"dup"}, 30*time.Second)
 		h.waitRetryPathEmpty(30 * time.Second)
 		testenv.Eventually(t, 30*time.Second, func() error {
-			if n := r.counter("kafkapg_retry_duplicates_skipped_total"); n != 1 {
+			if n := r.Counter("kafkapg_retry_duplicates_skipped_total"); n != 1 {
 				return fmt.Errorf("%v duplicate copies skipped, want 1", n)
 			}
 			return nil
@@ -243,26 +248,26 @@ func TestLatestStartNeverLosesTierRecords(t *testing.T) {
 			}
 			return nil
 		}}
-		cfg := h.config(handler)
+		cfg := h.Config(handler)
 		cfg.StartOffset = processor.StartLatest
 		cfg.RetryTiers = []time.Duration{3 * time.Second}
 		cfg.LocalAttempts = 1
-		r := h.start(cfg)
+		r := h.Start(cfg)
 		waitJoined(t, r)
-		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k"), Value: []byte("late")})
+		h.K.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte("k"), Value: []byte("late")})
 		testenv.Eventually(t, 30*time.Second, func() error {
-			if n := len(k.ReadAll(t, retrytopics.TierTopic(h.topic, h.group, 1))); n == 0 {
+			if n := len(k.ReadAll(t, retrytopics.TierTopic(h.Topic, h.Group, 1))); n == 0 {
 				return errors.New("the retry record is not in tier 1 yet")
 			}
 			return nil
 		})
-		r.stop(t) // a deploy, before the record is due
-		cfg2 := h.config(handler)
+		r.Stop(t) // a deploy, before the record is due
+		cfg2 := h.Config(handler)
 		cfg2.StartOffset = processor.StartLatest
 		cfg2.RetryTiers = cfg.RetryTiers
 		cfg2.LocalAttempts = 1
-		h.start(cfg2)
-		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k"), Value: []byte("after")})
+		h.Start(cfg2)
+		h.K.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte("k"), Value: []byte("after")})
 		at := h.waitEffects([]string{"late", "after"}, 30*time.Second)
 		if at["late"] != 2 {
 			t.Errorf("late applied at attempt %d, want 2", at["late"])
@@ -281,20 +286,20 @@ func TestLatestStartIsResolvedOnce(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := carelessHarness(t, k, 2)
-		h.k.Produce(t, &kgo.Record{Topic: h.topic, Partition: 0, Value: []byte("before the group existed")})
-		cfg := h.config(careless{})
+		h.K.Produce(t, &kgo.Record{Topic: h.Topic, Partition: 0, Value: []byte("before the group existed")})
+		cfg := h.Config(careless{})
 		cfg.StartOffset = processor.StartLatest
-		r := h.start(cfg)
+		r := h.Start(cfg)
 		waitJoined(t, r)
-		r.stop(t)
+		r.Stop(t)
 		var want []string
 		for i := range 6 {
 			want = append(want, fmt.Sprintf("during the deploy %d", i))
-			h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte{byte(i)}, Value: []byte(want[i])})
+			h.K.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte{byte(i)}, Value: []byte(want[i])})
 		}
-		cfg2 := h.config(careless{})
+		cfg2 := h.Config(careless{})
 		cfg2.StartOffset = processor.StartLatest
-		h.start(cfg2)
+		h.Start(cfg2)
 		h.waitEffects(want, 30*time.Second)
 		for _, e := range h.effects() {
 			if e.value == "before the group existed" {
@@ -308,10 +313,10 @@ func TestLatestStartIsResolvedOnce(t *testing.T) {
 func waitJoined(t *testing.T, r *running) {
 	t.Helper()
 	testenv.Eventually(t, 30*time.Second, func() error {
-		if err := r.p.Ready(context.Background()); err != nil {
+		if err := r.P.Ready(context.Background()); err != nil {
 			return err
 		}
-		if r.gauge("kafkapg_assigned_partitions") == 0 {
+		if r.Gauge("kafkapg_assigned_partitions") == 0 {
 			return errors.New("no partitions assigned yet")
 		}
 		return nil
@@ -335,7 +340,7 @@ func TestBinaryErrorsAndHeadersMoveOn(t *testing.T) {
 		h := carelessHarness(t, k, 1)
 		var mu sync.Mutex
 		var headerSeen []string
-		cfg := h.config(careless{before: func(_ context.Context, _ pgx.Tx, rec *processor.Record) error {
+		cfg := h.Config(careless{before: func(_ context.Context, _ pgx.Tx, rec *processor.Record) error {
 			mu.Lock()
 			for _, hd := range rec.Headers {
 				if hd.Key == badHeaderKey {
@@ -353,14 +358,14 @@ func TestBinaryErrorsAndHeadersMoveOn(t *testing.T) {
 		}})
 		cfg.RetryTiers = []time.Duration{200 * time.Millisecond}
 		cfg.LocalAttempts = 1
-		h.start(cfg)
+		h.Start(cfg)
 		hdr := []kgo.RecordHeader{{Key: badHeaderKey, Value: []byte{0}}, {Key: "ok", Value: []byte("v")}}
 		rec := func(key, value string) *kgo.Record {
-			return &kgo.Record{Topic: h.topic, Key: []byte(key), Value: []byte(value), Headers: hdr}
+			return &kgo.Record{Topic: h.Topic, Key: []byte(key), Value: []byte(value), Headers: hdr}
 		}
 		// flaky-1 goes to the tier; flaky-2 and after wait behind it; flaky-2, taken from
 		// where it waited, fails again and goes to the tier itself; after waits behind it.
-		h.k.Produce(t, rec("K", "flaky-1"), rec("K", "flaky-2"), rec("K", "after"), rec("P", "poison"), rec("Q", "other"))
+		h.K.Produce(t, rec("K", "flaky-1"), rec("K", "flaky-2"), rec("K", "after"), rec("P", "poison"), rec("Q", "other"))
 		at := h.waitEffects([]string{"flaky-1", "flaky-2", "after", "other"}, 30*time.Second)
 		h.waitRetryPathEmpty(30 * time.Second)
 		if at["flaky-1"] != 2 || at["flaky-2"] != 2 || at["after"] != 1 {
@@ -402,7 +407,7 @@ func TestHandlerOwnTimeoutIsTheRecordsFailure(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := carelessHarness(t, k, 1)
-		cfg := h.config(careless{before: func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+		cfg := h.Config(careless{before: func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
 			v := string(rec.Value)
 			if !strings.HasPrefix(v, "slow") || rec.Attempt > 1 {
 				return nil
@@ -417,16 +422,16 @@ func TestHandlerOwnTimeoutIsTheRecordsFailure(t *testing.T) {
 		}})
 		cfg.RetryTiers = []time.Duration{200 * time.Millisecond}
 		cfg.LocalAttempts = 2
-		r := h.start(cfg)
-		h.k.Produce(t,
-			&kgo.Record{Topic: h.topic, Key: []byte("a"), Value: []byte("slow")},
-			&kgo.Record{Topic: h.topic, Key: []byte("b"), Value: []byte("slow-swallowed")},
-			&kgo.Record{Topic: h.topic, Key: []byte("c"), Value: []byte("fast")})
+		r := h.Start(cfg)
+		h.K.Produce(t,
+			&kgo.Record{Topic: h.Topic, Key: []byte("a"), Value: []byte("slow")},
+			&kgo.Record{Topic: h.Topic, Key: []byte("b"), Value: []byte("slow-swallowed")},
+			&kgo.Record{Topic: h.Topic, Key: []byte("c"), Value: []byte("fast")})
 		at := h.waitEffects([]string{"slow", "slow-swallowed", "fast"}, 60*time.Second)
 		if at["slow"] != 2 || at["slow-swallowed"] != 2 || at["fast"] != 1 {
 			t.Errorf("applied at attempts %v; want the slow ones at 2 (after the tier), fast at 1", at)
 		}
-		if n := r.counter("kafkapg_records_retried_total"); n != 2 {
+		if n := r.Counter("kafkapg_records_retried_total"); n != 2 {
 			t.Errorf("%v records sent to the retry tier, want 2", n)
 		}
 	})
@@ -440,10 +445,10 @@ func TestSwallowedStatementErrorIsTheRecordsFailure(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := carelessHarness(t, k, 1)
-		if _, err := h.pool.Exec(context.Background(), `CREATE TABLE seen (id text PRIMARY KEY); INSERT INTO seen VALUES ('x')`); err != nil {
+		if _, err := h.Pool.Exec(context.Background(), `CREATE TABLE seen (id text PRIMARY KEY); INSERT INTO seen VALUES ('x')`); err != nil {
 			t.Fatal(err)
 		}
-		cfg := h.config(careless{before: func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+		cfg := h.Config(careless{before: func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
 			if string(rec.Value) != "swallow" {
 				return nil
 			}
@@ -456,11 +461,11 @@ func TestSwallowedStatementErrorIsTheRecordsFailure(t *testing.T) {
 		}})
 		cfg.RetryTiers = []time.Duration{100 * time.Millisecond}
 		cfg.LocalAttempts = 2
-		h.start(cfg)
-		h.k.Produce(t,
-			&kgo.Record{Topic: h.topic, Key: []byte("a"), Value: []byte("one")},
-			&kgo.Record{Topic: h.topic, Key: []byte("b"), Value: []byte("swallow")},
-			&kgo.Record{Topic: h.topic, Key: []byte("c"), Value: []byte("two")})
+		h.Start(cfg)
+		h.K.Produce(t,
+			&kgo.Record{Topic: h.Topic, Key: []byte("a"), Value: []byte("one")},
+			&kgo.Record{Topic: h.Topic, Key: []byte("b"), Value: []byte("swallow")},
+			&kgo.Record{Topic: h.Topic, Key: []byte("c"), Value: []byte("two")})
 		h.waitEffects([]string{"one", "two"}, 30*time.Second)
 		testenv.Eventually(t, 30*time.Second, func() error {
 			if _, ok := h.deadLetters()["swallow"]; !ok {
@@ -488,9 +493,9 @@ func TestAbortedTransactionsAreNotApplied(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := carelessHarness(t, k, 1)
-		r := h.start(h.config(careless{}))
-		h.k.Produce(t, &kgo.Record{Topic: h.topic, Value: []byte("plain")})
-		txcl := k.Client(t, kgo.TransactionalID("tx-"+h.group), kgo.DefaultProduceTopic(h.topic))
+		r := h.Start(h.Config(careless{}))
+		h.K.Produce(t, &kgo.Record{Topic: h.Topic, Value: []byte("plain")})
+		txcl := k.Client(t, kgo.TransactionalID("tx-"+h.Group), kgo.DefaultProduceTopic(h.Topic))
 		ctx := context.Background()
 		for _, end := range []kgo.TransactionEndTry{kgo.TryAbort, kgo.TryCommit} {
 			if err := txcl.BeginTransaction(); err != nil {
@@ -513,20 +518,20 @@ func TestAbortedTransactionsAreNotApplied(t *testing.T) {
 				t.Error("a record of an aborted transaction was applied")
 			}
 		}
-		ends, err := kadm.NewClient(k.Client(t)).ListEndOffsets(ctx, h.topic)
+		ends, err := kadm.NewClient(k.Client(t)).ListEndOffsets(ctx, h.Topic)
 		if err != nil {
 			t.Fatal(err)
 		}
-		end, _ := ends.Lookup(h.topic, 0)
+		end, _ := ends.Lookup(h.Topic, 0)
 		testenv.Eventually(t, 30*time.Second, func() error {
-			pos, err := offsets.NewStore("kafkapg", h.group).Load(ctx, h.pool, offsets.Partition{Topic: h.topic, Partition: 0})
+			pos, err := offsets.NewStore("kafkapg", h.Group).Load(ctx, h.Pool, offsets.Partition{Topic: h.Topic, Partition: 0})
 			if err != nil {
 				return err
 			}
 			if pos.Next != end.Offset {
 				return fmt.Errorf("stored position %d, end of the partition %d: the last transaction's marker is not passed", pos.Next, end.Offset)
 			}
-			if lag := r.gauge("kafkapg_consumer_lag_records"); lag != 0 {
+			if lag := r.Gauge("kafkapg_consumer_lag_records"); lag != 0 {
 				return fmt.Errorf("lag %v", lag)
 			}
 			return nil
@@ -545,7 +550,7 @@ func TestStallsAreReportedWithTheirCause(t *testing.T) {
 		release := make(chan struct{})
 		var releaseOnce sync.Once
 		t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) })
-		cfg := h.config(careless{before: func(ctx context.Context, _ pgx.Tx, rec *processor.Record) error {
+		cfg := h.Config(careless{before: func(ctx context.Context, _ pgx.Tx, rec *processor.Record) error {
 			switch string(rec.Value) {
 			case "stuck":
 				<-release // a handler that ignores its context
@@ -559,31 +564,31 @@ func TestStallsAreReportedWithTheirCause(t *testing.T) {
 		cfg.StallTimeout = time.Second
 		cfg.RetryTiers = []time.Duration{100 * time.Millisecond}
 		cfg.LocalAttempts = 1
-		r := h.start(cfg)
+		r := h.Start(cfg)
 		waitJoined(t, r)
 
 		// The retry path's table is renamed underneath: moving a record to the tier fails the
 		// same way every time.
-		if _, err := h.pool.Exec(context.Background(), `ALTER TABLE kafkapg.retries RENAME TO retries_away`); err != nil {
+		if _, err := h.Pool.Exec(context.Background(), `ALTER TABLE kafkapg.retries RENAME TO retries_away`); err != nil {
 			t.Fatal(err)
 		}
 		manual := k.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner()))
 		if err := manual.ProduceSync(context.Background(),
-			&kgo.Record{Topic: h.topic, Partition: 0, Value: []byte("fails")},
-			&kgo.Record{Topic: h.topic, Partition: 1, Value: []byte("stuck")}).FirstErr(); err != nil {
+			&kgo.Record{Topic: h.Topic, Partition: 0, Value: []byte("fails")},
+			&kgo.Record{Topic: h.Topic, Partition: 1, Value: []byte("stuck")}).FirstErr(); err != nil {
 			t.Fatal(err)
 		}
 		testenv.Eventually(t, 30*time.Second, func() error {
-			e, hd := r.labeled("kafkapg_stalled_partitions", "cause", "error"), r.labeled("kafkapg_stalled_partitions", "cause", "handler")
+			e, hd := r.Labeled("kafkapg_stalled_partitions", "cause", "error"), r.Labeled("kafkapg_stalled_partitions", "cause", "handler")
 			if e != 1 || hd != 1 {
 				return fmt.Errorf("stalled partitions: %v by error, %v by the handler; want 1 and 1", e, hd)
 			}
 			return nil
 		})
-		if n := r.counter("kafkapg_internal_errors_total"); n == 0 {
+		if n := r.Counter("kafkapg_internal_errors_total"); n == 0 {
 			t.Error("kafkapg_internal_errors_total stayed at 0 while kafkapg's own statement failed")
 		}
-		if _, err := h.pool.Exec(context.Background(), `ALTER TABLE kafkapg.retries_away RENAME TO retries`); err != nil {
+		if _, err := h.Pool.Exec(context.Background(), `ALTER TABLE kafkapg.retries_away RENAME TO retries`); err != nil {
 			t.Fatal(err)
 		}
 		releaseOnce.Do(func() { close(release) })
@@ -592,7 +597,7 @@ func TestStallsAreReportedWithTheirCause(t *testing.T) {
 			t.Errorf("fails applied at attempt %d, want 2", at["fails"])
 		}
 		testenv.Eventually(t, 30*time.Second, func() error {
-			if n := r.gauge("kafkapg_stalled_partitions"); n != 0 {
+			if n := r.Gauge("kafkapg_stalled_partitions"); n != 0 {
 				return fmt.Errorf("%v partitions still reported stalled", n)
 			}
 			return nil
@@ -609,7 +614,7 @@ func TestRefusedRetryCopyIsDeadLettered(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := carelessHarness(t, k, 1)
-		cfg := h.config(careless{before: func(_ context.Context, _ pgx.Tx, rec *processor.Record) error {
+		cfg := h.Config(careless{before: func(_ context.Context, _ pgx.Tx, rec *processor.Record) error {
 			if rec.Attempt == 1 && string(rec.Key) != "b" {
 				return errors.New("first delivery fails")
 			}
@@ -620,17 +625,17 @@ func TestRefusedRetryCopyIsDeadLettered(t *testing.T) {
 		}})
 		cfg.RetryTiers = []time.Duration{200 * time.Millisecond}
 		cfg.LocalAttempts = 1
-		r := h.start(cfg)
+		r := h.Start(cfg)
 		big := make([]byte, 1_000_000) // under MAX_RECORD_BYTES (1 MiB) and the broker's limit
 		for i := range big {
 			big[i] = byte(i*7919 + i>>8)
 		}
 		producer := k.Client(t, kgo.ProducerBatchMaxBytes(2<<20), kgo.ProducerBatchCompression(kgo.NoCompression()))
 		if err := producer.ProduceSync(context.Background(),
-			&kgo.Record{Topic: h.topic, Key: []byte("a"), Value: []byte("x1")},
-			&kgo.Record{Topic: h.topic, Key: []byte("b"), Value: big},
-			&kgo.Record{Topic: h.topic, Key: []byte("c"), Value: []byte("x2")},
-			&kgo.Record{Topic: h.topic, Key: []byte("b"), Value: []byte("b-after")}).FirstErr(); err != nil {
+			&kgo.Record{Topic: h.Topic, Key: []byte("a"), Value: []byte("x1")},
+			&kgo.Record{Topic: h.Topic, Key: []byte("b"), Value: big},
+			&kgo.Record{Topic: h.Topic, Key: []byte("c"), Value: []byte("x2")},
+			&kgo.Record{Topic: h.Topic, Key: []byte("b"), Value: []byte("b-after")}).FirstErr(); err != nil {
 			t.Fatal(err)
 		}
 		at := h.waitEffects([]string{"x1", "x2", "b-after"}, 60*time.Second)
@@ -641,7 +646,7 @@ func TestRefusedRetryCopyIsDeadLettered(t *testing.T) {
 		var value []byte
 		var class, msg string
 		var attempts int
-		if err := h.pool.QueryRow(context.Background(), `SELECT value, error_class, error_message, attempts FROM kafkapg.dead_letters`).Scan(&value, &class, &msg, &attempts); err != nil {
+		if err := h.Pool.QueryRow(context.Background(), `SELECT value, error_class, error_message, attempts FROM kafkapg.dead_letters`).Scan(&value, &class, &msg, &attempts); err != nil {
 			t.Fatalf("dead_letters: %v", err)
 		}
 		if len(value) != len(big) || class != "retryable" || attempts != 1 || !strings.Contains(msg, "refused") {
@@ -650,7 +655,7 @@ func TestRefusedRetryCopyIsDeadLettered(t *testing.T) {
 		}
 		var dlq []*kgo.Record
 		testenv.Eventually(t, 30*time.Second, func() error {
-			if dlq = k.ReadAll(t, h.dlq()); len(dlq) == 0 {
+			if dlq = k.ReadAll(t, h.DLQ()); len(dlq) == 0 {
 				return errors.New("no DLQ copy yet")
 			}
 			return nil
@@ -665,7 +670,7 @@ func TestRefusedRetryCopyIsDeadLettered(t *testing.T) {
 			t.Errorf("DLQ holds %d records, the first %q with a %d-byte value and value-omitted %q; want the big record without its value",
 				len(dlq), dlq[0].Key, len(dlq[0].Value), omitted)
 		}
-		if n := r.counter("kafkapg_records_dead_lettered_total"); n != 1 {
+		if n := r.Counter("kafkapg_records_dead_lettered_total"); n != 1 {
 			t.Errorf("records_dead_lettered_total = %v, want 1", n)
 		}
 	})
@@ -684,24 +689,24 @@ func TestCollidingTierNamesStayApart(t *testing.T) {
 			}
 			return nil
 		}}
-		g2 := h.group
+		g2 := h.Group
 		g1 := "g1" + strings.TrimPrefix(g2, "g_") + "." + g2
-		other := h.topic + "." + strings.SplitN(g1, ".", 2)[0]
+		other := h.Topic + "." + strings.SplitN(g1, ".", 2)[0]
 		k.CreateTopicNamed(t, other, 1)
-		if a, b := retrytopics.TierTopic(h.topic, g1, 1), retrytopics.TierTopic(other, g2, 1); a != b {
+		if a, b := retrytopics.TierTopic(h.Topic, g1, 1), retrytopics.TierTopic(other, g2, 1); a != b {
 			t.Fatalf("the tier names do not collide: %s, %s", a, b)
 		}
 		start := func(group, topic string) *running {
-			cfg := h.config(failFirst)
+			cfg := h.Config(failFirst)
 			cfg.Group, cfg.Topics = group, []string{topic}
 			cfg.RetryTiers = []time.Duration{200 * time.Millisecond}
 			cfg.LocalAttempts = 1
-			r := h.start(cfg)
+			r := h.Start(cfg)
 			waitJoined(t, r)
 			return r
 		}
-		r1, r2 := start(g1, h.topic), start(g2, other)
-		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k"), Value: []byte("one")},
+		r1, r2 := start(g1, h.Topic), start(g2, other)
+		h.K.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte("k"), Value: []byte("one")},
 			&kgo.Record{Topic: other, Key: []byte("k"), Value: []byte("two")})
 		at := h.waitEffects([]string{"one", "two"}, 30*time.Second)
 		h.waitRetryPathEmpty(30 * time.Second)
@@ -710,7 +715,7 @@ func TestCollidingTierNamesStayApart(t *testing.T) {
 			t.Errorf("applied %v; want one and two, each once, at attempt 2", at)
 		}
 		for _, r := range []*running{r1, r2} {
-			if n := r.counter("kafkapg_records_applied_total"); n != 1 {
+			if n := r.Counter("kafkapg_records_applied_total"); n != 1 {
 				t.Errorf("a group applied %v records, want its own 1", n)
 			}
 		}
@@ -725,9 +730,9 @@ func TestCollidingTierNamesStayApart(t *testing.T) {
 func TestRecordFailedWithoutAnError(t *testing.T) {
 	k := testenv.NewKfake(t)
 	h := carelessHarness(t, k, 1)
-	h.start(h.config(nilRecordError{}))
-	h.k.Produce(t, &kgo.Record{Topic: h.topic, Value: []byte("a")}, &kgo.Record{Topic: h.topic, Value: []byte("bad")},
-		&kgo.Record{Topic: h.topic, Value: []byte("b")})
+	h.Start(h.Config(nilRecordError{}))
+	h.K.Produce(t, &kgo.Record{Topic: h.Topic, Value: []byte("a")}, &kgo.Record{Topic: h.Topic, Value: []byte("bad")},
+		&kgo.Record{Topic: h.Topic, Value: []byte("b")})
 	h.waitEffects([]string{"a", "b"}, 30*time.Second)
 	testenv.Eventually(t, 30*time.Second, func() error {
 		d, ok := h.deadLetters()["bad"]
@@ -767,28 +772,28 @@ func TestFrozenOwnerHoldsUpNoClaim(t *testing.T) {
 		items := ledger.Generate(ledger.GenConfig{Events: 40, Accounts: 10, Seed: 5, Prefix: "fz"})
 		g := newGate(t, 2)
 		net := testenv.NewNetFault()
-		cfgA := h.config(g)
+		cfgA := h.Config(g)
 		cfgA.TxIdleTimeout = time.Minute
 		cfgA.SessionTimeout = 2 * time.Second
 		cfgA.ShutdownTimeout = 3 * time.Second
 		cfgA.KafkaOptions = append(cfgA.KafkaOptions, kgo.Dialer(net.Dial))
-		a := h.start(cfgA)
-		h.produce(items)
+		a := h.Start(cfgA)
+		h.Produce(items)
 		g.waitStalled(t, 2) // A's transactions on both partitions are open, waiting on its handler
 
 		net.Cut()
 		cut := time.Now()
-		b := h.start(h.config(ledger.Handler{}))
-		h.waitSettled(items, 1, 20*time.Second)
+		b := h.Start(h.Config(ledger.Handler{}))
+		h.WaitSettled(items, 1, 20*time.Second)
 		t.Logf("B applied everything %v after A was cut off (A's session: 2s; its transactions' idle timeout: 1m)", time.Since(cut).Round(time.Millisecond))
 		g.open()
 		net.Restore()
-		a.stop(t)
-		b.stop(t)
-		if got := a.counter("kafkapg_records_applied_total"); got != 0 {
+		a.Stop(t)
+		b.Stop(t)
+		if got := a.Counter("kafkapg_records_applied_total"); got != 0 {
 			t.Errorf("frozen A applied %v records", got)
 		}
-		h.verify(items, 1, false)
+		h.Verify(items, 1, false)
 	})
 }
 
@@ -804,54 +809,54 @@ func TestStuckKeysAreReportedAndReleased(t *testing.T) {
 		}
 		return nil
 	}}
-	cfg := h.config(handler)
+	cfg := h.Config(handler)
 	cfg.RetryTiers = []time.Duration{time.Hour}
 	cfg.LocalAttempts = 1
-	r := h.start(cfg)
-	h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("K"), Value: []byte("head")})
+	r := h.Start(cfg)
+	h.K.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte("K"), Value: []byte("head")})
 	testenv.Eventually(t, 30*time.Second, func() error {
-		if rows := h.retryPathRows(); !strings.HasPrefix(rows, "1 records in tiers") {
-			return fmt.Errorf("retry path: %q", rows)
+		if p := h.Progress(); p.Tiers != 1 {
+			return fmt.Errorf("retry path: %s", p)
 		}
 		return nil
 	})
-	r.stop(t)
+	r.Stop(t)
 
 	// Redeployed without retry tiers: the record in tier 1 will never be delivered.
-	cfg = h.config(handler)
+	cfg = h.Config(handler)
 	cfg.RetryTiers = []time.Duration{}
 	cfg.StallTimeout = time.Second
-	r = h.start(cfg)
-	h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("K"), Value: []byte("after")}, &kgo.Record{Topic: h.topic, Key: []byte("L"), Value: []byte("other")})
+	r = h.Start(cfg)
+	h.K.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte("K"), Value: []byte("after")}, &kgo.Record{Topic: h.Topic, Key: []byte("L"), Value: []byte("other")})
 	h.waitEffects([]string{"other"}, 30*time.Second)
 	testenv.Eventually(t, 30*time.Second, func() error {
-		if n := r.labeled("kafkapg_stuck_keys", "reason", "orphaned"); n != 1 {
+		if n := r.Labeled("kafkapg_stuck_keys", "reason", "orphaned"); n != 1 {
 			return fmt.Errorf("kafkapg_stuck_keys{reason=orphaned} = %v, want 1", n)
 		}
 		return nil
 	})
-	scope := retrytopics.StuckScope{Older: time.Second, Tiers: map[string]int{h.topic: 0}}
-	stuck, err := processor.StuckKeys(context.Background(), h.pool, "kafkapg", h.group, scope, 10)
+	scope := retrytopics.StuckScope{Older: time.Second, Tiers: map[string]int{h.Topic: 0}}
+	stuck, err := processor.StuckKeys(context.Background(), h.Pool, "kafkapg", h.Group, scope, 10)
 	if err != nil || len(stuck) != 1 || string(stuck[0].Key.Key) != "K" || stuck[0].Reason != retrytopics.StuckOrphaned || stuck[0].Head != 0 {
 		t.Fatalf("StuckKeys = %+v, %v; want key K, orphaned, waiting for offset 0", stuck, err)
 	}
-	if err := processor.ReleaseStuckKey(context.Background(), h.pool, "kafkapg", h.group, stuck[0], "tiers shortened; released by the test"); err != nil {
+	if err := processor.ReleaseStuckKey(context.Background(), h.Pool, "kafkapg", h.Group, stuck[0], "tiers shortened; released by the test"); err != nil {
 		t.Fatal(err)
 	}
-	if err := processor.ReleaseStuckKey(context.Background(), h.pool, "kafkapg", h.group, stuck[0], "again"); !errors.Is(err, retrytopics.ErrNotStuck) {
+	if err := processor.ReleaseStuckKey(context.Background(), h.Pool, "kafkapg", h.Group, stuck[0], "again"); !errors.Is(err, retrytopics.ErrNotStuck) {
 		t.Errorf("releasing it twice: %v, want ErrNotStuck", err)
 	}
 	h.waitEffects([]string{"other", "after"}, 30*time.Second)
 	h.waitRetryPathEmpty(30 * time.Second)
 	var class, msg string
-	if err := h.pool.QueryRow(context.Background(), `SELECT error_class, error_message FROM kafkapg.dead_letters WHERE "offset" = 0`).Scan(&class, &msg); err != nil {
+	if err := h.Pool.QueryRow(context.Background(), `SELECT error_class, error_message FROM kafkapg.dead_letters WHERE "offset" = 0`).Scan(&class, &msg); err != nil {
 		t.Fatalf("the lost record's dead letter: %v", err)
 	}
 	if class != "lost" || !strings.Contains(msg, "released by the test") {
 		t.Errorf("dead letter %s: %q", class, msg)
 	}
 	testenv.Eventually(t, 30*time.Second, func() error {
-		if n := r.gauge("kafkapg_stuck_keys"); n != 0 {
+		if n := r.Gauge("kafkapg_stuck_keys"); n != 0 {
 			return fmt.Errorf("%v keys still reported stuck", n)
 		}
 		return nil
@@ -866,7 +871,7 @@ func TestStuckKeysAreReportedAndReleased(t *testing.T) {
 func TestConnectionDropUnderTheHandlerIsRetriedInPlace(t *testing.T) {
 	k := testenv.NewKfake(t)
 	h := carelessHarness(t, k, 1)
-	u, err := url.Parse(h.dbURL)
+	u, err := url.Parse(h.DBURL)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -879,7 +884,7 @@ func TestConnectionDropUnderTheHandlerIsRetriedInPlace(t *testing.T) {
 	t.Cleanup(proxied.Close)
 	var once sync.Once
 	sleeping := make(chan struct{})
-	cfg := h.config(careless{before: func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+	cfg := h.Config(careless{before: func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
 		first := false
 		once.Do(func() { first = true })
 		if !first {
@@ -899,15 +904,15 @@ func TestConnectionDropUnderTheHandlerIsRetriedInPlace(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- p.Run(ctx) }()
 	t.Cleanup(func() { cancel(); <-done })
-	h.k.Produce(t, &kgo.Record{Topic: h.topic, Value: []byte("x")})
+	h.K.Produce(t, &kgo.Record{Topic: h.Topic, Value: []byte("x")})
 	<-sleeping
 	time.Sleep(200 * time.Millisecond)
 	proxy.Drop()
 	at := h.waitEffects([]string{"x"}, 30*time.Second)
-	r := &running{reg: reg}
-	if at["x"] != 1 || r.counter("kafkapg_record_failures_total") != 0 || r.counter("kafkapg_infrastructure_retries_total") == 0 {
+	r := &running{Reg: reg}
+	if at["x"] != 1 || r.Counter("kafkapg_record_failures_total") != 0 || r.Counter("kafkapg_infrastructure_retries_total") == 0 {
 		t.Errorf("applied at attempt %d with %v record failures and %v retries in place; want attempt 1, no failure, retried in place",
-			at["x"], r.counter("kafkapg_record_failures_total"), r.counter("kafkapg_infrastructure_retries_total"))
+			at["x"], r.Counter("kafkapg_record_failures_total"), r.Counter("kafkapg_infrastructure_retries_total"))
 	}
 }
 
@@ -918,16 +923,16 @@ func TestGroupTimeoutsAreTheGroups(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := carelessHarness(t, k, 1)
-		cfg := h.config(careless{})
+		cfg := h.Config(careless{})
 		cfg.SessionTimeout = 4500 * time.Millisecond
-		waitJoined(t, h.start(cfg))
-		if got := groupType(t, k, h.group); got != "consumer" {
+		waitJoined(t, h.Start(cfg))
+		if got := groupType(t, k, h.Group); got != "consumer" {
 			t.Fatalf("the group runs the %q protocol, want consumer", got)
 		}
 		req := kmsg.NewPtrDescribeConfigsRequest()
 		res := kmsg.NewDescribeConfigsRequestResource()
 		res.ResourceType = kmsg.ConfigResourceTypeGroupConfig
-		res.ResourceName = h.group
+		res.ResourceName = h.Group
 		req.Resources = append(req.Resources, res)
 		resp, err := req.RequestWith(context.Background(), k.Client(t))
 		if err != nil || len(resp.Resources) != 1 {

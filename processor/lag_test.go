@@ -19,14 +19,14 @@ func TestConsumerLagFollowsPostgres(t *testing.T) {
 		h := newHarness(t, k, 2)
 		items := ledger.Generate(ledger.GenConfig{Events: 40, Accounts: 8, Seed: 41, Prefix: "lag"})
 		g := newGate(t, 2)
-		r := h.start(h.config(g))
-		h.produce(items)
+		r := h.Start(h.Config(g))
+		h.Produce(items)
 		g.waitStalled(t, 2)
 
 		waitGauge := func(want float64) {
 			t.Helper()
 			testenv.Eventually(t, 30*time.Second, func() error {
-				if got := r.gauge("kafkapg_consumer_lag_records"); got != want {
+				if got := r.Gauge("kafkapg_consumer_lag_records"); got != want {
 					return fmt.Errorf("kafkapg_consumer_lag_records = %v, want %v", got, want)
 				}
 				return nil
@@ -34,15 +34,15 @@ func TestConsumerLagFollowsPostgres(t *testing.T) {
 		}
 		waitGauge(float64(len(items)))
 		g.open()
-		h.waitApplied(len(items), 30*time.Second)
+		h.WaitApplied(len(items), 30*time.Second)
 		waitGauge(0)
-		if got := r.counter("kafkapg_records_consumed_total"); got != float64(len(items)) {
+		if got := r.Counter("kafkapg_records_consumed_total"); got != float64(len(items)) {
 			t.Errorf("kafkapg_records_consumed_total = %v, want %d", got, len(items))
 		}
-		if got := r.observations("kafkapg_handler_duration_seconds"); got < 2 {
+		if got := r.Observations("kafkapg_handler_duration_seconds"); got < 2 {
 			t.Errorf("kafkapg_handler_duration_seconds has %v observations, want at least one per partition", got)
 		}
-		r.stop(t)
-		h.verify(items, 1, false)
+		r.Stop(t)
+		h.Verify(items, 1, false)
 	})
 }

@@ -27,14 +27,14 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 		h := newHarness(t, k, 1)
 		payments := k.CreateTopic(t, 1)
 		ctx := context.Background()
-		if _, err := h.pool.Exec(ctx, `CREATE TABLE seen (topic text, key text, handler text, tries int, PRIMARY KEY (topic, key, handler))`); err != nil {
+		if _, err := h.Pool.Exec(ctx, `CREATE TABLE seen (topic text, key text, handler text, tries int, PRIMARY KEY (topic, key, handler))`); err != nil {
 			t.Fatal(err)
 		}
 		// Each handler counts its calls per key (in its own connection, so that failed tries
 		// count too) and fails the key "bad" with a retryable error.
 		handler := func(name string) processor.Handler {
 			return processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, r *processor.Record) error {
-				if _, err := h.pool.Exec(ctx, `INSERT INTO seen VALUES ($1, $2, $3, 1)
+				if _, err := h.Pool.Exec(ctx, `INSERT INTO seen VALUES ($1, $2, $3, 1)
 					ON CONFLICT (topic, key, handler) DO UPDATE SET tries = seen.tries + 1`, r.Topic, string(r.Key), name); err != nil {
 					return processor.Infrastructure(err)
 				}
@@ -44,8 +44,8 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 				return nil
 			})
 		}
-		cfg := h.config(handler("default"))
-		cfg.Topics = []string{h.topic, payments}
+		cfg := h.Config(handler("default"))
+		cfg.Topics = []string{h.Topic, payments}
 		cfg.RetryTiers = []time.Duration{50 * time.Millisecond, 50 * time.Millisecond}
 		cfg.LocalAttempts = 2
 		cfg.OnDeadLetter = processor.OnDeadLetterBlock
@@ -58,8 +58,8 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 				MaxRecordBytes: 100,
 			},
 		}
-		r := h.start(cfg)
-		for _, topic := range []string{h.topic, payments} {
+		r := h.Start(cfg)
+		for _, topic := range []string{h.Topic, payments} {
 			k.Produce(t,
 				&kgo.Record{Topic: topic, Key: []byte("bad"), Value: []byte("1")},
 				&kgo.Record{Topic: topic, Key: []byte("bad"), Value: []byte("2")},
@@ -69,14 +69,14 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 		want := map[string]int{
 			// orders: 2 local tries on each of 3 deliveries (source, tier 1, tier 2); the key's
 			// second record stays parked behind the dead letter (block); 200 bytes fit 1 MiB.
-			h.topic + "/bad/default": 6, h.topic + "/big/default": 1,
+			h.Topic + "/bad/default": 6, h.Topic + "/big/default": 1,
 			// payments: 1 try, then the DLQ; the key's second record is applied (skip) and fails
 			// alike; the big record never reaches the handler.
 			payments + "/bad/payments": 2,
 		}
 		testenv.Eventually(t, 60*time.Second, func() error {
 			got := map[string]int{}
-			rows, err := h.pool.Query(ctx, `SELECT topic || '/' || key || '/' || handler, tries FROM seen`)
+			rows, err := h.Pool.Query(ctx, `SELECT topic || '/' || key || '/' || handler, tries FROM seen`)
 			if err != nil {
 				return err
 			}
@@ -86,7 +86,7 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 				return err
 			}
 			var dead []string
-			rows, err = h.pool.Query(ctx, `SELECT d FROM (SELECT topic || '/' || encode(key, 'escape') || '/' || error_class || '/' || attempts AS d
+			rows, err = h.Pool.Query(ctx, `SELECT d FROM (SELECT topic || '/' || encode(key, 'escape') || '/' || error_class || '/' || attempts AS d
 				FROM kafkapg.dead_letters) AS dl ORDER BY d COLLATE "C"`)
 			if err != nil {
 				return err
@@ -94,17 +94,17 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 			if _, err := pgx.ForEachRow(rows, []any{&name}, func() error { dead = append(dead, name); return nil }); err != nil {
 				return err
 			}
-			wantDead := fmt.Sprint(slices.Sorted(slices.Values([]string{h.topic + "/bad/retryable/3", payments + "/bad/retryable/1", payments + "/bad/retryable/1", payments + "/big/permanent/1"})))
+			wantDead := fmt.Sprint(slices.Sorted(slices.Values([]string{h.Topic + "/bad/retryable/3", payments + "/bad/retryable/1", payments + "/bad/retryable/1", payments + "/big/permanent/1"})))
 			if fmt.Sprint(got) != fmt.Sprint(want) || fmt.Sprint(dead) != wantDead {
 				return fmt.Errorf("handler calls %v, want %v; dead letters %v, want %v", got, want, dead, wantDead)
 			}
 			return nil
 		})
 		var parked int
-		if err := h.pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.held_records WHERE topic = $1`, h.topic).Scan(&parked); err != nil || parked != 1 {
-			t.Errorf("parked records of %s = %d (%v), want 1 (behind the blocked key)", h.topic, parked, err)
+		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.held_records WHERE topic = $1`, h.Topic).Scan(&parked); err != nil || parked != 1 {
+			t.Errorf("parked records of %s = %d (%v), want 1 (behind the blocked key)", h.Topic, parked, err)
 		}
-		if got := r.counter("kafkapg_records_retried_total"); got != 2 {
+		if got := r.Counter("kafkapg_records_retried_total"); got != 2 {
 			t.Errorf("kafkapg_records_retried_total = %v, want 2 (orders' tiers 1 and 2)", got)
 		}
 		topics, err := kadm.NewClient(k.Client(t)).ListTopics(ctx)
@@ -115,10 +115,10 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 			topic string
 			want  bool
 		}{
-			{retrytopics.TierTopic(h.topic, h.group, 2), true},
-			{retrytopics.TierTopic(h.topic, h.group, 3), false},
-			{retrytopics.TierTopic(payments, h.group, 1), false},
-			{retrytopics.DLQTopic(payments, h.group), true},
+			{retrytopics.TierTopic(h.Topic, h.Group, 2), true},
+			{retrytopics.TierTopic(h.Topic, h.Group, 3), false},
+			{retrytopics.TierTopic(payments, h.Group, 1), false},
+			{retrytopics.DLQTopic(payments, h.Group), true},
 		} {
 			if topics.Has(tt.topic) != tt.want {
 				t.Errorf("topic %s exists: %v, want %v", tt.topic, topics.Has(tt.topic), tt.want)

@@ -23,45 +23,37 @@ import (
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
-// mixed is a ledger workload with every kind of record.
-func mixed(events int, seed uint64, prefix string) []ledger.Item {
-	return ledger.Generate(ledger.GenConfig{
-		Events: events, Accounts: 40, Seed: seed, Prefix: prefix,
-		PoisonPerMille: 10, MalformedPerMille: 10, FlakyPerMille: 20,
-	})
-}
-
 func TestLedgerEndToEnd(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 4)
 		items := mixed(3000, 1, "e2e")
-		h.produce(items)
-		r := h.start(h.config(ledger.Handler{}))
-		h.waitSettled(items, 1, 60*time.Second)
-		h.verify(items, 1, false)
+		h.Produce(items)
+		r := h.Start(h.Config(ledger.Handler{}))
+		h.WaitSettled(items, 1, 60*time.Second)
+		h.Verify(items, 1, false)
 
 		// Kafka's committed offsets (advisory) catch up with Postgres.
 		adm := kadm.NewClient(k.Client(t))
-		store := offsets.NewStore("kafkapg", h.group)
+		store := offsets.NewStore("kafkapg", h.Group)
 		testenv.Eventually(t, 20*time.Second, func() error {
-			committed, err := adm.FetchOffsets(context.Background(), h.group)
+			committed, err := adm.FetchOffsets(context.Background(), h.Group)
 			if err != nil {
 				return err
 			}
 			for p := range int32(4) {
-				pos, err := store.Load(context.Background(), h.pool, offsets.Partition{Topic: h.topic, Partition: p})
+				pos, err := store.Load(context.Background(), h.Pool, offsets.Partition{Topic: h.Topic, Partition: p})
 				if err != nil {
 					return err
 				}
-				c, ok := committed.Lookup(h.topic, p)
+				c, ok := committed.Lookup(h.Topic, p)
 				if !ok || c.At != pos.Next {
 					return fmt.Errorf("partition %d: kafka committed %v, postgres %d", p, c.At, pos.Next)
 				}
 			}
 			return nil
 		})
-		if got := r.counter("kafkapg_records_dead_lettered_total"); got == 0 {
+		if got := r.Counter("kafkapg_records_dead_lettered_total"); got == 0 {
 			t.Error("dead-lettered metric stayed at zero")
 		}
 	})
@@ -73,20 +65,20 @@ func TestWaitsForSourceTopic(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 1)
-		h.topic = k.TopicName(t) // not created yet
-		r := h.start(h.config(ledger.Handler{}))
+		h.Topic = k.TopicName(t) // not created yet
+		r := h.Start(h.Config(ledger.Handler{}))
 		time.Sleep(time.Second)
 		select {
-		case <-r.done:
-			t.Fatalf("Run returned before the topic existed: %v", r.err)
+		case <-r.Done:
+			t.Fatalf("Run returned before the topic existed: %v", r.Err)
 		default:
 		}
 
-		k.CreateTopicNamed(t, h.topic, 3)
+		k.CreateTopicNamed(t, h.Topic, 3)
 		items := mixed(300, 9, "late")
-		h.produce(items)
-		h.waitSettled(items, 1, 60*time.Second)
-		h.verify(items, 1, false)
+		h.Produce(items)
+		h.WaitSettled(items, 1, 60*time.Second)
+		h.Verify(items, 1, false)
 	})
 }
 
@@ -96,15 +88,15 @@ func TestDeadLetterHeaders(t *testing.T) {
 		h := newHarness(t, k, 1)
 		origHeaders := []kgo.RecordHeader{{Key: "trace-id", Value: []byte("abc")}}
 		k.Produce(t,
-			&kgo.Record{Topic: h.topic, Key: []byte("acct-1"), Value: []byte(`{"event_id":"p1","account":"acct-1","amount":1,"seq":1,"poison":true}`), Headers: origHeaders},
-			&kgo.Record{Topic: h.topic, Key: []byte("acct-1"), Value: []byte(`{"event_id":"f1","account":"acct-1","amount":1,"seq":2,"fail_attempts":1}`)},
-			&kgo.Record{Topic: h.topic, Key: []byte("acct-1"), Value: []byte(`{"event_id":"ok1","account":"acct-1","amount":5,"seq":3}`)},
+			&kgo.Record{Topic: h.Topic, Key: []byte("acct-1"), Value: []byte(`{"event_id":"p1","account":"acct-1","amount":1,"seq":1,"poison":true}`), Headers: origHeaders},
+			&kgo.Record{Topic: h.Topic, Key: []byte("acct-1"), Value: []byte(`{"event_id":"f1","account":"acct-1","amount":1,"seq":2,"fail_attempts":1}`)},
+			&kgo.Record{Topic: h.Topic, Key: []byte("acct-1"), Value: []byte(`{"event_id":"ok1","account":"acct-1","amount":5,"seq":3}`)},
 		)
-		h.start(h.config(ledger.Handler{}))
-		h.waitApplied(1, 30*time.Second)
+		h.Start(h.Config(ledger.Handler{}))
+		h.WaitApplied(1, 30*time.Second)
 		var dlq []*kgo.Record
 		testenv.Eventually(t, 30*time.Second, func() error {
-			if dlq = k.ReadAll(t, h.dlq()); len(dlq) < 2 {
+			if dlq = k.ReadAll(t, h.DLQ()); len(dlq) < 2 {
 				return fmt.Errorf("%d dead letters", len(dlq))
 			}
 			return nil
@@ -128,7 +120,7 @@ func TestDeadLetterHeaders(t *testing.T) {
 			if err != nil {
 				t.Fatalf("%s: %v", tt.name, err)
 			}
-			if f.Topic != h.topic || f.Partition != 0 || f.Offset != tt.offset || f.Group != h.group ||
+			if f.Topic != h.Topic || f.Partition != 0 || f.Offset != tt.offset || f.Group != h.Group ||
 				f.Class != tt.class || f.Tries != tt.tries || f.Attempt != 1 || f.FailedAt.IsZero() || f.Timestamp.IsZero() {
 				t.Errorf("%s: failure headers = %+v", tt.name, f)
 			}
@@ -151,17 +143,17 @@ func TestRestartResumesFromPostgres(t *testing.T) {
 		h := newHarness(t, k, 3)
 		all := mixed(3000, 2, "r")
 		first, second := all[:2000], all[2000:]
-		h.produce(first)
-		cfg := h.config(ledger.Handler{})
+		h.Produce(first)
+		cfg := h.Config(ledger.Handler{})
 		cfg.BatchMaxRecords = 50
-		r := h.start(cfg)
-		h.waitApplied(300, 30*time.Second)
-		r.stop(t)
+		r := h.Start(cfg)
+		h.WaitApplied(300, 30*time.Second)
+		r.Stop(t)
 
-		h.produce(second)
-		h.start(h.config(ledger.Handler{}))
-		h.waitSettled(all, 1, 60*time.Second)
-		h.verify(all, 1, false)
+		h.Produce(second)
+		h.Start(h.Config(ledger.Handler{}))
+		h.WaitSettled(all, 1, 60*time.Second)
+		h.Verify(all, 1, false)
 	})
 }
 
@@ -176,29 +168,29 @@ func TestRebalancesExactlyOnce(t *testing.T) {
 		go func() {
 			defer close(produced)
 			for i := 0; i < len(items); i += 500 {
-				h.produce(items[i:min(i+500, len(items))])
+				h.Produce(items[i:min(i+500, len(items))])
 				time.Sleep(150 * time.Millisecond)
 			}
 		}()
 		cfg := func() *processor.Config {
-			c := h.config(ledger.Handler{})
+			c := h.Config(ledger.Handler{})
 			c.BatchMaxRecords = 100
 			return c
 		}
-		a := h.start(cfg())
-		h.waitApplied(200, 30*time.Second)
-		b := h.start(cfg())
-		c := h.start(cfg())
+		a := h.Start(cfg())
+		h.WaitApplied(200, 30*time.Second)
+		b := h.Start(cfg())
+		c := h.Start(cfg())
 		time.Sleep(time.Second)
-		a.stop(t)
+		a.Stop(t)
 		time.Sleep(time.Second)
-		h.start(cfg()) // a comes back; it runs until the test ends
-		b.stop(t)
+		h.Start(cfg()) // a comes back; it runs until the test ends
+		b.Stop(t)
 		<-produced
 		time.Sleep(500 * time.Millisecond)
-		c.stop(t)
-		h.waitSettled(items, 1, 90*time.Second)
-		h.verify(items, 1, false)
+		c.Stop(t)
+		h.WaitSettled(items, 1, 90*time.Second)
+		h.Verify(items, 1, false)
 	})
 }
 
@@ -260,18 +252,18 @@ func TestStaleOwnerIsFenced(t *testing.T) {
 		items := ledger.Generate(ledger.GenConfig{Events: 50, Accounts: 5, Seed: 7, Prefix: "sp"})
 
 		g := newGate(t, 1)
-		cfg := h.config(g)
+		cfg := h.Config(g)
 		cfg.TxIdleTimeout = 2 * time.Second
-		a := h.start(cfg)
-		h.produce(items)
+		a := h.Start(cfg)
+		h.Produce(items)
 		g.waitStalled(t, 1)
 
 		// The new owner's claim waits for the stalled transaction's row lock until Postgres ends
 		// that transaction (TxIdleTimeout).
-		store := offsets.NewStore("kafkapg", h.group)
-		tp := offsets.Partition{Topic: h.topic, Partition: 0}
+		store := offsets.NewStore("kafkapg", h.Group)
+		tp := offsets.Partition{Topic: h.Topic, Partition: 0}
 		start := time.Now()
-		claimed, err := store.Claim(context.Background(), h.pool, "new owner", []offsets.Partition{tp})
+		claimed, err := store.Claim(context.Background(), h.Pool, "new owner", []offsets.Partition{tp})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -279,15 +271,15 @@ func TestStaleOwnerIsFenced(t *testing.T) {
 
 		g.open()
 		testenv.Eventually(t, 30*time.Second, func() error {
-			if a.counter("kafkapg_fenced_transactions_total") < 1 {
+			if a.Counter("kafkapg_fenced_transactions_total") < 1 {
 				return fmt.Errorf("stale owner was not fenced")
 			}
 			return nil
 		})
-		if got := h.applied(); got != 0 {
+		if got := h.Applied(); got != 0 {
 			t.Fatalf("%d events applied by the stale owner", got)
 		}
-		pos, err := store.Load(context.Background(), h.pool, tp)
+		pos, err := store.Load(context.Background(), h.Pool, tp)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -310,31 +302,31 @@ func TestOwnerCutOffFromKafkaAppliesNothing(t *testing.T) {
 
 		g := newGate(t, 2)
 		net := testenv.NewNetFault()
-		cfgA := h.config(g)
+		cfgA := h.Config(g)
 		cfgA.TxIdleTimeout = 2 * time.Second
 		cfgA.SessionTimeout = 2 * time.Second
 		cfgA.ShutdownTimeout = 3 * time.Second
 		cfgA.KafkaOptions = append(cfgA.KafkaOptions, kgo.Dialer(net.Dial))
-		a := h.start(cfgA)
-		h.produce(items)
+		a := h.Start(cfgA)
+		h.Produce(items)
 		g.waitStalled(t, 2)
 
 		net.Cut()
-		b := h.start(h.config(ledger.Handler{}))
-		h.waitSettled(items, 1, 60*time.Second)
+		b := h.Start(h.Config(ledger.Handler{}))
+		h.WaitSettled(items, 1, 60*time.Second)
 
 		g.open()
 		time.Sleep(time.Second) // let A's workers try to commit
-		if got := a.counter("kafkapg_records_applied_total"); got != 0 {
+		if got := a.Counter("kafkapg_records_applied_total"); got != 0 {
 			t.Errorf("zombie A applied %v records", got)
 		}
-		if got := b.counter("kafkapg_records_applied_total"); got != float64(len(items)) {
+		if got := b.Counter("kafkapg_records_applied_total"); got != float64(len(items)) {
 			t.Errorf("new owner B applied %v records, want %d", got, len(items))
 		}
 		net.Restore()
-		a.stop(t)
-		b.stop(t)
-		h.verify(items, 1, false)
+		a.Stop(t)
+		b.Stop(t)
+		h.Verify(items, 1, false)
 	})
 }
 
@@ -344,7 +336,7 @@ func TestPostgresOutage(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 3)
-		u, err := url.Parse(h.dbURL)
+		u, err := url.Parse(h.DBURL)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -362,7 +354,7 @@ func TestPostgresOutage(t *testing.T) {
 		t.Cleanup(proxied.Close)
 
 		items := ledger.Generate(ledger.GenConfig{Events: 4000, Accounts: 30, Seed: 6, Prefix: "po"})
-		cfg := h.config(ledger.Handler{})
+		cfg := h.Config(ledger.Handler{})
 		cfg.BatchMaxRecords = 50
 		p, err := processor.New(proxied, cfg)
 		if err != nil {
@@ -371,30 +363,30 @@ func TestPostgresOutage(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
 		go func() { done <- p.Run(ctx) }()
-		go h.produce(items)
+		go h.Produce(items)
 
-		h.waitApplied(500, 30*time.Second)
+		h.WaitApplied(500, 30*time.Second)
 		proxy.Cut()
 		// A COMMIT that reached Postgres just before the cut still completes there; count after
 		// it has settled, then nothing more may be applied while Postgres is unreachable.
 		time.Sleep(500 * time.Millisecond)
-		before := h.applied()
+		before := h.Applied()
 		time.Sleep(3 * time.Second)
-		if got := h.applied(); got != before {
+		if got := h.Applied(); got != before {
 			t.Fatalf("%d events applied while postgres was unreachable", got-before)
 		}
 		proxy.Restore()
 		restored := time.Now()
-		h.waitApplied(before+1, 30*time.Second)
+		h.WaitApplied(before+1, 30*time.Second)
 		t.Logf("processing resumed %v after postgres came back", time.Since(restored).Round(time.Millisecond))
 
-		h.waitSettled(items, 1, 60*time.Second)
+		h.WaitSettled(items, 1, 60*time.Second)
 		cancel()
 		if err := <-done; err != nil {
 			t.Fatal(err)
 		}
-		h.verify(items, 1, false)
-		if dl := k.ReadAll(t, h.dlq()); len(dl) != 0 {
+		h.Verify(items, 1, false)
+		if dl := k.ReadAll(t, h.DLQ()); len(dl) != 0 {
 			t.Fatalf("%d records dead-lettered during a postgres outage", len(dl))
 		}
 	})
@@ -420,13 +412,13 @@ func TestHandlerPanicIsRetried(t *testing.T) {
 		t.Parallel()
 		h := newHarness(t, k, 1)
 		k.Produce(t,
-			&kgo.Record{Topic: h.topic, Key: []byte("a"), Value: []byte(`{"event_id":"1","account":"a","amount":1,"seq":1}`)},
-			&kgo.Record{Topic: h.topic, Key: []byte("boom"), Value: []byte(`{"event_id":"2","account":"boom","amount":1,"seq":1}`)},
-			&kgo.Record{Topic: h.topic, Key: []byte("a"), Value: []byte(`{"event_id":"3","account":"a","amount":1,"seq":2}`)},
+			&kgo.Record{Topic: h.Topic, Key: []byte("a"), Value: []byte(`{"event_id":"1","account":"a","amount":1,"seq":1}`)},
+			&kgo.Record{Topic: h.Topic, Key: []byte("boom"), Value: []byte(`{"event_id":"2","account":"boom","amount":1,"seq":1}`)},
+			&kgo.Record{Topic: h.Topic, Key: []byte("a"), Value: []byte(`{"event_id":"3","account":"a","amount":1,"seq":2}`)},
 		)
-		r := h.start(h.config(&panicOnce{}))
-		h.waitApplied(3, 30*time.Second)
-		if got := r.counter("kafkapg_handler_panics_total"); got != 1 {
+		r := h.Start(h.Config(&panicOnce{}))
+		h.WaitApplied(3, 30*time.Second)
+		if got := r.Counter("kafkapg_handler_panics_total"); got != 1 {
 			t.Fatalf("panics counted: %v, want 1", got)
 		}
 	})
@@ -454,22 +446,22 @@ func TestUnattributedBatchErrorIsIsolated(t *testing.T) {
 			if i == 37 || i == 150 {
 				key = "bad"
 			}
-			recs = append(recs, &kgo.Record{Topic: h.topic, Key: []byte(key),
+			recs = append(recs, &kgo.Record{Topic: h.Topic, Key: []byte(key),
 				Value: fmt.Appendf(nil, `{"event_id":"u-%d","account":"x","amount":1,"seq":%d}`, i, i+1)})
 		}
 		k.Produce(t, recs...)
-		cfg := h.config(failsWith{})
+		cfg := h.Config(failsWith{})
 		cfg.BatchMaxRecords = 200
 		cfg.BatchMaxWait = time.Second // one batch of 200
-		h.start(cfg)
-		h.waitApplied(198, 30*time.Second)
+		h.Start(cfg)
+		h.WaitApplied(198, 30*time.Second)
 		testenv.Eventually(t, 30*time.Second, func() error {
-			if n := len(k.ReadAll(t, h.dlq())); n != 2 {
+			if n := len(k.ReadAll(t, h.DLQ())); n != 2 {
 				return fmt.Errorf("%d dead letters, want 2", n)
 			}
 			return nil
 		})
-		rows, err := h.pool.Query(context.Background(), `SELECT seq FROM ledger_entries ORDER BY applied_order`)
+		rows, err := h.Pool.Query(context.Background(), `SELECT seq FROM ledger_entries ORDER BY applied_order`)
 		if err != nil {
 			t.Fatal(err)
 		}

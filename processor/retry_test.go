@@ -22,18 +22,6 @@ import (
 // testTiers are short retry tiers, as a user trying kafkapg out would set them.
 var testTiers = []time.Duration{200 * time.Millisecond, 500 * time.Millisecond, time.Second}
 
-// tiersMaxAttempt is the last delivery attempt with testTiers.
-const tiersMaxAttempt = 4
-
-// flakyMix is a ledger workload where a tenth of the events fail transiently, some for longer than
-// the tiers last, across many keys.
-func flakyMix(events int, seed uint64, prefix string) []ledger.Item {
-	return ledger.Generate(ledger.GenConfig{
-		Events: events, Accounts: 40, Seed: seed, Prefix: prefix,
-		PoisonPerMille: 10, MalformedPerMille: 10, FlakyPerMille: 100, MaxFailAttempts: tiersMaxAttempt + 1,
-	})
-}
-
 // TestRetryTiersKeepKeyOrder produces a continuous stream in which a tenth of the events fail
 // transiently: each must be applied exactly once (or dead-lettered exactly when its failures
 // outlast the tiers), and every account's events applied in produce order although the failing
@@ -43,17 +31,17 @@ func TestRetryTiersKeepKeyOrder(t *testing.T) {
 		t.Parallel()
 		h := newHarness(t, k, 4)
 		items := flakyMix(3000, 21, "tier")
-		cfg := h.config(ledger.Handler{})
+		cfg := h.Config(ledger.Handler{})
 		cfg.RetryTiers = testTiers
 		cfg.LocalAttempts = 2
-		r := h.start(cfg)
+		r := h.Start(cfg)
 		for i := 0; i < len(items); i += 300 {
-			h.produce(items[i:min(i+300, len(items))])
+			h.Produce(items[i:min(i+300, len(items))])
 			time.Sleep(50 * time.Millisecond)
 		}
-		h.waitSettled(items, tiersMaxAttempt, 90*time.Second)
-		h.verify(items, tiersMaxAttempt, false)
-		retried, held := r.counter("kafkapg_records_retried_total"), r.counter("kafkapg_records_held_total")
+		h.WaitSettled(items, tiersMaxAttempt, 90*time.Second)
+		h.Verify(items, tiersMaxAttempt, false)
+		retried, held := r.Counter("kafkapg_records_retried_total"), r.Counter("kafkapg_records_held_total")
 		t.Logf("%v records sent to retry tiers, %v parked behind their keys", retried, held)
 		if retried == 0 || held == 0 {
 			t.Errorf("records_retried_total = %v, records_held_total = %v; the workload must exercise both", retried, held)
@@ -87,13 +75,13 @@ func TestRetryRecordWaitsUntilDue(t *testing.T) {
 			_, err := tx.Exec(ctx, `INSERT INTO ledger_entries (event_id, account, amount, seq) VALUES ($1, 'a', 0, $2)`, id, rec.Attempt)
 			return err
 		})
-		cfg := h.config(handler)
+		cfg := h.Config(handler)
 		cfg.RetryTiers = []time.Duration{time.Second}
 		cfg.LocalAttempts = 1
-		h.start(cfg)
-		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k1"), Value: []byte("due-1"),
+		h.Start(cfg)
+		h.K.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte("k1"), Value: []byte("due-1"),
 			Headers: []kgo.RecordHeader{{Key: "trace", Value: []byte("abc")}}})
-		h.waitApplied(1, 30*time.Second)
+		h.WaitApplied(1, 30*time.Second)
 
 		log.mu.Lock()
 		failed, second := log.failedAt["due-1"][0], log.started["due-1"][1]
@@ -107,7 +95,7 @@ func TestRetryRecordWaitsUntilDue(t *testing.T) {
 			t.Errorf("attempt 2 started %v after the failure; the record waited far past its due time", waited)
 		}
 
-		recs := k.ReadAll(t, retrytopics.TierTopic(h.topic, h.group, 1))
+		recs := k.ReadAll(t, retrytopics.TierTopic(h.Topic, h.Group, 1))
 		if len(recs) != 1 {
 			t.Fatalf("tier 1 holds %d records, want 1", len(recs))
 		}
@@ -119,7 +107,7 @@ func TestRetryRecordWaitsUntilDue(t *testing.T) {
 		if string(rr.Key) != "k1" || string(rr.Value) != "due-1" || rr.Partition != 0 {
 			t.Errorf("retry record key %q value %q partition %d; want the original k1, due-1, partition 0", rr.Key, rr.Value, rr.Partition)
 		}
-		if f.Topic != h.topic || f.Partition != 0 || f.Offset != 0 || f.Attempt != 1 || f.Group != h.group || f.Class != "retryable" {
+		if f.Topic != h.Topic || f.Partition != 0 || f.Offset != 0 || f.Attempt != 1 || f.Group != h.Group || f.Class != "retryable" {
 			t.Errorf("retry record headers describe %+v", f)
 		}
 		if d := f.DueAt.Sub(f.FailedAt); d < time.Second || d >= 1100*time.Millisecond {
@@ -151,18 +139,18 @@ func TestDuplicateRetryRecordIsAppliedOnce(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 2)
-		cfg := h.config(ledger.Handler{})
+		cfg := h.Config(ledger.Handler{})
 		cfg.RetryTiers = []time.Duration{100 * time.Millisecond, 100 * time.Millisecond}
 		cfg.LocalAttempts = 1
-		r := h.start(cfg)
+		r := h.Start(cfg)
 
 		ev := ledger.Event{EventID: "dup-1", Account: "acct-1", Amount: 5, Seq: 1, FailAttempts: 1}
 		value, _ := json.Marshal(ev)
 		items := []ledger.Item{{Kind: ledger.KindFlaky, Event: ev, Key: []byte(ev.Account), Value: value}}
-		h.produce(items)
-		h.waitSettled(items, 3, 30*time.Second)
+		h.Produce(items)
+		h.WaitSettled(items, 3, 30*time.Second)
 
-		tier := retrytopics.TierTopic(h.topic, h.group, 1)
+		tier := retrytopics.TierTopic(h.Topic, h.Group, 1)
 		recs := k.ReadAll(t, tier)
 		if len(recs) != 1 {
 			t.Fatalf("tier 1 holds %d records, want 1", len(recs))
@@ -170,13 +158,13 @@ func TestDuplicateRetryRecordIsAppliedOnce(t *testing.T) {
 		dup := &kgo.Record{Topic: tier, Partition: recs[0].Partition, Key: recs[0].Key, Value: recs[0].Value, Headers: recs[0].Headers}
 		k.Produce(t, dup, dup)
 		testenv.Eventually(t, 30*time.Second, func() error {
-			if got := r.counter("kafkapg_retry_duplicates_skipped_total"); got != 2 {
+			if got := r.Counter("kafkapg_retry_duplicates_skipped_total"); got != 2 {
 				return fmt.Errorf("%v duplicates skipped, want 2", got)
 			}
 			return nil
 		})
-		h.waitSettled(items, 3, 10*time.Second)
-		h.verify(items, 3, false)
+		h.WaitSettled(items, 3, 10*time.Second)
+		h.Verify(items, 3, false)
 	})
 }
 
@@ -186,11 +174,11 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 1)
-		cfg := h.config(ledger.Handler{})
+		cfg := h.Config(ledger.Handler{})
 		cfg.RetryTiers = []time.Duration{100 * time.Millisecond}
 		cfg.LocalAttempts = 1
 		cfg.OnDeadLetter = processor.OnDeadLetterBlock
-		r := h.start(cfg)
+		r := h.Start(cfg)
 
 		event := func(id, account string, seq int64, fail int, poison bool) ledger.Item {
 			ev := ledger.Event{EventID: id, Account: account, Amount: seq * 10, Seq: seq, FailAttempts: fail, Poison: poison}
@@ -214,9 +202,9 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 			event("a4", "A", 4, 0, false),
 			event("c2", "C", 2, 0, false),
 		}
-		h.produce(items)
+		h.Produce(items)
 		applied := func() []string {
-			rows, err := h.pool.Query(context.Background(), `SELECT event_id FROM ledger_entries ORDER BY applied_order`)
+			rows, err := h.Pool.Query(context.Background(), `SELECT event_id FROM ledger_entries ORDER BY applied_order`)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -228,7 +216,7 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 		}
 		testenv.Eventually(t, 30*time.Second, func() error {
 			var parked int
-			if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.held_records`).Scan(&parked); err != nil {
+			if err := h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.held_records`).Scan(&parked); err != nil {
 				return err
 			}
 			if got := fmt.Sprint(applied()); got != "[a1 b1 b2]" || parked != 3 {
@@ -237,13 +225,13 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 			return nil
 		})
 		testenv.Eventually(t, 15*time.Second, func() error {
-			if got := r.gauge("kafkapg_blocked_keys"); got != 2 {
+			if got := r.Gauge("kafkapg_blocked_keys"); got != 2 {
 				return fmt.Errorf("kafkapg_blocked_keys = %v, want 2", got)
 			}
-			if keys, recs, age := r.gauge("kafkapg_held_keys"), r.gauge("kafkapg_held_records"), r.gauge("kafkapg_oldest_held_record_age_seconds"); keys != 2 || recs != 3 || age <= 0 {
+			if keys, recs, age := r.Gauge("kafkapg_held_keys"), r.Gauge("kafkapg_held_records"), r.Gauge("kafkapg_oldest_held_record_age_seconds"); keys != 2 || recs != 3 || age <= 0 {
 				return fmt.Errorf("held_keys %v, held_records %v, oldest_held_record_age_seconds %v; want 2, 3, > 0", keys, recs, age)
 			}
-			if got := r.gauge("kafkapg_dead_letters_new"); got != 2 {
+			if got := r.Gauge("kafkapg_dead_letters_new"); got != 2 {
 				return fmt.Errorf("kafkapg_dead_letters_new = %v, want 2", got)
 			}
 			return nil
@@ -251,14 +239,14 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 
 		// Still blocked a while later, and after a restart: the state is in Postgres.
 		time.Sleep(1500 * time.Millisecond)
-		r.stop(t)
+		r.Stop(t)
 		if got := fmt.Sprint(applied()); got != "[a1 b1 b2]" {
 			t.Fatalf("applied %s while A and C were blocked", got)
 		}
 		cfg.Registerer = nil
-		h.start(cfg)
+		h.Start(cfg)
 
-		n, err := processor.ReleaseBlockedKeys(context.Background(), h.pool, "kafkapg", h.group, h.topic, 0, []byte("A"))
+		n, err := processor.ReleaseBlockedKeys(context.Background(), h.Pool, "kafkapg", h.Group, h.Topic, 0, []byte("A"))
 		if err != nil || n != 1 {
 			t.Fatalf("ReleaseBlockedKeys(A) = %d, %v; want 1 key released", n, err)
 		}
@@ -268,11 +256,11 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 			}
 			return nil
 		})
-		if n, err := processor.ReleaseBlockedKeys(context.Background(), h.pool, "kafkapg", h.group, h.topic, 0, nil); err != nil || n != 1 {
+		if n, err := processor.ReleaseBlockedKeys(context.Background(), h.Pool, "kafkapg", h.Group, h.Topic, 0, nil); err != nil || n != 1 {
 			t.Fatalf("ReleaseBlockedKeys(all) = %d, %v; want C released", n, err)
 		}
-		h.waitSettled(items, 2, 15*time.Second)
-		h.verify(items, 2, false)
+		h.WaitSettled(items, 2, 15*time.Second)
+		h.Verify(items, 2, false)
 	})
 }
 
@@ -299,33 +287,33 @@ func TestHandlerOverridesClassification(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 1)
-		cfg := h.config(classifyingHandler{class: processor.ClassPermanent})
+		cfg := h.Config(classifyingHandler{class: processor.ClassPermanent})
 		cfg.RetryTiers = testTiers
-		r := h.start(cfg)
-		h.k.Produce(t, &kgo.Record{Topic: h.topic, Key: []byte("k"), Value: []byte("v")})
+		r := h.Start(cfg)
+		h.K.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte("k"), Value: []byte("v")})
 		testenv.Eventually(t, 30*time.Second, func() error {
 			// The DLQ topic exists once the dead letter is recorded (topics are created first).
 			var rows, outbox int
-			if err := h.pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM kafkapg.dead_letters), (SELECT count(*) FROM kafkapg.outbox)`).
+			if err := h.Pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM kafkapg.dead_letters), (SELECT count(*) FROM kafkapg.outbox)`).
 				Scan(&rows, &outbox); err != nil {
 				return err
 			}
 			if rows != 1 || outbox != 0 {
 				return fmt.Errorf("%d dead_letters rows, %d outbox rows; want 1 published", rows, outbox)
 			}
-			if n := len(k.ReadAll(t, h.dlq())); n != 1 {
+			if n := len(k.ReadAll(t, h.DLQ())); n != 1 {
 				return fmt.Errorf("%d dead letters, want 1", n)
 			}
 			return nil
 		})
-		f, err := retrytopics.ParseFailure(k.ReadAll(t, h.dlq())[0].Headers)
+		f, err := retrytopics.ParseFailure(k.ReadAll(t, h.DLQ())[0].Headers)
 		if err != nil {
 			t.Fatal(err)
 		}
 		if f.Class != "permanent" || f.Attempt != 1 || f.Tries != 1 {
 			t.Errorf("dead letter says class %s, attempt %d, tries %d; want permanent, 1, 1", f.Class, f.Attempt, f.Tries)
 		}
-		if got := r.counter("kafkapg_records_retried_total"); got != 0 {
+		if got := r.Counter("kafkapg_records_retried_total"); got != 0 {
 			t.Errorf("%v records sent to retry tiers, want none", got)
 		}
 	})
@@ -344,14 +332,14 @@ func TestNullKeysAreNeverHeld(t *testing.T) {
 			_, err := tx.Exec(ctx, `INSERT INTO ledger_entries (event_id, account, amount, seq) VALUES ($1, 'a', 0, $2)`, string(rec.Value), rec.Attempt)
 			return err
 		})
-		cfg := h.config(handler)
+		cfg := h.Config(handler)
 		cfg.RetryTiers = []time.Duration{500 * time.Millisecond}
 		cfg.LocalAttempts = 1
-		r := h.start(cfg)
-		h.k.Produce(t, &kgo.Record{Topic: h.topic, Value: []byte("n1")}, &kgo.Record{Topic: h.topic, Value: []byte("n2")},
-			&kgo.Record{Topic: h.topic, Value: []byte("n3")})
-		h.waitApplied(3, 30*time.Second)
-		rows, err := h.pool.Query(context.Background(), `SELECT event_id || '@' || seq FROM ledger_entries ORDER BY applied_order`)
+		r := h.Start(cfg)
+		h.K.Produce(t, &kgo.Record{Topic: h.Topic, Value: []byte("n1")}, &kgo.Record{Topic: h.Topic, Value: []byte("n2")},
+			&kgo.Record{Topic: h.Topic, Value: []byte("n3")})
+		h.WaitApplied(3, 30*time.Second)
+		rows, err := h.Pool.Query(context.Background(), `SELECT event_id || '@' || seq FROM ledger_entries ORDER BY applied_order`)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -362,11 +350,11 @@ func TestNullKeysAreNeverHeld(t *testing.T) {
 		if fmt.Sprint(got) != "[n2@1 n3@1 n1@2]" {
 			t.Errorf("applied %v, want n2 and n3 at once and n1 at attempt 2 after them", got)
 		}
-		if held := r.counter("kafkapg_records_held_total"); held != 0 {
+		if held := r.Counter("kafkapg_records_held_total"); held != 0 {
 			t.Errorf("%v records held behind a null key", held)
 		}
-		if n := h.retryPathRows(); n != "" {
-			t.Errorf("retry path not empty: %s", n)
+		if p := h.Progress(); p.Tiers+p.HeldKeys+p.HeldRecords != 0 {
+			t.Errorf("retry path not empty: %s", p)
 		}
 	})
 }
@@ -377,10 +365,10 @@ func TestMissingRetryTopicIsAStartupError(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 2)
-		cfg := h.config(ledger.Handler{})
+		cfg := h.Config(ledger.Handler{})
 		cfg.RetryTiers = []time.Duration{time.Second}
 		cfg.DisableTopicCreation = true
-		p, err := processor.New(h.pool, cfg)
+		p, err := processor.New(h.Pool, cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -390,7 +378,7 @@ func TestMissingRetryTopicIsAStartupError(t *testing.T) {
 		if err == nil {
 			t.Fatal("Run returned nil with its retry and dead-letter topics missing")
 		}
-		for _, want := range []string{retrytopics.TierTopic(h.topic, h.group, 1), h.dlq(), "DisableTopicCreation"} {
+		for _, want := range []string{retrytopics.TierTopic(h.Topic, h.Group, 1), h.DLQ(), "DisableTopicCreation"} {
 			if !strings.Contains(err.Error(), want) {
 				t.Errorf("Run error %q does not name %s", err, want)
 			}

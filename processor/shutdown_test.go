@@ -50,7 +50,7 @@ func stopsWhileAMemberIsSilent(t *testing.T, k *testenv.Kafka, protocol processo
 	items := ledger.Generate(ledger.GenConfig{Events: 400, Accounts: 20, Seed: 31, Prefix: "sd"})
 	first, second := items[:200], items[200:]
 	config := func(session time.Duration) *processor.Config {
-		cfg := h.config(ledger.Handler{})
+		cfg := h.Config(ledger.Handler{})
 		cfg.GroupProtocol = protocol
 		cfg.SessionTimeout = session
 		return cfg
@@ -59,35 +59,35 @@ func stopsWhileAMemberIsSilent(t *testing.T, k *testenv.Kafka, protocol processo
 	cfgA := config(60 * time.Second)
 	cfgA.RebalanceTimeout = 40 * time.Second
 	cfgA.ShutdownTimeout = 30 * time.Second
-	a := h.start(cfgA)
+	a := h.Start(cfgA)
 
 	net := testenv.NewNetFault()
 	cfgC := config(8 * time.Second)
 	cfgC.ShutdownTimeout = 3 * time.Second
 	cfgC.KafkaOptions = append(slices.Clone(cfgC.KafkaOptions), kgo.Dialer(net.Dial))
-	c := h.start(cfgC)
+	c := h.Start(cfgC)
 
-	h.produce(first)
-	h.waitApplied(len(first), 60*time.Second)
-	if got := groupType(t, k, h.group); (protocol == processor.GroupProtocolClassic) != (got == "classic") {
+	h.Produce(first)
+	h.WaitApplied(len(first), 60*time.Second)
+	if got := groupType(t, k, h.Group); (protocol == processor.GroupProtocolClassic) != (got == "classic") {
 		t.Errorf("KAFKA_GROUP_PROTOCOL=%s: the group's type is %q", protocol, got)
 	}
 
 	// C goes silent; B joins.
 	net.Cut()
 	cut := time.Now()
-	b := h.start(config(8 * time.Second))
+	b := h.Start(config(8 * time.Second))
 	time.Sleep(4 * time.Second) // A learns of the rebalance at its next heartbeat and rejoins
 
 	stopStart := time.Now()
-	a.cancel()
+	a.Cancel()
 	select {
-	case <-a.done:
+	case <-a.Done:
 	case <-time.After(cfgA.ShutdownTimeout + 5*time.Second):
 		t.Fatalf("A did not stop within its shutdown timeout %v", cfgA.ShutdownTimeout)
 	}
-	if a.err != nil {
-		t.Errorf("A's Run returned %v", a.err)
+	if a.Err != nil {
+		t.Errorf("A's Run returned %v", a.Err)
 	}
 	stopped := time.Now()
 	took := stopped.Sub(stopStart)
@@ -98,18 +98,18 @@ func stopsWhileAMemberIsSilent(t *testing.T, k *testenv.Kafka, protocol processo
 
 	// Everything, A's old partitions included, must now flow through B well within A's
 	// session timeout.
-	h.produce(second)
-	h.waitApplied(len(first)+len(second), cfgA.SessionTimeout/2-time.Since(stopped))
+	h.Produce(second)
+	h.WaitApplied(len(first)+len(second), cfgA.SessionTimeout/2-time.Since(stopped))
 	t.Logf("%s: all events applied %v after A stopped", protocol, time.Since(stopped).Round(time.Millisecond))
 
 	net.Restore()
-	c.cancel()
-	<-c.done
-	if c.err != nil && !errors.Is(c.err, context.Canceled) {
-		t.Logf("zombie C's Run returned %v", c.err)
+	c.Cancel()
+	<-c.Done
+	if c.Err != nil && !errors.Is(c.Err, context.Canceled) {
+		t.Logf("zombie C's Run returned %v", c.Err)
 	}
-	b.stop(t)
-	h.verify(items, 1, false)
+	b.Stop(t)
+	h.Verify(items, 1, false)
 }
 
 // groupType asks the broker which protocol a group runs: "classic" or "consumer".
@@ -135,27 +135,27 @@ func TestShutdownIsLameDuckFirst(t *testing.T) {
 	h := newHarness(t, k, 1)
 	items := ledger.Generate(ledger.GenConfig{Events: 5, Accounts: 2, Seed: 33, Prefix: "ld"})
 	g := newGate(t, 1)
-	r := h.start(h.config(g))
-	h.produce(items)
+	r := h.Start(h.Config(g))
+	h.Produce(items)
 	g.waitStalled(t, 1)
-	if err := r.p.Ready(context.Background()); err != nil {
+	if err := r.P.Ready(context.Background()); err != nil {
 		t.Fatalf("Ready before shutdown: %v", err)
 	}
-	r.cancel()
+	r.Cancel()
 	testenv.Eventually(t, 5*time.Second, func() error {
-		err := r.p.Ready(context.Background())
+		err := r.P.Ready(context.Background())
 		if err == nil || !strings.Contains(err.Error(), "shutting down") {
 			return fmt.Errorf("Ready = %v during shutdown, want shutting down", err)
 		}
 		return nil
 	})
 	select {
-	case <-r.done:
+	case <-r.Done:
 		t.Fatal("Run returned before the stuck handler's drain timeout: the check above proved nothing")
 	default:
 	}
 	g.open()
-	<-r.done
+	<-r.Done
 }
 
 // TestShutdownIsBoundedWhateverIsStuck stops a processor while everything that can hold up a
@@ -183,14 +183,14 @@ func TestShutdownIsBoundedWhateverIsStuck(t *testing.T) {
 			return nil
 		})
 		net := testenv.NewNetFault()
-		cfg := h.config(handler)
+		cfg := h.Config(handler)
 		cfg.ShutdownTimeout = 4 * time.Second
 		cfg.KafkaOptions = append(slices.Clone(cfg.KafkaOptions), kgo.Dialer(net.Dial))
-		r := h.start(cfg)
+		r := h.Start(cfg)
 		manual := k.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner()))
 		if err := manual.ProduceSync(context.Background(),
-			&kgo.Record{Topic: h.topic, Partition: 0, Value: []byte("ignores its context")},
-			&kgo.Record{Topic: h.topic, Partition: 1, Value: []byte("poison, later")}).FirstErr(); err != nil {
+			&kgo.Record{Topic: h.Topic, Partition: 0, Value: []byte("ignores its context")},
+			&kgo.Record{Topic: h.Topic, Partition: 1, Value: []byte("poison, later")}).FirstErr(); err != nil {
 			t.Fatal(err)
 		}
 		for range 2 {
@@ -204,7 +204,7 @@ func TestShutdownIsBoundedWhateverIsStuck(t *testing.T) {
 		close(poison) // dead-lettered now: the relay publishes to a broker it cannot reach
 		testenv.Eventually(t, 10*time.Second, func() error {
 			var n int
-			if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.dead_letters`).Scan(&n); err != nil || n != 1 {
+			if err := h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.dead_letters`).Scan(&n); err != nil || n != 1 {
 				return fmt.Errorf("%d dead letters (%v)", n, err)
 			}
 			return nil
@@ -212,9 +212,9 @@ func TestShutdownIsBoundedWhateverIsStuck(t *testing.T) {
 		time.Sleep(500 * time.Millisecond) // the relay is in its produce
 
 		began := time.Now()
-		r.cancel()
+		r.Cancel()
 		select {
-		case <-r.done:
+		case <-r.Done:
 		case <-time.After(30 * time.Second):
 			t.Fatal("Run did not return within 30 s")
 		}
@@ -224,7 +224,7 @@ func TestShutdownIsBoundedWhateverIsStuck(t *testing.T) {
 			t.Errorf("the shutdown took %v, more than SHUTDOWN_TIMEOUT (%v)", took, cfg.ShutdownTimeout)
 		}
 		var outbox int
-		if err := h.pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.outbox`).Scan(&outbox); err != nil || outbox != 1 {
+		if err := h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.outbox`).Scan(&outbox); err != nil || outbox != 1 {
 			t.Errorf("%d outbox rows after the shutdown (%v); the dead letter's row must be left for the next processor", outbox, err)
 		}
 		net.Restore()

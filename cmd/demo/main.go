@@ -185,14 +185,7 @@ func run(events int, partitions int32, keep bool) error {
 		}
 	}()
 
-	wantDead := 0
-	for _, it := range items {
-		if it.Dead(maxAttempt) {
-			wantDead++
-		}
-	}
-	wantApplied := len(items) - wantDead
-	var applied, dead, waiting int
+	var p ledger.Progress
 	fi, _ := os.Stdout.Stat()
 	tty := fi != nil && fi.Mode()&os.ModeCharDevice != 0
 	err = localrun.WaitFor(ctx, 2*time.Minute, func() error {
@@ -201,19 +194,16 @@ func run(events int, partitions int32, keep bool) error {
 			return fmt.Errorf("processor exited early (%v); see %s", err, filepath.Join(work, "processor.log"))
 		default:
 		}
-		// From Postgres alone: dead_letters rows, and waiting includes outbox rows not yet
-		// published. The DLQ topic itself is read once, at the end.
-		if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM ledger_entries), (SELECT count(*) FROM dead_letters),
-			(SELECT count(*) FROM retries) + (SELECT count(*) FROM held_records) + (SELECT count(*) FROM outbox)`).Scan(&applied, &dead, &waiting); err != nil {
+		// From Postgres alone (dead_letters rows; the outbox is in flight): the DLQ topic itself
+		// is read once, at the end.
+		var err error
+		if p, err = ledger.ReadProgress(ctx, pool, schema, group); err != nil {
 			return err
 		}
 		if tty {
-			fmt.Printf("\rprocessing %d applied, %d dead-lettered, %d in retry tiers, waiting behind their key or not yet published ...  ", applied, dead, waiting)
+			fmt.Printf("\rprocessing %d applied, %d dead-lettered, %d in retry tiers, held behind their key or not yet published ...  ", p.Applied, p.DeadRows, p.Tiers+p.HeldRecords+p.Outbox)
 		}
-		if applied < wantApplied || dead < wantDead || waiting > 0 {
-			return fmt.Errorf("%d of %d applied, %d of %d dead-lettered, %d waiting", applied, wantApplied, dead, wantDead, waiting)
-		}
-		return nil
+		return ledger.Settled(p, items, maxAttempt, -1)
 	})
 	if tty {
 		fmt.Println()

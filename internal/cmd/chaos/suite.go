@@ -634,32 +634,21 @@ func (s *suite) restoreAll(ctx context.Context) error {
 	return nil
 }
 
-// waitSettled waits until every item is applied or dead-lettered and nothing is left in flight.
+// waitSettled waits until the run is over for items (ledger.Settled).
 func (s *suite) waitSettled(ctx context.Context, items []ledger.Item) error {
-	wantApplied, wantDead := 0, 0
-	for _, it := range items {
-		if it.Dead(maxAttempt) {
-			wantDead++
-		} else {
-			wantApplied++
-		}
-	}
 	var last string
 	err := localrun.WaitFor(ctx, s.cfg.settle, func() error {
-		var applied, outbox, retries, held, keys int
-		if err := s.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM ledger_entries), (SELECT count(*) FROM outbox),
-			(SELECT count(*) FROM retries), (SELECT count(*) FROM held_records), (SELECT count(*) FROM held_keys)`).
-			Scan(&applied, &outbox, &retries, &held, &keys); err != nil {
+		p, err := ledger.ReadProgress(ctx, s.pool, schema, s.group)
+		if err != nil {
 			return err
 		}
 		dlq, err := topicread.All(ctx, s.clientSeeds, retrytopics.DLQTopic(s.topic, s.group))
 		if err != nil {
 			return err
 		}
-		last = fmt.Sprintf("%d of %d applied, %d of %d dead letters published, %d outbox rows, %d records in tiers, %d parked, %d held keys",
-			applied, wantApplied, len(dlq), wantDead, outbox, retries, held, keys)
-		if applied < wantApplied || len(dlq) < wantDead || outbox+retries+held+keys > 0 {
-			return errors.New(last)
+		if err := ledger.Settled(p, items, maxAttempt, len(dlq)); err != nil {
+			last = strings.ReplaceAll(err.Error(), "\n", "; ")
+			return err
 		}
 		return nil
 	})
