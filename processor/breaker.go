@@ -11,14 +11,14 @@ import (
 // when most records of a recent window failed with retryable errors, pushing every failing
 // record through the retry tiers would only move the outage there (and, with per-key order,
 // hold every key behind it). While the breaker is open, a record that has used its local tries
-// is held in place instead of moving to a tier (so its partition waits); one held record at a
-// time is retried as a probe, at a growing interval. The breaker closes, and the held records
+// waits in place instead of moving to a tier (so its partition waits); one waiting record at a
+// time is retried as a probe, at a growing interval. The breaker closes, and the waiting records
 // are retried at once, when a probe succeeds or any record is applied: either shows the
 // downstream works again.
 //
 // What counts: a success is a record applied; a failure is a first delivery (from a source
-// partition or parked behind its key) that failed with a retryable error after its local
-// tries. Records from the retry tiers are held like the others but do not count as failures:
+// partition or held behind its key) that failed with a retryable error after its local
+// tries. Records from the retry tiers wait like the others but do not count as failures:
 // they failed before, so they say little about the downstream, and counting them would open the
 // breaker on a quiet stream whose only traffic is a few bad records cycling through the tiers.
 // Permanent failures (bad records) and infrastructure failures (already retried in place) do
@@ -51,7 +51,7 @@ type breakerState int
 const (
 	breakerClosed breakerState = iota
 	breakerOpen
-	breakerProbing // open, and one held record is being retried as the probe
+	breakerProbing // open, and one waiting record is being retried as the probe
 )
 
 func (s breakerState) String() string {
@@ -119,12 +119,12 @@ func (b *breaker) succeeded(n int) {
 func (b *breaker) close(now time.Time, why string) {
 	clear(b.buckets) // the outage's failures must not reopen the breaker at once
 	b.setState(breakerClosed, now)
-	b.log.Info("circuit breaker closed: "+why+"; held records are retried now", "open_for", now.Sub(b.openedAt).Round(time.Millisecond))
+	b.log.Info("circuit breaker closed: "+why+"; waiting records are retried now", "open_for", now.Sub(b.openedAt).Round(time.Millisecond))
 }
 
 // failed counts a first delivery that failed with a retryable error and reports whether the
-// breaker is open: then the record must be held (see wait) instead of moving on.
-func (b *breaker) failed() (hold bool) {
+// breaker is open: then the record must wait in place (see wait) instead of moving on.
+func (b *breaker) failed() (waitInPlace bool) {
 	if !b.enabled() {
 		return false
 	}
@@ -143,7 +143,7 @@ func (b *breaker) failed() (hold bool) {
 	b.openedAt = now
 	b.setState(breakerOpen, now)
 	b.metrics.breakerOpened.Inc()
-	b.log.Warn("circuit breaker open: most records fail with retryable errors, which looks like a downstream outage; holding failed records in place instead of sending them to the retry tiers",
+	b.log.Warn("circuit breaker open: most records fail with retryable errors, which looks like a downstream outage; keeping failed records waiting in place instead of sending them to the retry tiers",
 		"failed", failed, "applied", ok, "window", b.cfg.window, "threshold", b.cfg.threshold, "first_probe_in", b.probeWait)
 	return true
 }
@@ -163,13 +163,13 @@ func (b *breaker) setState(s breakerState, now time.Time) {
 	b.metrics.breakerOpen.Set(open)
 }
 
-// wait holds a failed record until the breaker closes (probe false) or lets it through as the
+// wait keeps a failed record until the breaker closes (probe false) or lets it through as the
 // probe (probe true: the caller retries it and reports with probed). It returns ok false if ctx
 // ends or stopping closes first.
 func (b *breaker) wait(ctx context.Context, stopping <-chan struct{}) (probe, ok bool) {
 	b.mu.Lock()
-	b.metrics.breakerHeld.Inc()
-	defer b.metrics.breakerHeld.Dec()
+	b.metrics.breakerWaiting.Inc()
+	defer b.metrics.breakerWaiting.Dec()
 	for {
 		now := time.Now()
 		if b.st == breakerClosed {
@@ -221,7 +221,7 @@ func (b *breaker) probed(recovered bool) {
 	b.log.Info("circuit breaker still open: the probe failed", "next_probe_in", b.probeWait)
 }
 
-// done ends a probe that had no outcome (the worker stopped): the next held record probes.
+// done ends a probe that had no outcome (the worker stopped): the next waiting record probes.
 func (b *breaker) done() {
 	b.mu.Lock()
 	defer b.mu.Unlock()

@@ -55,9 +55,9 @@ func TestBreakerHoldsRecordsDuringOutage(t *testing.T) {
 		d.down.Store(true)
 		h.Produce(items)
 		testenv.Eventually(t, 30*time.Second, func() error {
-			open, held := r.Gauge("kafkapg_circuit_breaker_open"), r.Gauge("kafkapg_circuit_breaker_held_records")
-			if open != 1 || held < 4 {
-				return fmt.Errorf("circuit_breaker_open = %v, held records = %v; want open, holding at least one record per source partition", open, held)
+			open, waiting := r.Gauge("kafkapg_circuit_breaker_open"), r.Gauge("kafkapg_circuit_breaker_waiting_records")
+			if open != 1 || waiting < 4 {
+				return fmt.Errorf("circuit_breaker_open = %v, waiting records = %v; want open, keeping at least one record per source partition waiting", open, waiting)
 			}
 			return nil
 		})
@@ -71,7 +71,7 @@ func TestBreakerHoldsRecordsDuringOutage(t *testing.T) {
 			t.Errorf("the breaker closed while the downstream was still down")
 		}
 		if retried > 2*float64(cfg.BreakerMinRecords) {
-			t.Errorf("%v records went to the retry tiers during the outage; the breaker should have held all but the first few", retried)
+			t.Errorf("%v records went to the retry tiers during the outage; the breaker should have kept all but the first few waiting", retried)
 		}
 		if dead > 0 {
 			t.Errorf("%v records were dead-lettered during the outage", dead)
@@ -85,7 +85,7 @@ func TestBreakerHoldsRecordsDuringOutage(t *testing.T) {
 		if got := r.Gauge("kafkapg_circuit_breaker_open"); got != 0 {
 			t.Errorf("circuit_breaker_open = %v after the outage", got)
 		}
-		if got := r.Gauge("kafkapg_circuit_breaker_held_records"); got != 0 {
+		if got := r.Gauge("kafkapg_circuit_breaker_waiting_records"); got != 0 {
 			t.Errorf("circuit_breaker_held_records = %v after the outage", got)
 		}
 		r.Stop(t)

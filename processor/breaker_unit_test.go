@@ -43,7 +43,7 @@ func TestBreakerOpensOnMostlyFailures(t *testing.T) {
 	}
 }
 
-// TestBreakerProbes checks that an open breaker lets one held record through as the probe once
+// TestBreakerProbes checks that an open breaker lets one waiting record through as the probe once
 // the probe interval has passed, holds the others, spaces failed probes further apart, and
 // releases everyone when a probe succeeds.
 func TestBreakerProbes(t *testing.T) {
@@ -83,12 +83,12 @@ func TestBreakerProbes(t *testing.T) {
 		t.Errorf("second probe %v after the first failed, want about 600ms (doubled)", d)
 	}
 
-	// A successful probe closes the breaker and releases the held records.
+	// A successful probe closes the breaker and releases the waiting records.
 	go func() {
 		p, _ := b.wait(ctx, nil)
 		other <- p
 	}()
-	waitHeld(t, b, 1) // it is waiting, not yet started
+	waitWaiting(t, b, 1) // it is waiting, not yet started
 	b.probed(true)
 	if p := recv(t, other); p {
 		t.Fatal("released as a probe after the breaker closed")
@@ -113,13 +113,13 @@ func recv(t *testing.T, c <-chan bool) bool {
 	}
 }
 
-// waitHeld waits until n records wait for the breaker.
-func waitHeld(t *testing.T, b *breaker, n float64) {
+// waitWaiting waits until n records wait for the breaker.
+func waitWaiting(t *testing.T, b *breaker, n float64) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
-	for testutil.ToFloat64(b.metrics.breakerHeld) != n {
+	for testutil.ToFloat64(b.metrics.breakerWaiting) != n {
 		if time.Now().After(deadline) {
-			t.Fatalf("%v records held, want %v", testutil.ToFloat64(b.metrics.breakerHeld), n)
+			t.Fatalf("%v records waiting, want %v", testutil.ToFloat64(b.metrics.breakerWaiting), n)
 		}
 		time.Sleep(time.Millisecond)
 	}

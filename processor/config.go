@@ -24,7 +24,7 @@ type OnDeadLetter string
 const (
 	// OnDeadLetterSkip: the key's next record is applied; the dead letter is skipped.
 	OnDeadLetterSkip OnDeadLetter = "skip"
-	// OnDeadLetterBlock: the key stays held, its later records parked, until an operator releases
+	// OnDeadLetterBlock: the key stays held, its later records held, until an operator releases
 	// it (see ReleaseBlockedKeys).
 	OnDeadLetterBlock OnDeadLetter = "block"
 )
@@ -171,7 +171,7 @@ type Config struct {
 	// a held key may go without progress before it counts as stuck (kafkapg_stuck_keys). Defaults
 	// to 2m.
 	StallTimeout time.Duration
-	// ShutdownTimeout bounds Run's shutdown after ctx is done: drain, final commits, leaving the
+	// ShutdownTimeout bounds Run's shutdown after ctx is done: handing off the partitions, final commits, leaving the
 	// group. Defaults to 10s.
 	ShutdownTimeout time.Duration
 
@@ -181,7 +181,7 @@ type Config struct {
 	// BreakerThreshold opens the circuit breaker when at least this share of the records seen in
 	// the last BreakerWindow failed with retryable errors after their local tries (and at least
 	// BreakerMinRecords records were seen): that looks like a downstream outage, not bad records.
-	// While it is open, such records are held in place instead of going to the retry tiers; one
+	// While it is open, such records wait in place instead of going to the retry tiers; one
 	// at a time is retried as a probe, every BreakerProbeInterval at first, doubling up to
 	// BreakerProbeMax; the first probe that succeeds closes it. A share above 0, at most 1;
 	// defaults to 0.5.

@@ -15,7 +15,7 @@
 //   - Every record's effects written through the handler's transaction are committed exactly
 //     once, or the record is dead-lettered (topic {topic}.{group}.dlq and one dead_letters row)
 //     exactly once in Postgres terms: every move of a record (to a retry tier, to the DLQ,
-//     parked behind its key) is committed in the same transaction as the offset advance that
+//     held behind its key) is committed in the same transaction as the offset advance that
 //     skips it, and the record it publishes goes through an outbox, at least once. This holds
 //     across crashes, restarts, rebalances and zombie owners.
 //   - A failing record does not block the others: the records before it are committed, it is
@@ -23,7 +23,7 @@
 //     (Config.RetryTiers: topics {topic}.{group}.retry.{n}, each delivered no earlier than its
 //     delay after the failure), then is dead-lettered; the partition moves on meanwhile.
 //   - Records with the same key are applied in their partition's order, also across retries:
-//     while a key has a record in the retry path, its later records wait, parked in Postgres, and
+//     while a key has a record in the retry path, its later records wait, held in Postgres, and
 //     are applied in order once it is applied or dead-lettered (Config.OnDeadLetter). Records of
 //     other keys, and records without a key, are not held.
 //   - Infrastructure failures (Postgres unreachable, serialization failures) never dead-letter a
@@ -45,4 +45,18 @@
 //     and skipped; a second copy in the DLQ topic is not (deduplicate on the kafkapg-original-*
 //     headers, or read the dead_letters table, which has exactly one row per dead letter).
 //   - Records that Kafka deleted (retention) before they were applied are not recovered.
+//
+// # Reading the code
+//
+// The files follow a record. processor.go: the Processor, Run and its shutdown; group.go: the
+// Kafka client, partitions assigned, claimed (and their start offsets resolved), revoked and
+// lost; worker.go: a partition's worker, taking fetched records from the memory budget
+// (buffer.go); batch.go: a batch's pipeline — admitted (tier records due, held behind their key,
+// duplicates skipped), applied in one transaction, a failing record isolated; transact.go: the
+// transaction, retried in place while the failure is the infrastructure's; handler.go: the
+// Handler and how it is called; error.go: error markers and classification; route.go: where a
+// failed record goes — local retries, the circuit breaker (breaker.go), a retry tier (tier.go),
+// the DLQ; held.go: the held records of keys that are ready again; refused.go: records Kafka
+// refuses for good; stall.go, stats.go, lag.go, metrics.go: what an operator sees;
+// operator.go: what an operator does.
 package processor

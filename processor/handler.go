@@ -2,18 +2,20 @@ package processor
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"hash/fnv"
+	"runtime/debug"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/retrytopics"
+	"github.com/kafkapg/kafkapg/sink"
 )
 
 // Record is one Kafka record handed to a Handler. Whichever way it arrives (from its source
-// topic, from a retry tier, or parked behind its key), Topic, Partition, Offset, Key, Value,
+// topic, from a retry tier, or held behind its key), Topic, Partition, Offset, Key, Value,
 // Headers and Timestamp are those of the record in its source topic; kafkapg's own headers are
 // removed.
 type Record struct {
@@ -84,15 +86,6 @@ type BatchHandler interface {
 	HandleBatch(ctx context.Context, tx pgx.Tx, recs []*Record) error
 }
 
-// ErrorClassifier is an optional interface for a Handler that decides itself how its errors are
-// classified, overriding Classify. It is called with every error the handler returned (or its
-// recovered panic); call Classify for the errors it has no opinion on. Failures of Postgres
-// outside the handler's own statements (a lost connection, a COMMIT with unknown outcome) are
-// always infrastructure and do not reach it.
-type ErrorClassifier interface {
-	ClassifyError(err error) ErrorClass
-}
-
 // HandlerFunc adapts a function to the Handler interface.
 type HandlerFunc func(ctx context.Context, tx pgx.Tx, rec *Record) error
 
@@ -101,46 +94,72 @@ func (f HandlerFunc) Handle(ctx context.Context, tx pgx.Tx, rec *Record) error {
 	return f(ctx, tx, rec)
 }
 
-// Permanent marks err as permanent: the record is dead-lettered at once, without retries.
-// Permanent(nil) returns nil.
-func Permanent(err error) error {
-	if err == nil {
-		return nil
+// handle runs the handler over recs inside tx, recovering panics. A record larger than
+// MaxRecordBytes fails, permanently, without reaching the handler. A handler that returns nil
+// but left tx unusable (a statement of its failed, or its connection closed) fails: nothing of
+// kafkapg's own may run in that transaction, and it could not commit.
+func (p *Processor) handle(ctx context.Context, tx pgx.Tx, source string, recs []*Record) error {
+	pol := p.policy(source)
+	for i, r := range recs {
+		if n := r.size(); n > pol.maxRecordBytes {
+			return &RecordError{Index: i, Err: Permanent(fmt.Errorf("%w: key, value and headers are %d bytes, more than MaxRecordBytes (%d)",
+				ErrRecordTooLarge, n, pol.maxRecordBytes))}
+		}
 	}
-	return &permanentError{err: err}
+	start := time.Now()
+	defer func() { p.metrics.handlerDuration.Observe(time.Since(start).Seconds()) }()
+	if pol.batch != nil {
+		return p.call(recs, func() error { return usable(tx, pol.batch.HandleBatch(ctx, tx, recs)) })
+	}
+	for i, r := range recs {
+		if err := p.call(recs[i:i+1], func() error { return usable(tx, pol.handler.Handle(ctx, tx, r)) }); err != nil {
+			return &RecordError{Index: i, Err: err}
+		}
+	}
+	return nil
 }
 
-type permanentError struct{ err error }
-
-func (e *permanentError) Error() string { return "permanent: " + e.err.Error() }
-func (e *permanentError) Unwrap() error { return e.err }
-
-// IsPermanent reports whether err was marked with Permanent.
-func IsPermanent(err error) bool {
-	var p *permanentError
-	return errors.As(err, &p)
+// usable returns err, the handler's return, or, if it is nil, why tx cannot go on: the handler's
+// connection closed under it (sink.Apply then tells whether Postgres or the handler's own context
+// closed it), or one of its statements failed and aborted the transaction.
+func usable(tx pgx.Tx, err error) error {
+	switch {
+	case err != nil:
+		return err
+	case tx.Conn().IsClosed():
+		return sink.ErrNilOnClosedConn
+	case tx.Conn().PgConn().TxStatus() == 'E':
+		return sink.ErrTxAborted
+	}
+	return nil
 }
 
-// ErrRecordTooLarge is the (permanent) error of a record whose key and value are larger than
-// Config.MaxRecordBytes: it is dead-lettered without being handed to the handler.
-var ErrRecordTooLarge = errors.New("record too large")
-
-// RecordError says which record of a batch failed. See BatchHandler.
-type RecordError struct {
-	Index int
-	Err   error
+// call runs fn, the handler over recs, turning a panic into a *PanicError.
+func (p *Processor) call(recs []*Record, fn func() error) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			stack := debug.Stack()
+			p.metrics.handlerPanics.Inc()
+			first := recs[0]
+			log := p.log.With("topic", first.Topic, "partition", first.Partition, "offset", first.Offset)
+			if len(recs) == 1 {
+				log = log.With("key_hash", keyHash(first.Key))
+			} else {
+				log = log.With("records", len(recs))
+			}
+			log.Error("handler panicked; the record will be retried", "panic", fmt.Sprint(v), "stack", string(stack))
+			err = &PanicError{Value: v, Stack: stack}
+		}
+	}()
+	return fn()
 }
 
-// RecordFailed returns an error saying that record index of the batch failed with err.
-func RecordFailed(index int, err error) error { return &RecordError{Index: index, Err: err} }
-
-func (e *RecordError) Error() string { return fmt.Sprintf("record %d of batch: %v", e.Index, e.Err) }
-func (e *RecordError) Unwrap() error { return e.Err }
-
-// PanicError is the error a recovered handler panic turns into.
-type PanicError struct {
-	Value any
-	Stack []byte
+// keyHash identifies a key in logs without logging its (possibly sensitive) bytes.
+func keyHash(key []byte) string {
+	if key == nil {
+		return "null"
+	}
+	h := fnv.New64a()
+	h.Write(key)
+	return fmt.Sprintf("%016x", h.Sum64())
 }
-
-func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v", e.Value) }

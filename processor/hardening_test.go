@@ -799,7 +799,7 @@ func TestFrozenOwnerHoldsUpNoClaim(t *testing.T) {
 
 // TestStuckKeysAreReportedAndReleased: a key held for a record that can no longer come back (here
 // the retry tiers were shortened while the record waited in one) shows up in kafkapg_stuck_keys,
-// and releasing it dead-letters that record as lost and lets the key's parked records through.
+// and releasing it dead-letters that record as lost and lets the key's held records through.
 func TestStuckKeysAreReportedAndReleased(t *testing.T) {
 	k := testenv.NewKfake(t)
 	h := carelessHarness(t, k, 1)

@@ -25,9 +25,9 @@ type metrics struct {
 	rebalances      *prometheus.CounterVec
 	handlerPanics   prometheus.Counter
 
-	routed     *prometheus.CounterVec
-	parked     *prometheus.CounterVec
-	duplicates *prometheus.CounterVec
+	routed      *prometheus.CounterVec
+	recordsHeld *prometheus.CounterVec
+	duplicates  *prometheus.CounterVec
 
 	// Group-wide state of the retry path, read from Postgres every few seconds.
 	heldKeys     prometheus.Gauge
@@ -39,9 +39,9 @@ type metrics struct {
 	deadLetterDB prometheus.Gauge
 
 	// The circuit breaker (per process).
-	breakerOpen   prometheus.Gauge
-	breakerOpened prometheus.Counter
-	breakerHeld   prometheus.Gauge
+	breakerOpen    prometheus.Gauge
+	breakerOpened  prometheus.Counter
+	breakerWaiting prometheus.Gauge
 
 	// Group-wide consumer lag: broker end offsets against the offsets stored in Postgres.
 	lag *prometheus.GaugeVec
@@ -119,9 +119,9 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "records_retried_total",
 			Help: "Records sent to a retry tier (committed to the outbox), by source topic and tier.",
 		}, []string{"topic", "tier"}),
-		parked: prometheus.NewCounterVec(prometheus.CounterOpts{
+		recordsHeld: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "records_held_total",
-			Help: "Records parked in Postgres behind an earlier record of their key that is in the retry path.",
+			Help: "Records held in Postgres behind an earlier record of their key that is in the retry path.",
 		}, []string{"topic"}),
 		duplicates: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "retry_duplicates_skipped_total",
@@ -137,11 +137,11 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		heldRecords: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "held_records",
-			Help: "Records parked behind held keys (group-wide, from Postgres).",
+			Help: "Records held behind their key (group-wide, from Postgres).",
 		}),
 		oldestHeld: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "oldest_held_record_age_seconds",
-			Help: "Age of the oldest parked record; 0 if none (group-wide, from Postgres).",
+			Help: "Age of the oldest held record; 0 if none (group-wide, from Postgres).",
 		}),
 		tierRecords: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Name: "retry_tier_records",
@@ -157,15 +157,15 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		breakerOpen: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "circuit_breaker_open",
-			Help: "1 while this process's circuit breaker is open (failing records held in place, probing), else 0.",
+			Help: "1 while this process's circuit breaker is open (failing records wait in place, probing), else 0.",
 		}),
 		breakerOpened: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "circuit_breaker_opened_total",
 			Help: "Times the circuit breaker opened because most records failed with retryable errors.",
 		}),
-		breakerHeld: prometheus.NewGauge(prometheus.GaugeOpts{
-			Namespace: ns, Name: "circuit_breaker_held_records",
-			Help: "Records held in place by the open circuit breaker (one per partition at most).",
+		breakerWaiting: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "circuit_breaker_waiting_records",
+			Help: "Records kept waiting in place by the open circuit breaker (one per partition at most).",
 		}),
 		stalled: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Name: "stalled_partitions",
@@ -173,7 +173,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"cause"}),
 		stuckKeys: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Name: "stuck_keys",
-			Help: "Held keys that have made no progress for StallTimeout, by reason: orphaned (the record they wait for can no longer come back), overdue (it is long past due in its tier), undrained (ready, nothing applies their parked records); group-wide, from Postgres.",
+			Help: "Held keys that have made no progress for StallTimeout, by reason: orphaned (the record they wait for can no longer come back), overdue (it is long past due in its tier), unapplied (ready, nothing applies their held records); group-wide, from Postgres.",
 		}, []string{"reason"}),
 		outboxWaiting: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "outbox_records",
@@ -196,9 +196,9 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Help: "Records of each source partition not yet applied: the broker's end offset minus the next offset stored in Postgres (group-wide).",
 		}, []string{"topic", "partition"}),
 	}
-	for _, c := range []prometheus.Collector{m.breakerOpen, m.breakerOpened, m.breakerHeld, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
+	for _, c := range []prometheus.Collector{m.breakerOpen, m.breakerOpened, m.breakerWaiting, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
 		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
-		m.routed, m.parked, m.duplicates, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
+		m.routed, m.recordsHeld, m.duplicates, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors, m.stuckKeys,
 		m.outboxWaiting, m.outboxAside, m.outboxOldest} {
 		if err := reg.Register(c); err != nil {
@@ -217,7 +217,7 @@ func (m *metrics) initLabels(t string, group string, tiers int) {
 	classes := []string{ClassRetryable.String(), ClassPermanent.String(), ClassInfrastructure.String()}
 	m.applied.WithLabelValues(t)
 	m.consumed.WithLabelValues(t)
-	m.parked.WithLabelValues(t)
+	m.recordsHeld.WithLabelValues(t)
 	m.duplicates.WithLabelValues(t)
 	for _, c := range classes {
 		m.failures.WithLabelValues(t, c)

@@ -68,7 +68,7 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 		}
 		want := map[string]int{
 			// orders: 2 local tries on each of 3 deliveries (source, tier 1, tier 2); the key's
-			// second record stays parked behind the dead letter (block); 200 bytes fit 1 MiB.
+			// second record stays held behind the dead letter (block); 200 bytes fit 1 MiB.
 			h.Topic + "/bad/default": 6, h.Topic + "/big/default": 1,
 			// payments: 1 try, then the DLQ; the key's second record is applied (skip) and fails
 			// alike; the big record never reaches the handler.
@@ -100,9 +100,9 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 			}
 			return nil
 		})
-		var parked int
-		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.held_records WHERE topic = $1`, h.Topic).Scan(&parked); err != nil || parked != 1 {
-			t.Errorf("parked records of %s = %d (%v), want 1 (behind the blocked key)", h.Topic, parked, err)
+		var held int
+		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.held_records WHERE topic = $1`, h.Topic).Scan(&held); err != nil || held != 1 {
+			t.Errorf("held records of %s = %d (%v), want 1 (behind the blocked key)", h.Topic, held, err)
 		}
 		if got := r.Counter("kafkapg_records_retried_total"); got != 2 {
 			t.Errorf("kafkapg_records_retried_total = %v, want 2 (orders' tiers 1 and 2)", got)

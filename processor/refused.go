@@ -53,7 +53,7 @@ func (p *Processor) refused(ctx context.Context, tx pgx.Tx, m sink.Message, refu
 			return nil, err
 		}
 		p.metrics.deadLettered.WithLabelValues(f.Topic, f.Class).Inc()
-		p.drainer.notify() // its key may be ready
+		p.heldApplier.notify() // its key may be ready
 		p.log.Warn("record dead-lettered: kafka refused its retry copy", "topic", f.Topic, "partition", f.Partition, "offset", f.Offset,
 			"key_hash", keyHash(m.Key), "attempt", f.Attempt, "tier_topic", m.Topic, "refusal", refusal)
 		f.Message, f.FailedAt, f.DueAt = mv.Message, now, time.Time{}

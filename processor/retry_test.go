@@ -42,7 +42,7 @@ func TestRetryTiersKeepKeyOrder(t *testing.T) {
 		h.WaitSettled(items, tiersMaxAttempt, 90*time.Second)
 		h.Verify(items, tiersMaxAttempt, false)
 		retried, held := r.Counter("kafkapg_records_retried_total"), r.Counter("kafkapg_records_held_total")
-		t.Logf("%v records sent to retry tiers, %v parked behind their keys", retried, held)
+		t.Logf("%v records sent to retry tiers, %v held behind their keys", retried, held)
 		if retried == 0 || held == 0 {
 			t.Errorf("records_retried_total = %v, records_held_total = %v; the workload must exercise both", retried, held)
 		}
@@ -169,7 +169,7 @@ func TestDuplicateRetryRecordIsAppliedOnce(t *testing.T) {
 }
 
 // TestBlockedKeyWaitsForOperator: with ON_DEAD_LETTER=block, a dead-lettered record holds its key
-// (later records of the key are parked, other keys flow) until an operator releases it.
+// (later records of the key are held, other keys flow) until an operator releases it.
 func TestBlockedKeyWaitsForOperator(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
@@ -215,12 +215,12 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 			return ids
 		}
 		testenv.Eventually(t, 30*time.Second, func() error {
-			var parked int
-			if err := h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.held_records`).Scan(&parked); err != nil {
+			var held int
+			if err := h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.held_records`).Scan(&held); err != nil {
 				return err
 			}
-			if got := fmt.Sprint(applied()); got != "[a1 b1 b2]" || parked != 3 {
-				return fmt.Errorf("applied %s with %d records parked; want [a1 b1 b2] with a3, a4, c2 parked", got, parked)
+			if got := fmt.Sprint(applied()); got != "[a1 b1 b2]" || held != 3 {
+				return fmt.Errorf("applied %s with %d records held; want [a1 b1 b2] with a3, a4, c2 held", got, held)
 			}
 			return nil
 		})

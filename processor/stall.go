@@ -14,7 +14,7 @@ const (
 	// stallError: kafkapg's own statements fail in a way waiting will not fix (a bug, or the
 	// database changed underneath: a table dropped, a column altered). Retried in place, loudly.
 	stallError = "error"
-	// stallBreaker: a failing record is held in place by the open circuit breaker.
+	// stallBreaker: a failing record waits in place while the circuit breaker is open.
 	stallBreaker = "breaker"
 	// stallHandler: the handler (or the local retries of a record) has not finished: a handler
 	// that ignores its context, or one far slower than it should be.
@@ -132,20 +132,4 @@ func stallLog(log *slog.Logger, cause string, err error, failures int, retryIn t
 	}
 	log.Warn("transaction failed for a reason outside the record; retrying in place",
 		"err", err, "failures", failures, "retry_in", retryIn)
-}
-
-// ownError marks the failure of one of kafkapg's own statements inside a transaction that also
-// runs the handler: it is never the record's fault. inPlace retries it in place, quietly if
-// Postgres is down (Classify says infrastructure), loudly otherwise.
-type ownError struct{ err error }
-
-func (e *ownError) Error() string { return e.err.Error() }
-func (e *ownError) Unwrap() error { return e.err }
-
-// own marks err as the failure of a statement of kafkapg's own. own(nil) is nil.
-func own(err error) error {
-	if err == nil {
-		return nil
-	}
-	return &ownError{err: err}
 }

@@ -8,7 +8,7 @@
 //
 // What it guarantees, given that callers run Store's methods in the transaction that moves the
 // record off its partition: a record is in exactly one place at a time (its source partition, a
-// tier, parked behind its key, dead-lettered, applied); a duplicate copy of a retry record is
+// tier, held behind its key, dead-lettered, applied); a duplicate copy of a retry record is
 // recognised (its attempt does not match the retries table) and must be skipped; and a key whose
 // record is in the path holds back the key's later records until the record is settled. What it
 // does not: publishing is the outbox relay's (package sink), at least once; due times are wall

@@ -15,16 +15,16 @@ import (
 )
 
 // Store keeps the retry path's state in Postgres for one consumer group: records waiting in
-// retry tiers (table retries), keys held behind them (held_keys), records parked behind held keys
+// retry tiers (table retries), keys held behind them (held_keys), later records of those keys
 // (held_records) and dead letters (dead_letters).
 //
 // Its methods that take a pgx.Tx run inside the caller's transaction, which also advances the
-// offset of the partition the record is moved off (or, for a parked record, deletes it from
+// offset of the partition the record is moved off (or, for a held record, deletes it from
 // held_records): a record's move and its new state commit together or not at all.
 //
 // The held_keys row of a key is the lock that serializes everything done to the key. Whoever
-// parks a record behind the key, applies the key's head or hands the key over to its next parked
-// record first locks that row (SELECT ... FOR UPDATE), so a record cannot be parked behind a key
+// holds a record behind the key, applies the key's head or hands the key over to its next held
+// record first locks that row (SELECT ... FOR UPDATE), so a record cannot be held behind a key
 // that is being released at the same moment and then be forgotten.
 type Store struct {
 	group       string
@@ -90,7 +90,7 @@ const (
 	FromSource Stage = iota
 	// FromTier: the record was consumed from a retry tier.
 	FromTier
-	// FromHeld: the record was parked behind its key and has just been taken from held_records.
+	// FromHeld: the record was held behind its key and has just been taken from held_records.
 	FromHeld
 	// FromRetryCopy: the record's copy for the next retry tier could not be published (Kafka
 	// refused it); its retry state expects the delivery attempt after Move.Attempt.
@@ -155,8 +155,8 @@ func (s *Store) LockHeldKeys(ctx context.Context, tx pgx.Tx, topic string, parti
 	return held, nil
 }
 
-// Park stores records behind their held keys. The caller holds the keys' locks (LockHeldKeys).
-func (s *Store) Park(ctx context.Context, tx pgx.Tx, recs []Rec) error {
+// Hold stores records behind their held keys. The caller holds the keys' locks (LockHeldKeys).
+func (s *Store) Hold(ctx context.Context, tx pgx.Tx, recs []Rec) error {
 	b := &pgx.Batch{}
 	for _, r := range recs {
 		keys, vals := sink.SplitHeaders(r.Headers)
@@ -165,7 +165,7 @@ func (s *Store) Park(ctx context.Context, tx pgx.Tx, recs []Rec) error {
 			s.group, r.Topic, r.Partition, r.Offset, r.Key, r.Value, keys, vals, r.Timestamp.UnixMilli())
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return fmt.Errorf("park %d records behind held keys: %w", len(recs), err)
+		return fmt.Errorf("hold %d records behind held keys: %w", len(recs), err)
 	}
 	return nil
 }
@@ -206,7 +206,7 @@ func (s *Store) LockRetries(ctx context.Context, tx pgx.Tx, recs []Origin) (map[
 }
 
 // Applied records that a record from a tier was applied: it leaves the retry path, and its key,
-// if held, goes on with its next parked record (or is no longer held). The caller holds the
+// if held, goes on with its next held record (or is no longer held). The caller holds the
 // record's retry state lock (LockRetries).
 func (s *Store) Applied(ctx context.Context, tx pgx.Tx, r Rec, held bool) error {
 	if _, err := tx.Exec(ctx, `DELETE FROM `+s.retries+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4`,
@@ -226,7 +226,7 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 	switch m.From {
 	case FromSource, FromHeld:
 		if m.From == FromHeld { // it leaves held_records for the tier, held key or not
-			if err := s.unpark(ctx, tx, m.Origin); err != nil {
+			if err := s.unhold(ctx, tx, m.Origin); err != nil {
 				return err
 			}
 		}
@@ -251,7 +251,7 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 	}
 	switch m.From {
 	case FromSource:
-		// The key was not held (the record would have been parked otherwise): it is from now on.
+		// The key was not held (the record would have been held otherwise): it is from now on.
 		if _, err := tx.Exec(ctx, `INSERT INTO `+s.heldKeys+` (consumer_group, topic, partition, key, state, head_offset)
 			VALUES ($1, $2, $3, $4, 'retrying', $5)`, s.group, m.Topic, m.Partition, m.Key, m.Offset); err != nil {
 			return fmt.Errorf("hold key of %s: %w", m.Origin, err)
@@ -291,7 +291,7 @@ func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
 			return fmt.Errorf("%s at attempt %d: %w", m.Origin, at, ErrStale)
 		}
 	case FromHeld:
-		if err := s.unpark(ctx, tx, m.Origin); err != nil {
+		if err := s.unhold(ctx, tx, m.Origin); err != nil {
 			return err
 		}
 	}
@@ -325,7 +325,7 @@ func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
 	return nil
 }
 
-// ReadyKeys returns up to limit keys of topics whose head is settled and whose parked records
+// ReadyKeys returns up to limit keys of topics whose head is settled and whose held records
 // wait to be applied, oldest first.
 func (s *Store) ReadyKeys(ctx context.Context, q Querier, topics []string, limit int) ([]Key, error) {
 	rows, err := q.Query(ctx, `SELECT topic, partition, key FROM `+s.heldKeys+`
@@ -345,11 +345,11 @@ func (s *Store) ReadyKeys(ctx context.Context, q Querier, topics []string, limit
 	return out, nil
 }
 
-// TakeParked locks a ready key and returns its parked records in offset order: up to limit of
+// TakeHeld locks a ready key and returns its held records in offset order: up to limit of
 // them, and no more than maxBytes of values (at least one record, whatever its size). It returns
-// none if the key is not ready, is locked by another transaction, or has nothing parked any more
+// none if the key is not ready, is locked by another transaction, or has nothing held any more
 // (it is then released).
-func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key, limit, maxBytes int) ([]Rec, error) {
+func (s *Store) TakeHeld(ctx context.Context, tx pgx.Tx, k Key, limit, maxBytes int) ([]Rec, error) {
 	var one int
 	err := tx.QueryRow(ctx, `SELECT 1 FROM `+s.heldKeys+`
 		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4 AND state = 'ready'
@@ -370,7 +370,7 @@ func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key, limit, maxByte
 			ORDER BY "offset" LIMIT $5) page
 		WHERE before < $6 ORDER BY "offset"`, s.group, k.Topic, k.Partition, k.Key, limit, max(maxBytes, 1))
 	if err != nil {
-		return nil, fmt.Errorf("read parked records: %w", err)
+		return nil, fmt.Errorf("read held records: %w", err)
 	}
 	var out []Rec
 	var r Rec
@@ -380,14 +380,14 @@ func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key, limit, maxByte
 		r.Topic, r.Partition, r.Key, r.Timestamp = k.Topic, k.Partition, k.Key, time.UnixMilli(ms).UTC()
 		var err error
 		if r.Headers, err = sink.JoinHeaders(hkeys, hvals); err != nil {
-			return fmt.Errorf("parked record at offset %d: %w", r.Offset, err)
+			return fmt.Errorf("held record at offset %d: %w", r.Offset, err)
 		}
 		out = append(out, r)
 		r = Rec{}
 		return nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("read parked records: %w", err)
+		return nil, fmt.Errorf("read held records: %w", err)
 	}
 	if len(out) == 0 {
 		return nil, s.release(ctx, tx, k)
@@ -395,10 +395,10 @@ func (s *Store) TakeParked(ctx context.Context, tx pgx.Tx, k Key, limit, maxByte
 	return out, nil
 }
 
-// AppliedParked records that parked records of k were applied: they are deleted, and the key goes
-// on with its next parked record or is no longer held. The caller holds the key's lock
-// (TakeParked).
-func (s *Store) AppliedParked(ctx context.Context, tx pgx.Tx, k Key, recs []Rec) error {
+// AppliedHeld records that held records of k were applied: they are deleted, and the key goes
+// on with its next held record or is no longer held. The caller holds the key's lock
+// (TakeHeld).
+func (s *Store) AppliedHeld(ctx context.Context, tx pgx.Tx, k Key, recs []Rec) error {
 	offs := make([]int64, len(recs))
 	for i, r := range recs {
 		offs[i] = r.Offset
@@ -407,30 +407,30 @@ func (s *Store) AppliedParked(ctx context.Context, tx pgx.Tx, k Key, recs []Rec)
 		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = ANY($4)`,
 		s.group, k.Topic, k.Partition, offs)
 	if err != nil {
-		return fmt.Errorf("delete %d applied parked records: %w", len(recs), err)
+		return fmt.Errorf("delete %d applied held records: %w", len(recs), err)
 	}
 	if tag.RowsAffected() != int64(len(recs)) {
-		return fmt.Errorf("deleted %d of %d applied parked records: %w", tag.RowsAffected(), len(recs), ErrStale)
+		return fmt.Errorf("deleted %d of %d applied held records: %w", tag.RowsAffected(), len(recs), ErrStale)
 	}
 	return s.release(ctx, tx, k)
 }
 
-// unpark deletes a parked record, failing if it is not there.
-func (s *Store) unpark(ctx context.Context, tx pgx.Tx, o Origin) error {
+// unhold deletes a held record, failing if it is not there.
+func (s *Store) unhold(ctx context.Context, tx pgx.Tx, o Origin) error {
 	tag, err := tx.Exec(ctx, `DELETE FROM `+s.heldRecords+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4`,
 		s.group, o.Topic, o.Partition, o.Offset)
 	if err != nil {
-		return fmt.Errorf("delete parked record %s: %w", o, err)
+		return fmt.Errorf("delete held record %s: %w", o, err)
 	}
 	if tag.RowsAffected() != 1 {
-		return fmt.Errorf("parked record %s: %w", o, ErrStale)
+		return fmt.Errorf("held record %s: %w", o, ErrStale)
 	}
 	return nil
 }
 
-// release settles a key's head: the key becomes ready if records are parked behind it, and is no
+// release settles a key's head: the key becomes ready if records are held behind it, and is no
 // longer held otherwise. It locks the key's row first; the statements after the lock see every
-// record parked before it was taken.
+// record held before it was taken.
 func (s *Store) release(ctx context.Context, tx pgx.Tx, k Key) error {
 	b := &pgx.Batch{}
 	b.Queue(`SELECT 1 FROM `+s.heldKeys+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4 FOR UPDATE`,
@@ -451,7 +451,7 @@ func (s *Store) release(ctx context.Context, tx pgx.Tx, k Key) error {
 	return nil
 }
 
-// Unblock releases keys held after a dead letter (OnDeadLetterBlock): their parked records are
+// Unblock releases keys held after a dead letter (OnDeadLetterBlock): their held records are
 // applied next. key nil releases every blocked key of the partition. It returns how many keys it
 // released.
 func (s *Store) Unblock(ctx context.Context, db Execer, topic string, partition int32, key []byte) (int64, error) {
@@ -469,7 +469,7 @@ type Stats struct {
 	HeldKeys      int
 	BlockedKeys   int
 	HeldRecords   int
-	OldestHeld    time.Duration // age of the oldest parked record; 0 if none
+	OldestHeld    time.Duration // age of the oldest held record; 0 if none
 	Tiers         map[int]TierStats
 	DeadLettersDB int // dead_letters rows with status new
 }

@@ -42,8 +42,8 @@ func stats(t *testing.T, s *retrytopics.Store, pool *pgxpool.Pool) retrytopics.S
 }
 
 // TestStoreKeyHandOver walks one key through the retry path at the Store level: its head goes
-// to a tier, a later record parks behind it, the head is applied (the key becomes ready), the
-// parked record is applied (the key is no longer held). Stats, which the metrics publish, follow.
+// to a tier, a later record holds behind it, the head is applied (the key becomes ready), the
+// held record is applied (the key is no longer held). Stats, which the metrics publish, follow.
 func TestStoreKeyHandOver(t *testing.T) {
 	s, pool := newStore(t)
 	key := []byte{0xff, 'k'}
@@ -63,11 +63,11 @@ func TestStoreKeyHandOver(t *testing.T) {
 		if !held[string(key)] || held["other"] {
 			t.Errorf("LockHeldKeys = %v, want only the head's key held", held)
 		}
-		return s.Park(ctx, tx, []retrytopics.Rec{later})
+		return s.Hold(ctx, tx, []retrytopics.Rec{later})
 	})
 	st := stats(t, s, pool)
 	if st.HeldKeys != 1 || st.HeldRecords != 1 || st.OldestHeld <= 0 || st.Tiers[1].Records != 1 || st.Tiers[1].Overdue < 50*time.Second {
-		t.Errorf("stats with the head in tier 1 and one record parked: %+v", st)
+		t.Errorf("stats with the head in tier 1 and one record held: %+v", st)
 	}
 	if keys, err := s.ReadyKeys(context.Background(), pool, []string{"orders"}, 10); err != nil || len(keys) != 0 {
 		t.Errorf("ReadyKeys = %v, %v; want none while the head is in its tier", keys, err)
@@ -85,17 +85,17 @@ func TestStoreKeyHandOver(t *testing.T) {
 	})
 	keys, err := s.ReadyKeys(context.Background(), pool, []string{"orders"}, 10)
 	if err != nil || len(keys) != 1 || string(keys[0].Key) != string(key) {
-		t.Fatalf("ReadyKeys = %v, %v; want the key, ready for its parked record", keys, err)
+		t.Fatalf("ReadyKeys = %v, %v; want the key, ready for its held record", keys, err)
 	}
 	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
-		recs, err := s.TakeParked(ctx, tx, keys[0], 10, 1<<20)
+		recs, err := s.TakeHeld(ctx, tx, keys[0], 10, 1<<20)
 		if err != nil {
 			return err
 		}
 		if len(recs) != 1 || recs[0].Offset != 11 || string(recs[0].Value) != "v11" {
-			t.Errorf("TakeParked = %+v, want the record at offset 11", recs)
+			t.Errorf("TakeHeld = %+v, want the record at offset 11", recs)
 		}
-		return s.AppliedParked(ctx, tx, keys[0], recs)
+		return s.AppliedHeld(ctx, tx, keys[0], recs)
 	})
 	if st := stats(t, s, pool); st.HeldKeys != 0 || st.HeldRecords != 0 || len(st.Tiers) != 0 {
 		t.Errorf("stats after the hand-over: %+v, want an empty retry path", st)
@@ -136,7 +136,7 @@ func TestStoreBlockAndRelease(t *testing.T) {
 
 // TestStoreTakesAnyRecordContent: whatever a Kafka record may carry goes through the retry path
 // byte for byte: a key too long for a btree entry, header keys with NUL and invalid UTF-8, any
-// int64 timestamp, an error message with binary data. Parked records are taken in pages bounded in
+// int64 timestamp, an error message with binary data. Held records are taken in pages bounded in
 // bytes as well as in count.
 func TestStoreTakesAnyRecordContent(t *testing.T) {
 	s, pool := newStore(t)
@@ -152,12 +152,12 @@ func TestStoreTakesAnyRecordContent(t *testing.T) {
 		return s.ToTier(ctx, tx, retrytopics.Move{Rec: head, Held: true, From: retrytopics.FromSource, Attempt: 1,
 			Class: "retryable", Message: "bad payload \x00\xff\xfe", FirstFailedAt: time.Now(), DueAt: time.Now()})
 	})
-	parked := []retrytopics.Rec{rec(2, math.MinInt64, 1000), rec(3, -1, 1000), rec(4, 0, 1000), rec(5, 1, 1000)}
+	held := []retrytopics.Rec{rec(2, math.MinInt64, 1000), rec(3, -1, 1000), rec(4, 0, 1000), rec(5, 1, 1000)}
 	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
 		if held, err := s.LockHeldKeys(ctx, tx, "t", 0, [][]byte{key}); err != nil || !held[string(key)] {
 			return fmt.Errorf("LockHeldKeys = %v, %v; want the long key held", held, err)
 		}
-		return s.Park(ctx, tx, parked)
+		return s.Hold(ctx, tx, held)
 	})
 	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
 		return s.Applied(ctx, tx, head, true)
@@ -173,7 +173,7 @@ func TestStoreTakesAnyRecordContent(t *testing.T) {
 	} {
 		var got []retrytopics.Rec
 		err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) (err error) {
-			got, err = s.TakeParked(context.Background(), tx, k, tt.limit, tt.maxBytes)
+			got, err = s.TakeHeld(context.Background(), tx, k, tt.limit, tt.maxBytes)
 			return err // rolled back below: each case sees all of them
 		})
 		if err != nil {
@@ -184,13 +184,13 @@ func TestStoreTakesAnyRecordContent(t *testing.T) {
 			offs = append(offs, r.Offset)
 		}
 		if fmt.Sprint(offs) != fmt.Sprint(tt.want) {
-			t.Errorf("TakeParked(limit %d, %d bytes) took offsets %v, want %v", tt.limit, tt.maxBytes, offs, tt.want)
+			t.Errorf("TakeHeld(limit %d, %d bytes) took offsets %v, want %v", tt.limit, tt.maxBytes, offs, tt.want)
 		}
 		for i, r := range got {
-			want := parked[i]
+			want := held[i]
 			if !bytes.Equal(r.Key, key) || !bytes.Equal(r.Value, want.Value) || !r.Timestamp.Equal(want.Timestamp) ||
 				len(r.Headers) != 1 || r.Headers[0].Key != hdr[0].Key {
-				t.Errorf("parked record %d came back as timestamp %v, %d-byte key, headers %q; want it byte for byte (timestamp %v)",
+				t.Errorf("held record %d came back as timestamp %v, %d-byte key, headers %q; want it byte for byte (timestamp %v)",
 					r.Offset, r.Timestamp, len(r.Key), r.Headers, want.Timestamp)
 			}
 		}

@@ -23,13 +23,13 @@ const (
 	// its copy is gone (the tier's retention deleted it, the tier topic was deleted) or the
 	// tier's consumer is stuck.
 	StuckOverdue = "overdue"
-	// StuckUndrained: the key is ready, its parked records waiting to be applied, and nothing has
+	// StuckUnapplied: the key is ready, its held records waiting to be applied, and nothing has
 	// applied them for a long time.
-	StuckUndrained = "undrained"
+	StuckUnapplied = "unapplied"
 )
 
 // StuckReasons lists the reasons a key can be stuck.
-var StuckReasons = []string{StuckOrphaned, StuckOverdue, StuckUndrained}
+var StuckReasons = []string{StuckOrphaned, StuckOverdue, StuckUnapplied}
 
 // StuckKey is a held key that has made no progress for too long. Blocked keys (a dead letter
 // under processor.OnDeadLetterBlock) wait for an operator by design and are not stuck.
@@ -63,7 +63,7 @@ func (s *Store) stuckSQL(what string) string {
 	return `WITH stuck AS (
 		SELECT h.topic, h.partition, h.key, h.state, coalesce(h.head_offset, -1) AS head, h.updated_at, coalesce(r.attempt, 0) AS attempt,
 			CASE
-				WHEN h.state = 'ready' THEN 'undrained'
+				WHEN h.state = 'ready' THEN 'unapplied'
 				WHEN r."offset" IS NULL OR c.tiers IS NULL OR r.attempt - 1 > c.tiers THEN 'orphaned'
 				ELSE 'overdue'
 			END AS reason
@@ -125,8 +125,8 @@ var ErrNotStuck = errors.New("the key is not stuck any more")
 // "lost", the note, and the record's coordinates and key (its value is not in Postgres: read it
 // from the source topic by its coordinates while retention keeps it), and its retry state
 // forgotten, so that a copy still in a tier is skipped if it ever arrives. Then the key goes on
-// with its parked records, as after any dead letter. An undrained key has nothing to give up: it
-// is made ready again, for a drainer to pick up. It returns ErrNotStuck if the key is no longer
+// with its held records, as after any dead letter. An unapplied key has nothing to give up: it
+// is made ready again, for a heldApplier to pick up. It returns ErrNotStuck if the key is no longer
 // in the state k describes.
 func (s *Store) ReleaseStuck(ctx context.Context, tx pgx.Tx, k StuckKey, note string) error {
 	var state string

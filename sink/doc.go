@@ -24,5 +24,5 @@
 //
 // Order of publication across partitions or across Relays of different processes. Records from
 // the outbox of one partition are published in the order they were written when a single Relay
-// drains them, which is the normal case.
+// publishes them, which is the normal case.
 package sink

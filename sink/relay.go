@@ -40,7 +40,7 @@ type RelayConfig struct {
 	// the other relays for at most this long. Defaults to 30s.
 	TxIdleTimeout time.Duration
 	// PublishTimeout bounds one batch: produce, delete, commit. A batch is not interrupted when
-	// the Run or Drain context is cancelled (an interrupted produce may have reached the broker,
+	// the Run or Flush context is cancelled (an interrupted produce may have reached the broker,
 	// and its rows would be published twice); only this timeout, or the context's deadline if
 	// sooner, ends it. Defaults to four fifths of TxIdleTimeout, so that a slow broker ends the
 	// batch before Postgres ends its transaction.
@@ -153,7 +153,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer tick.Stop()
 	failures := 0
 	for {
-		if _, err := r.Drain(ctx); err != nil {
+		if _, err := r.Flush(ctx); err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
@@ -180,10 +180,10 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 }
 
-// Drain publishes every row of the group's outbox that no other relay holds, and returns how
+// Flush publishes every row of the group's outbox that no other relay holds, and returns how
 // many it published. It stops between batches when ctx is done. Rows that fail to publish for a
 // reason that may pass are left for a later call, which its error reports.
-func (r *Relay) Drain(ctx context.Context) (int, error) {
+func (r *Relay) Flush(ctx context.Context) (int, error) {
 	total := 0
 	for ctx.Err() == nil {
 		n, full, err := r.publishBatch(ctx)

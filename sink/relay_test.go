@@ -34,9 +34,9 @@ func TestRelayPublishesAndDeletes(t *testing.T) {
 	published := 0
 	relay := sink.NewRelay(pool, k.Client(t), sink.RelayConfig{Schema: "kafkapg", Group: "g", BatchSize: 2,
 		Published: func(string) { published++ }})
-	n, err := relay.Drain(ctx)
+	n, err := relay.Flush(ctx)
 	if err != nil || n != 3 || published != 3 {
-		t.Fatalf("Drain = %d, %v (published %d); want 3", n, err, published)
+		t.Fatalf("Flush = %d, %v (published %d); want 3", n, err, published)
 	}
 	if got := count(t, pool, "kafkapg.outbox"); got != 0 {
 		t.Fatalf("%d outbox rows left after publishing", got)
@@ -56,7 +56,7 @@ func TestRelayPublishesAndDeletes(t *testing.T) {
 	if err := s.Apply(ctx, pos.Advanced(1), 2, nil, msgs[:1]); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := other.Drain(ctx); n != 0 || err != nil {
+	if n, err := other.Flush(ctx); n != 0 || err != nil {
 		t.Fatalf("relay of another group published %d rows (%v)", n, err)
 	}
 
@@ -90,9 +90,9 @@ func TestRelayRefusalHoldsUpNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	relay := sink.NewRelay(pool, k.Client(t), sink.RelayConfig{Schema: "kafkapg", Group: "g"})
-	n, err := relay.Drain(ctx)
+	n, err := relay.Flush(ctx)
 	if err != nil || n != 4 {
-		t.Fatalf("Drain = %d, %v; want the 4 records Kafka takes published, without error", n, err)
+		t.Fatalf("Flush = %d, %v; want the 4 records Kafka takes published, without error", n, err)
 	}
 	var got []string
 	for _, topic := range []string{small, strict} {
@@ -122,8 +122,8 @@ func TestRelayRefusalHoldsUpNothing(t *testing.T) {
 	if fmt.Sprint(aside) != "[huge mid]" || count(t, pool, "kafkapg.outbox") != 2 {
 		t.Errorf("set aside %v (%d rows left); want [huge mid] and nothing else", aside, count(t, pool, "kafkapg.outbox"))
 	}
-	if n, err := relay.Drain(ctx); n != 0 || err != nil {
-		t.Errorf("a second Drain published %d (%v): set-aside rows must not be tried again", n, err)
+	if n, err := relay.Flush(ctx); n != 0 || err != nil {
+		t.Errorf("a second Flush published %d (%v): set-aside rows must not be tried again", n, err)
 	}
 	if b, err := relay.Backlog(ctx); err != nil || b.Waiting != 0 || b.SetAside != 2 || b.Oldest != 0 {
 		t.Errorf("Backlog = %+v, %v; want nothing waiting and 2 set aside", b, err)
@@ -135,8 +135,8 @@ func TestRelayRefusalHoldsUpNothing(t *testing.T) {
 		VALUES ('g', $1, 'bad', 'x', '{a,b}', '{1}'), ('g', $1, 'e', '5', '{}', '{}')`, small); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := relay.Drain(ctx); n != 1 || err != nil {
-		t.Errorf("Drain with an unreadable row = %d, %v; want the good row published", n, err)
+	if n, err := relay.Flush(ctx); n != 1 || err != nil {
+		t.Errorf("Flush with an unreadable row = %d, %v; want the good row published", n, err)
 	}
 	var bad string
 	if err := pool.QueryRow(ctx, `SELECT refused_error FROM kafkapg.outbox WHERE key = 'bad' AND refused_at IS NOT NULL`).Scan(&bad); err != nil || !strings.Contains(bad, "header") {
@@ -154,11 +154,11 @@ func TestRelayRefusalHoldsUpNothing(t *testing.T) {
 			m.Value = []byte("smaller")
 			return &m, nil
 		}})
-	if n, err := hooked.Drain(ctx); n != 0 || err != nil {
-		t.Fatalf("Drain = %d, %v", n, err)
+	if n, err := hooked.Flush(ctx); n != 0 || err != nil {
+		t.Fatalf("Flush = %d, %v", n, err)
 	}
-	if n, err := hooked.Drain(ctx); n != 1 || err != nil {
-		t.Fatalf("Drain of the replacement = %d, %v", n, err)
+	if n, err := hooked.Flush(ctx); n != 1 || err != nil {
+		t.Fatalf("Flush of the replacement = %d, %v", n, err)
 	}
 	if len(refusals) != 1 || !sink.IsRefusal(refusals[0]) {
 		t.Errorf("hook called with %v, want one refusal", refusals)
@@ -189,7 +189,7 @@ func TestRelayTransactionIsIdleBounded(t *testing.T) {
 	frozenDone := make(chan struct{})
 	go func() {
 		defer close(frozenDone)
-		frozen.Drain(ctx)
+		frozen.Flush(ctx)
 	}()
 	t.Cleanup(func() { cutOff.Restore(); <-frozenDone })
 	testenv.Eventually(t, 10*time.Second, func() error { // the frozen relay holds the row
@@ -202,7 +202,7 @@ func TestRelayTransactionIsIdleBounded(t *testing.T) {
 	began := time.Now()
 	other := sink.NewRelay(pool, k.Client(t), sink.RelayConfig{Schema: "kafkapg", Group: "g"})
 	testenv.Eventually(t, 20*time.Second, func() error {
-		n, err := other.Drain(ctx)
+		n, err := other.Flush(ctx)
 		if err != nil || n != 1 {
 			return fmt.Errorf("the other relay published %d rows (%v)", n, err)
 		}

@@ -128,7 +128,7 @@ func (s *Sink) Apply(ctx context.Context, pos offsets.Position, next int64, appl
 }
 
 // Transact is Apply without an offset advance, for work that is not consumed from a partition
-// (records parked in Postgres): whatever makes it happen once must be in apply.
+// (records held in Postgres): whatever makes it happen once must be in apply.
 func (s *Sink) Transact(ctx context.Context, apply func(context.Context, pgx.Tx) error, msgs []Message) error {
 	return s.apply(ctx, nil, 0, apply, msgs)
 }

@@ -14,14 +14,14 @@ import (
 	"github.com/kafkapg/kafkapg/sink"
 )
 
-// drainer applies the records parked behind keys that are ready again (their head was applied or
+// heldApplier applies the records held behind keys that are ready again (their head was applied or
 // dead-lettered), key by key in offset order. Every processor runs one; they share the work
 // through row locks (a ready key is locked with SKIP LOCKED), so any processor of the group can
 // finish what another started or left behind when it died.
 //
-// A parked record is applied exactly once because the transaction that applies it also deletes it
+// A held record is applied exactly once because the transaction that applies it also deletes it
 // from held_records, under its key's lock.
-type drainer struct {
+type heldApplier struct {
 	p    *Processor
 	log  *slog.Logger
 	wake chan struct{}
@@ -33,11 +33,11 @@ type drainer struct {
 	done     chan struct{}
 }
 
-func newDrainer(p *Processor) *drainer {
+func newHeldApplier(p *Processor) *heldApplier {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &drainer{
+	return &heldApplier{
 		p:        p,
-		log:      p.log.With("component", "drainer"),
+		log:      p.log.With("component", "heldApplier"),
 		wake:     make(chan struct{}, 1),
 		stopping: make(chan struct{}),
 		ctx:      ctx,
@@ -46,50 +46,50 @@ func newDrainer(p *Processor) *drainer {
 	}
 }
 
-// pageBytes bounds the values of the parked records one drainer goroutine takes at once: all of
+// pageBytes bounds the values of the held records one heldApplier goroutine takes at once: all of
 // them together hold at most a quarter of Config.MaxBufferedBytes.
-func (d *drainer) pageBytes() int { return d.p.cfg.MaxBufferedBytes / 4 / drainWorkers }
+func (d *heldApplier) pageBytes() int { return d.p.cfg.MaxBufferedBytes / 4 / heldWorkers }
 
-// notify wakes the drainer: a key may have become ready.
-func (d *drainer) notify() {
+// notify wakes the heldApplier: a key may have become ready.
+func (d *heldApplier) notify() {
 	select {
 	case d.wake <- struct{}{}:
 	default:
 	}
 }
 
-// stop, abandon, finished and describe make the drainer a stopper (see Processor.stopWorkers).
-func (d *drainer) stop()                     { d.stopOnce.Do(func() { close(d.stopping) }) }
-func (d *drainer) abandon()                  { d.cancel() }
-func (d *drainer) finished() <-chan struct{} { return d.done }
-func (d *drainer) describe() []any           { return []any{"component", "drainer"} }
+// stop, abandon, finished and describe make the heldApplier a stopper (see Processor.stopWorkers).
+func (d *heldApplier) stop()                     { d.stopOnce.Do(func() { close(d.stopping) }) }
+func (d *heldApplier) abandon()                  { d.cancel() }
+func (d *heldApplier) finished() <-chan struct{} { return d.done }
+func (d *heldApplier) describe() []any           { return []any{"component", "heldApplier"} }
 
 const (
-	drainBatch   = 100 // ready keys read at once
-	drainWorkers = 4   // keys drained at once by one processor
-	// drainInterval is how often a drainer looks for keys that other processors made ready; it
+	readyKeysPerRead = 100 // ready keys read at once
+	heldWorkers      = 4   // keys whose held records one processor applies at once
+	// heldInterval is how often a heldApplier looks for keys that other processors made ready; it
 	// is woken at once for the keys its own processor readies.
-	drainInterval = time.Second
+	heldInterval = time.Second
 )
 
-func (d *drainer) run() {
+func (d *heldApplier) run() {
 	defer close(d.done)
-	tick := time.NewTicker(drainInterval)
+	tick := time.NewTicker(heldInterval)
 	defer tick.Stop()
 	for {
 		var keys []retrytopics.Key
 		err := d.p.inPlace(d.ctx, d.stopping, d.log, "", nil, func() (err error) {
-			keys, err = d.p.retry.ReadyKeys(d.ctx, d.p.pool, d.p.cfg.Topics, drainBatch)
+			keys, err = d.p.retry.ReadyKeys(d.ctx, d.p.pool, d.p.cfg.Topics, readyKeysPerRead)
 			return err
 		})
 		if err != nil {
 			return // stopped
 		}
-		progressed, err := d.drainAll(keys)
+		progressed, err := d.applyAll(keys)
 		if err != nil {
 			return // stopped
 		}
-		if len(keys) == drainBatch && progressed {
+		if len(keys) == readyKeysPerRead && progressed {
 			continue // there may be more ready keys; without progress (other processors hold
 			// these keys), looking again at once would only spin on the same ones
 		}
@@ -102,18 +102,18 @@ func (d *drainer) run() {
 	}
 }
 
-// drainAll drains keys, drainWorkers at a time. It reports whether any key made progress, and
+// applyAll applies the held records of keys, heldWorkers keys at a time. It reports whether any key made progress, and
 // returns errStopped if it was stopped.
-func (d *drainer) drainAll(keys []retrytopics.Key) (progressed bool, err error) {
+func (d *heldApplier) applyAll(keys []retrytopics.Key) (progressed bool, err error) {
 	next := make(chan retrytopics.Key)
 	var stopped, anyProgress atomic.Bool
 	var wg sync.WaitGroup
-	for range min(drainWorkers, len(keys)) {
+	for range min(heldWorkers, len(keys)) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for k := range next {
-				p, err := d.drainKey(k)
+				p, err := d.applyKey(k)
 				if p {
 					anyProgress.Store(true)
 				}
@@ -134,11 +134,11 @@ func (d *drainer) drainAll(keys []retrytopics.Key) (progressed bool, err error) 
 	return anyProgress.Load(), nil
 }
 
-// drainKey applies the records parked behind k in order, until none is left, the key is held
+// applyKey applies the records held behind k in order, until none is left, the key is held
 // again (a record went to a retry tier, or was dead-lettered with OnDeadLetterBlock) or
 // another processor holds it. It reports whether it applied or moved anything, and returns only
 // errStopped.
-func (d *drainer) drainKey(k retrytopics.Key) (progressed bool, err error) {
+func (d *heldApplier) applyKey(k retrytopics.Key) (progressed bool, err error) {
 	for {
 		select {
 		case <-d.stopping:
@@ -153,14 +153,14 @@ func (d *drainer) drainKey(k retrytopics.Key) (progressed bool, err error) {
 	}
 }
 
-// applyNext applies k's next parked records: up to BatchMaxRecords of them in one transaction
+// applyNext applies k's next held records: up to BatchMaxRecords of them in one transaction
 // while the handler accepts them; a failing record is isolated the way a partition batch's is
 // (the records before it are applied, it is retried alone within its delivery, then moved on).
 // more says whether the key may have more records ready.
-func (d *drainer) applyNext(k retrytopics.Key) (more bool, err error) {
+func (d *heldApplier) applyNext(k retrytopics.Key) (more bool, err error) {
 	limit := d.p.cfg.BatchMaxRecords
 	for {
-		n, first, err := d.applyParked(k, limit)
+		n, first, err := d.applyHeld(k, limit)
 		if err == nil {
 			return n > 0, nil
 		}
@@ -183,19 +183,19 @@ func (d *drainer) applyNext(k retrytopics.Key) (more bool, err error) {
 	}
 }
 
-// applyParked applies up to limit of k's parked records, in offset order, in one transaction. It
+// applyHeld applies up to limit of k's held records, in offset order, in one transaction. It
 // returns how many it applied (0 if the key is not ready, is locked elsewhere or has nothing
-// parked) and the first of them, which a *sink.HandlerError refers to.
-func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error) {
+// held) and the first of them, which a *sink.HandlerError refers to.
+func (d *heldApplier) applyHeld(k retrytopics.Key, limit int) (int, *Record, error) {
 	var recs []*Record
 	err := d.transact(func(ctx context.Context, tx pgx.Tx) error {
-		parked, err := d.p.retry.TakeParked(ctx, tx, k, limit, d.pageBytes())
+		held, err := d.p.retry.TakeHeld(ctx, tx, k, limit, d.pageBytes())
 		if err != nil {
 			return own(err)
 		}
 		recs = recs[:0]
-		for _, r := range parked {
-			recs = append(recs, parkedRecord(r))
+		for _, r := range held {
+			recs = append(recs, heldRecord(r))
 		}
 		if len(recs) == 0 {
 			return nil
@@ -203,7 +203,7 @@ func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error
 		if err := d.p.handle(ctx, tx, k.Topic, recs); err != nil {
 			return err
 		}
-		return own(d.p.retry.AppliedParked(ctx, tx, k, parked))
+		return own(d.p.retry.AppliedHeld(ctx, tx, k, held))
 	}, k.Topic)
 	var first *Record
 	if len(recs) > 0 {
@@ -219,12 +219,12 @@ func (d *drainer) applyParked(k retrytopics.Key, limit int) (int, *Record, error
 	return len(recs), first, nil
 }
 
-// retryFirst handles k's first parked record, rec, whose handler just failed with cause: it is
+// retryFirst handles k's first held record, rec, whose handler just failed with cause: it is
 // retried alone (see retryAlone), then moved to the first retry tier or dead-lettered. more says
 // whether the key goes on with its next record.
-func (d *drainer) retryFirst(k retrytopics.Key, rec *Record, cause error) (more bool, err error) {
+func (d *heldApplier) retryFirst(k retrytopics.Key, rec *Record, cause error) (more bool, err error) {
 	f, settled, err := d.p.retryAlone(d.ctx, d.stopping, nil, k.Topic, true, cause, func() error {
-		_, first, err := d.applyParked(k, 1)
+		_, first, err := d.applyHeld(k, 1)
 		if errors.Is(err, retrytopics.ErrStale) || (first != nil && first.Offset != rec.Offset) {
 			more = true // another processor moved the record on meanwhile; look again
 			return nil
@@ -241,12 +241,12 @@ func (d *drainer) retryFirst(k retrytopics.Key, rec *Record, cause error) (more 
 	return d.route(k, rec, f)
 }
 
-// route moves a parked record that keeps failing to the first retry tier or the dead-letter
+// route moves a held record that keeps failing to the first retry tier or the dead-letter
 // topic. more says whether the key goes on with its next record.
-func (d *drainer) route(k retrytopics.Key, rec *Record, f failure) (more bool, err error) {
+func (d *heldApplier) route(k retrytopics.Key, rec *Record, f failure) (more bool, err error) {
 	m := d.p.plan(rec, k.Topic, f)
 	err = d.transact(func(ctx context.Context, tx pgx.Tx) error {
-		head, err := d.p.retry.TakeParked(ctx, tx, k, 1, d.pageBytes())
+		head, err := d.p.retry.TakeHeld(ctx, tx, k, 1, d.pageBytes())
 		if err != nil {
 			return own(err)
 		}
@@ -269,15 +269,15 @@ func (d *drainer) route(k retrytopics.Key, rec *Record, f failure) (more bool, e
 // transact runs one transaction that stores msgs in the outbox and runs apply (see
 // Processor.inPlace; blame is the source topic whose handler apply runs, or ""); apply must fail
 // for the messages not to be stored.
-func (d *drainer) transact(apply func(context.Context, pgx.Tx) error, blame string, msgs ...sink.Message) error {
+func (d *heldApplier) transact(apply func(context.Context, pgx.Tx) error, blame string, msgs ...sink.Message) error {
 	return d.p.inPlace(d.ctx, d.stopping, d.log, blame, nil, func() error {
 		return d.p.sink.Transact(d.ctx, apply, msgs)
 	})
 }
 
-// parkedRecord is the Record of a parked record: attempt 1, like any record delivered for the
+// heldRecord is the Record of a held record: attempt 1, like any record delivered for the
 // first time.
-func parkedRecord(r retrytopics.Rec) *Record {
+func heldRecord(r retrytopics.Rec) *Record {
 	return &Record{
 		Topic:     r.Topic,
 		Partition: r.Partition,

@@ -17,14 +17,14 @@ import (
 	"github.com/kafkapg/kafkapg/processor"
 )
 
-// BenchmarkHeldRecordsDrain measures how fast records parked behind held keys are applied once
+// BenchmarkHeldRecords measures how fast held records are applied once
 // their keys are released, against the fast path applying the same records straight from the
 // topic, in the same run.
 //
 // Every account's first event is poison and ON_DEAD_LETTER=block, so all its later events are
-// parked in Postgres; the drain is timed from releasing every key to the last event applied.
+// held in Postgres; the drain is timed from releasing every key to the last event applied.
 // BENCH_DRAIN_EVENTS (default 20000) and BENCH_DRAIN_ACCOUNTS (default 64) set the size.
-func BenchmarkHeldRecordsDrain(b *testing.B) {
+func BenchmarkHeldRecords(b *testing.B) {
 	events := envInt("BENCH_DRAIN_EVENTS", 20_000)
 	accounts := envInt("BENCH_DRAIN_ACCOUNTS", 64)
 	k := brokerFor(b)
@@ -74,7 +74,7 @@ func BenchmarkHeldRecordsDrain(b *testing.B) {
 		b.ReportMetric(fast, "fast_rec/s")
 		b.ReportMetric(drain/fast, "x_fast")
 		fmt.Printf("\nheld records drain, %s broker, %d events over %d accounts (%d partitions):\n", k.Name, events, accounts, partitions)
-		fmt.Printf("  parked records applied after release  %9.0f records/s\n", drain)
+		fmt.Printf("  held records applied after release  %9.0f records/s\n", drain)
 		fmt.Printf("  same records from the topic           %9.0f records/s\n", fast)
 		fmt.Printf("  drain / fast path = %.2f\n\n", drain/fast)
 	}

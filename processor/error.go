@@ -3,6 +3,7 @@ package processor
 import (
 	"context"
 	"errors"
+	"fmt"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -99,6 +100,15 @@ func Classify(err error) ErrorClass {
 	return ClassRetryable
 }
 
+// ErrorClassifier is an optional interface for a Handler that decides itself how its errors are
+// classified, overriding Classify. It is called with every error the handler returned (or its
+// recovered panic); call Classify for the errors it has no opinion on. Failures of Postgres
+// outside the handler's own statements (a lost connection, a COMMIT with unknown outcome) are
+// always infrastructure and do not reach it.
+type ErrorClassifier interface {
+	ClassifyError(err error) ErrorClass
+}
+
 // fixedClass is the class of errors no handler may reclassify: a transaction that idled past
 // TxIdleTimeout, a handler that returned nil from an aborted transaction and a connection the
 // handler's own context closed are retryable (even wrapped in Infrastructure: retrying those in
@@ -131,6 +141,26 @@ func (p *Processor) classify(topic string, err error) ErrorClass {
 	return Classify(err)
 }
 
+// Permanent marks err as permanent: the record is dead-lettered at once, without retries.
+// Permanent(nil) returns nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &permanentError{err: err}
+}
+
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string { return "permanent: " + e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }
+
+// IsPermanent reports whether err was marked with Permanent.
+func IsPermanent(err error) bool {
+	var p *permanentError
+	return errors.As(err, &p)
+}
+
 // Infrastructure marks err as a failure of a dependency rather than of the record: the
 // transaction is retried in place, without counting an attempt, until it succeeds or the
 // partition is revoked. Infrastructure(nil) returns nil.
@@ -145,3 +175,71 @@ type infrastructureError struct{ err error }
 
 func (e *infrastructureError) Error() string { return "infrastructure: " + e.err.Error() }
 func (e *infrastructureError) Unwrap() error { return e.err }
+
+// ErrRecordTooLarge is the (permanent) error of a record whose key and value are larger than
+// Config.MaxRecordBytes: it is dead-lettered without being handed to the handler.
+var ErrRecordTooLarge = errors.New("record too large")
+
+// RecordError says which record of a batch failed. See BatchHandler.
+type RecordError struct {
+	Index int
+	Err   error
+}
+
+// RecordFailed returns an error saying that record index of the batch failed with err.
+func RecordFailed(index int, err error) error { return &RecordError{Index: index, Err: err} }
+
+func (e *RecordError) Error() string { return fmt.Sprintf("record %d of batch: %v", e.Index, e.Err) }
+func (e *RecordError) Unwrap() error { return e.Err }
+
+// PanicError is the error a recovered handler panic turns into.
+type PanicError struct {
+	Value any
+	Stack []byte
+}
+
+func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v", e.Value) }
+
+// failedRecord returns the index of the record a handler error names (RecordFailed) among n
+// records, and the record's own error; -1 and err if it names none.
+//
+// The record's error keeps what sink.Apply found about the whole transaction: that the handler's
+// own context closed its connection (sink.ErrConnClosedByHandler wraps the batch's error, not the
+// record's), so that the record is classified the same wherever it is.
+func failedRecord(err error, n int) (int, error) {
+	var rerr *RecordError
+	if !errors.As(err, &rerr) || rerr.Index < 0 || rerr.Index >= n {
+		return -1, err
+	}
+	cause := rerr.Err
+	if cause == nil {
+		cause = errNilRecordError
+	}
+	if errors.Is(err, sink.ErrConnClosedByHandler) && !errors.Is(cause, sink.ErrConnClosedByHandler) {
+		cause = fmt.Errorf("%w: %w", sink.ErrConnClosedByHandler, cause)
+	}
+	return rerr.Index, cause
+}
+
+// errNilRecordError is the cause of a record a batch handler named with RecordFailed(i, nil).
+var errNilRecordError = errors.New("the handler reported this record failed (RecordFailed) without an error")
+
+// ownError marks the failure of one of kafkapg's own statements inside a transaction that also
+// runs the handler: it is never the record's fault. inPlace retries it in place, quietly if
+// Postgres is down (Classify says infrastructure), loudly otherwise.
+type ownError struct{ err error }
+
+func (e *ownError) Error() string { return e.err.Error() }
+func (e *ownError) Unwrap() error { return e.err }
+
+// own marks err as the failure of a statement of kafkapg's own. own(nil) is nil.
+func own(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &ownError{err: err}
+}
+
+// errStopped means the worker was asked to stop (revoke, shutdown) while the batch was not yet
+// committed: what was not committed is left for the partition's next owner.
+var errStopped = errors.New("worker stopped")

@@ -10,107 +10,84 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/internal/backoff"
 	"github.com/kafkapg/kafkapg/retrytopics"
 	"github.com/kafkapg/kafkapg/sink"
 )
 
-// tierRef says which source topic a retry-tier topic belongs to, and which tier it is.
-type tierRef struct {
-	source string
-	n      int
+// failure is why a record failed for good within its delivery.
+type failure struct {
+	cause error
+	class ErrorClass
+	tries int // handler invocations during the delivery
 }
 
-// fromTier turns a record consumed from a retry tier back into its source record, as its
-// kafkapg- headers describe it. A record whose headers are missing or garbled (not published by
-// kafkapg) is handled as a fresh record of its own, with a warning; having no origin to go back
-// to, it is dead-lettered if it fails rather than sent round the tiers. A record whose headers
-// name another consumer group or source topic belongs to them (tier topic names can collide:
-// source "a" in group "b.c" and source "a.b" in group "c" share a.b.c.retry.1): it is skipped.
-func (w *worker) fromTier(rec *Record) {
-	f, err := retrytopics.ParseFailure(rec.Headers)
-	if err != nil {
-		w.log.Warn("record in a retry tier has missing or garbled kafkapg headers; handling it as a fresh record (attempt 1, no key order, dead-lettered if it fails)",
-			"offset", rec.consumed, "key_hash", keyHash(rec.Key), "err", err)
-		rec.ordered, rec.foreign = false, true
-		return
-	}
-	if f.Group != w.p.cfg.Group || f.Topic != w.source {
-		w.log.Debug("skipping a retry record of another group or source topic (their tier topic's name is the same as ours)",
-			"offset", rec.consumed, "its_group", f.Group, "its_topic", f.Topic)
-		rec.stage = retrytopics.FromTier
-		rec.notOurs = true
-		return
-	}
-	rec.Topic, rec.Partition, rec.Offset, rec.Timestamp = f.Topic, f.Partition, f.Offset, f.Timestamp
-	rec.Headers = retrytopics.StripHeaders(rec.Headers)
-	rec.Attempt = f.Attempt + 1
-	rec.stage = retrytopics.FromTier // its first failure time is read with its retry state
-}
-
-// duePrefix returns how many of recs, from the first, are due at now, and when the first one that
-// is not is due.
-func duePrefix(recs []*kgo.Record, now time.Time) (int, time.Time) {
-	for i, r := range recs {
-		if due := dueAt(r); due.After(now) {
-			return i, due
+// retryAlone retries, alone and with backoff, a record whose handler just failed with cause, for
+// Config.LocalAttempts tries in all, as long as the error is retryable. attempt runs one more
+// try and returns nil (it took effect), a *sink.HandlerError (the handler failed again) or
+// another error (stopped, fenced, ...). If a try ends other than by the handler failing,
+// retryAlone reports settled with that try's error; otherwise it returns how the record failed,
+// for it to move on. While the circuit breaker is open, a record that used its local tries is
+// held here, and retried when the breaker closes or lets it through as a probe; fresh says the
+// record is on its first delivery, whose failure counts for the breaker.
+func (p *Processor) retryAlone(ctx context.Context, stopping <-chan struct{}, prog *progress, topic string, fresh bool, cause error, attempt func() error) (f failure, settled bool, err error) {
+	counted, probing := false, false
+	for tries := 1; ; tries++ {
+		_, cause = failedRecord(cause, 1)
+		class := p.classify(topic, cause)
+		if class == ClassInfrastructure {
+			// inPlace retries those in place: one here means two classifications of the same
+			// failure disagreed (a bug). Never dead-letter it for a dependency's fault.
+			p.log.Error("a record's failure is classified infrastructure outside a retry in place (a bug); it is treated as retryable", "err", cause)
+			p.metrics.internalErrors.Inc()
+			class = ClassRetryable
 		}
-	}
-	return len(recs), time.Time{}
-}
-
-// dueAt reads a retry record's due time; a record without a valid one is due at once.
-func dueAt(r *kgo.Record) time.Time {
-	for _, h := range r.Headers {
-		if h.Key == retrytopics.HeaderDueAt {
-			t, err := time.Parse(time.RFC3339Nano, string(h.Value))
-			if err != nil {
-				return time.Time{}
+		p.metrics.failures.WithLabelValues(topic, class.String()).Inc()
+		if probing {
+			p.breaker.probed(class != ClassRetryable)
+			probing = false
+		}
+		if class != ClassRetryable {
+			return failure{cause: cause, class: class, tries: tries}, false, nil
+		}
+		if tries < p.policy(topic).localAttempts {
+			if !backoff.Sleep(ctx, stopping, p.backoff.Delay(tries)) {
+				return f, true, errStopped
 			}
-			return t
-		}
-	}
-	return time.Time{}
-}
-
-// admitRetries locks the retry state of the tier's records and keeps those whose state matches
-// their delivery attempt; the others are copies of records that have moved on (published twice
-// by the outbox relay) and are skipped.
-func (w *worker) admitRetries(ctx context.Context, tx pgx.Tx, recs []*Record, out *outcome) (live []*Record, index []int, err error) {
-	var origins []retrytopics.Origin
-	for _, r := range recs {
-		if r.stage == retrytopics.FromTier && !r.notOurs && !r.control {
-			origins = append(origins, r.origin())
-		}
-	}
-	var states map[retrytopics.Origin]retrytopics.RetryState
-	if len(origins) > 0 {
-		if states, err = w.p.retry.LockRetries(ctx, tx, origins); err != nil {
-			return nil, nil, err
-		}
-	}
-	taken := map[retrytopics.Origin]bool{}
-	for i, r := range recs {
-		if r.notOurs || r.control {
-			continue
-		}
-		if r.stage == retrytopics.FromTier {
-			st, ok := states[r.origin()]
-			// A copy is applied only if the record's retry state is at the copy's attempt, and only
-			// one copy per batch: the relay publishes at least once, so two copies of the same
-			// attempt can arrive together (the state changes only when this transaction commits).
-			if !ok || st.Attempt != r.Attempt || taken[r.origin()] {
-				out.duplicates++
-				w.log.Info("skipping a duplicate copy of a retry record", "offset", r.consumed, "key_hash", keyHash(r.Key), "origin", r.origin(), "attempt", r.Attempt,
-					"state_attempt", st.Attempt, "in_retry_path", ok, "copy_in_this_batch", taken[r.origin()])
-				continue
+		} else {
+			waitInPlace := p.breaker.state() != breakerClosed
+			if fresh && !counted {
+				counted = true
+				waitInPlace = p.breaker.failed()
 			}
-			taken[r.origin()] = true
-			r.firstFailed = st.FirstFailedAt
+			if !waitInPlace {
+				return failure{cause: cause, class: class, tries: tries}, false, nil
+			}
+			if prog != nil {
+				prog.waiting(stallBreaker, cause)
+			}
+			var ok bool
+			if probing, ok = p.breaker.wait(ctx, stopping); !ok {
+				return f, true, errStopped
+			}
+			if prog != nil {
+				prog.waiting("", nil)
+			}
 		}
-		live = append(live, r)
-		index = append(index, i)
+		err := attempt()
+		var herr *sink.HandlerError
+		if !errors.As(err, &herr) {
+			if probing {
+				if err == nil {
+					p.breaker.probed(true)
+				} else {
+					p.breaker.done()
+				}
+			}
+			return f, true, err
+		}
+		cause = herr.Err
 	}
-	return live, index, nil
 }
 
 // move is a failed record's next step: the state change in Postgres and the record to publish.
@@ -186,7 +163,7 @@ func (p *Processor) write(ctx context.Context, tx pgx.Tx, m move) error {
 // moved counts and logs a committed move.
 func (p *Processor) moved(m move, source string, f failure) {
 	if m.From != retrytopics.FromSource {
-		p.drainer.notify() // the record's key may have become ready
+		p.heldApplier.notify() // the record's key may have become ready
 	}
 	log := p.log.With("topic", source, "partition", m.Partition, "offset", m.Offset, "key_hash", keyHash(m.Key),
 		"attempt", m.Attempt, "tries", f.tries, "class", m.Class, "to", m.msg.Topic)

@@ -1,0 +1,515 @@
+package processor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+	"github.com/twmb/franz-go/plugin/kslog"
+
+	"github.com/kafkapg/kafkapg/internal/backoff"
+	"github.com/kafkapg/kafkapg/offsets"
+	"github.com/kafkapg/kafkapg/retrytopics"
+	"github.com/kafkapg/kafkapg/sink"
+)
+
+// leaveGrace is how long shutdown lets the Kafka client leave the group by itself.
+const leaveGrace = 2 * time.Second
+
+// leaveByHand sends the group coordinator a LeaveGroup for this member (classic protocol), which
+// the coordinator takes even while a join is pending. Under the consumer protocol it is refused,
+// harmlessly.
+func (p *Processor) leaveByHand(ctx context.Context, cl *kgo.Client) {
+	member, _ := cl.GroupMetadata()
+	if member == "" {
+		return
+	}
+	req := kmsg.NewPtrLeaveGroupRequest()
+	req.Group = p.cfg.Group
+	req.MemberID = member
+	m := kmsg.NewLeaveGroupRequestMember()
+	m.MemberID = member
+	req.Members = append(req.Members, m)
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	resp, err := req.RequestWith(ctx, cl)
+	if err == nil {
+		err = kerr.ErrorForCode(resp.ErrorCode)
+	}
+	if err != nil {
+		p.log.Debug("leaving the group by hand", "err", err)
+		return
+	}
+	p.log.Info("left the group by hand", "member", member)
+}
+
+// setGroupTimeouts asks the broker to give this group, under the consumer protocol, the session
+// timeout and heartbeat interval the classic protocol would have: there they are the group's,
+// kept by the broker (group.consumer.session.timeout.ms and .heartbeat.interval.ms, 45 s and 5 s
+// by default, bounded by the broker's group.consumer.min/max settings), not the client's. A broker
+// that refuses keeps its own; the warning says which.
+func (p *Processor) setGroupTimeouts(ctx context.Context, cl *kgo.Client) {
+	session, heartbeat := p.cfg.SessionTimeout, p.heartbeatInterval()
+	// Both in one request, which the broker takes whole or not at all: a session timeout set alone
+	// could fall below the broker's heartbeat interval.
+	res := kmsg.NewIncrementalAlterConfigsRequestResource()
+	res.ResourceType = kmsg.ConfigResourceTypeGroupConfig
+	res.ResourceName = p.cfg.Group
+	for name, d := range map[string]time.Duration{"consumer.session.timeout.ms": session, "consumer.heartbeat.interval.ms": heartbeat} {
+		c := kmsg.NewIncrementalAlterConfigsRequestResourceConfig()
+		c.Name, c.Op, c.Value = name, kmsg.IncrementalAlterConfigOpSet, kmsg.StringPtr(strconv.FormatInt(d.Milliseconds(), 10))
+		res.Configs = append(res.Configs, c)
+	}
+	req := kmsg.NewPtrIncrementalAlterConfigsRequest()
+	req.Resources = append(req.Resources, res)
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	resp, err := req.RequestWith(rctx, cl)
+	if err == nil && len(resp.Resources) > 0 {
+		if err = kerr.ErrorForCode(resp.Resources[0].ErrorCode); err != nil && resp.Resources[0].ErrorMessage != nil {
+			err = fmt.Errorf("%w: %s", err, *resp.Resources[0].ErrorMessage)
+		}
+	}
+	if err != nil {
+		p.log.Warn("the broker refused this group's session timeout and heartbeat interval (consumer protocol): its own group.consumer.session.timeout.ms "+
+			"and group.consumer.heartbeat.interval.ms apply (45s and 5s unless configured), not SessionTimeout",
+			"wanted_session_timeout", session, "wanted_heartbeat_interval", heartbeat, "err", err)
+	}
+}
+
+// heartbeatInterval is how often members heartbeat: how soon they learn that the group changed
+// (a member died, partitions moved), which adds to a dead member's session timeout before its
+// partitions flow elsewhere.
+func (p *Processor) heartbeatInterval() time.Duration {
+	return min(500*time.Millisecond, p.cfg.SessionTimeout/3)
+}
+
+func (p *Processor) newClient() (*kgo.Client, error) {
+	opts := []kgo.Opt{
+		kgo.SeedBrokers(p.cfg.Brokers...),
+		kgo.ClientID("kafkapg"),
+		kgo.ConsumerGroup(p.cfg.Group),
+		kgo.Balancers(kgo.CooperativeStickyBalancer()),
+		// Where a partition starts is resolved once, at its first claim, and stored in Postgres
+		// (see resolveStarts): StartOffset is applied there. This is only what an
+		// out-of-range position (records deleted by retention) resets to, and what tells
+		// resolveStarts that Kafka has no committed offset.
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+		kgo.SessionTimeout(p.cfg.SessionTimeout),
+		kgo.RebalanceTimeout(p.cfg.RebalanceTimeout),
+		kgo.HeartbeatInterval(p.heartbeatInterval()),
+		kgo.BlockRebalanceOnPoll(),
+		// Records of aborted Kafka transactions never happened. Their markers are fetched, so the
+		// stored position can move past them (see worker.records).
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
+		kgo.KeepControlRecords(),
+		// A partition resumed after a pause joins the next fetch to its broker, which starts
+		// when the one in flight returns; with nothing else to fetch that takes FetchMaxWait.
+		kgo.FetchMaxWait(500 * time.Millisecond),
+		// franz-go holds one fetch per broker until it is polled: keep those within the budget's
+		// reach too (see Config.MaxBufferedBytes).
+		kgo.FetchMaxBytes(int32(min(max(p.cfg.MaxBufferedBytes/8, 1<<20), 50<<20))),
+		kgo.FetchMaxPartitionBytes(int32(min(max(p.cfg.MaxBufferedBytes/128, 128<<10), 1<<20))),
+		kgo.AutoCommitMarks(),
+		// The outbox relay publishes retry and dead-letter records to their source record's
+		// partition number.
+		kgo.RecordPartitioner(sink.Partitioner()),
+		kgo.AdjustFetchOffsetsFn(p.claimAssigned),
+		kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, m map[string][]int32) {
+			// Called after every join, also with nothing new assigned.
+			p.joined.Store(true)
+			if len(m) > 0 {
+				p.metrics.rebalances.WithLabelValues("assigned").Inc()
+			}
+		}),
+		kgo.OnPartitionsRevoked(p.onRevoked),
+		kgo.OnPartitionsLost(p.onLost),
+		kgo.WithLogger(kslog.New(p.cfg.Logger.With("component", "kafka"))),
+		kgo.WithHooks(p.kprom),
+	}
+	if p.cfg.GroupProtocol != GroupProtocolClassic {
+		// Kafka 4's consumer group protocol where the broker offers it (franz-go falls back to
+		// classic otherwise): no group-wide join barrier, so a dead member no longer holds up
+		// the rest of the group, nor a member that wants to leave.
+		opts = append(opts, kgo.ServerSideBalancer())
+	}
+	opts = append(opts, kgo.WithContext(p.clientCtx))
+	opts = append(opts, p.cfg.KafkaOptions...)
+	cl, err := kgo.NewClient(opts...)
+	if err != nil {
+		return nil, fmt.Errorf("processor: kafka client: %w", err)
+	}
+	return cl, nil
+}
+
+// ensureTopics creates missing retry-tier and dead-letter topics (unless DisableTopicCreation),
+// waiting (with backoff) for the source topics to exist and for the broker to answer. A missing
+// retry or dead-letter topic that it may not create is an error.
+func (p *Processor) ensureTopics(ctx context.Context, adm *kadm.Client) error {
+	for failures := 1; ; failures++ {
+		created, missing, err := retrytopics.EnsureTopics(ctx, adm, p.cfg.Group, p.tierCounts(), !p.cfg.DisableTopicCreation)
+		for _, t := range created {
+			p.log.Info("created topic", "topic", t)
+		}
+		if errors.Is(err, retrytopics.ErrTopicMissing) {
+			return fmt.Errorf("processor: %w; create them, or let the processor create them (DisableTopicCreation false)", err)
+		}
+		if err == nil && len(missing) == 0 {
+			p.waiting.Store(nil)
+			return nil
+		}
+		d := p.backoff.Delay(failures)
+		var why string
+		if err != nil {
+			why = fmt.Sprintf("waiting for kafka (brokers %s): %v", strings.Join(p.cfg.Brokers, ","), err)
+			p.log.Warn("cannot check the topics on kafka yet (is it reachable?); retrying", "brokers", p.cfg.Brokers, "err", err, "retry_in", d)
+		} else {
+			why = fmt.Sprintf("waiting for source topics to exist: %s", strings.Join(missing, ", "))
+			p.log.Warn("waiting for source topics to exist", "missing", missing, "retry_in", d)
+		}
+		p.waiting.Store(&why)
+		if !backoff.Sleep(ctx, nil, d) {
+			return ctx.Err()
+		}
+	}
+}
+
+// poll fetches records and hands them to the partition workers until ctx is done.
+func (p *Processor) poll(ctx context.Context, cl *kgo.Client) {
+	maxPoll := 4 * p.cfg.BatchMaxRecords
+	for {
+		// The records fetched and not yet applied cost MaxBufferedBytes: fetch no more until
+		// some are applied (franz-go buffers at most one fetch per broker meanwhile).
+		if !p.buf.wait(ctx) {
+			return
+		}
+		fetches := cl.PollRecords(ctx, maxPoll)
+		if ctx.Err() != nil || fetches.IsClientClosed() {
+			cl.AllowRebalance()
+			return
+		}
+		fetches.EachError(func(topic string, partition int32, err error) {
+			p.log.Warn("fetch error", "topic", topic, "partition", partition, "err", err)
+		})
+		fetches.EachPartition(func(ftp kgo.FetchTopicPartition) {
+			if len(ftp.Records) == 0 {
+				return
+			}
+			if w := p.worker(offsets.Partition{Topic: ftp.Topic, Partition: ftp.Partition}); w != nil {
+				w.push(ftp.Records)
+			}
+		})
+		// Rebalance callbacks wait for this: a revoke never races with handing out records.
+		cl.AllowRebalance()
+	}
+}
+
+// claimAssigned runs when partitions are assigned, before fetching starts (AdjustFetchOffsetsFn).
+// It claims them in Postgres, fencing any previous owner, starts a worker per partition, and
+// makes fetching start at the stored positions. While Postgres is unreachable it retries; the
+// partitions wait, nothing is fetched.
+func (p *Processor) claimAssigned(ctx context.Context, assigned map[string]map[int32]kgo.Offset) (map[string]map[int32]kgo.Offset, error) {
+	cl := p.client.Load()
+	var parts []offsets.Partition
+	for t, ps := range assigned {
+		for part := range ps {
+			parts = append(parts, offsets.Partition{Topic: t, Partition: part})
+		}
+	}
+	offsets.SortPartitions(parts)
+	member, gen := cl.GroupMetadata()
+	owner := fmt.Sprintf("%s member=%s generation=%d", p.cfg.InstanceName, member, gen)
+
+	var claims []offsets.Position
+	for failures := 1; ; failures++ {
+		var err error
+		claims, err = p.claim(ctx, owner, parts)
+		if err == nil {
+			claims, err = p.resolveStarts(ctx, cl, assigned, claims)
+		}
+		if err == nil {
+			break
+		}
+		if errors.Is(err, errHeld) && p.endStaleHolders(ctx, parts) {
+			failures--
+			continue // at once: what held the rows is gone
+		}
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("claim assigned partitions: %w", ctx.Err())
+		}
+		p.metrics.infraRetries.Inc()
+		d := p.backoff.Delay(failures)
+		p.log.Warn("cannot claim assigned partitions; retrying", "err", err, "retry_in", d, "partitions", len(parts))
+		if !backoff.Sleep(ctx, nil, d) {
+			return nil, fmt.Errorf("claim assigned partitions: %w", ctx.Err())
+		}
+	}
+
+	p.mu.Lock()
+	for _, pos := range claims {
+		if old := p.workers[pos.TP()]; old != nil {
+			// Not expected: revoke stops workers. Stop it now; its next transaction is fenced.
+			old.stop()
+		}
+		w := newWorker(p, cl, pos)
+		p.workers[pos.TP()] = w
+		go w.run()
+		if pos.Known {
+			assigned[pos.Topic][pos.Partition] = kgo.NewOffset().At(pos.Next).WithEpoch(-1)
+		}
+		from := "kafka position (claimed by another owner since)"
+		if pos.Known {
+			from = fmt.Sprint(pos.Next)
+		}
+		p.log.Info("partition claimed", "topic", pos.Topic, "partition", pos.Partition, "token", pos.Token, "from_offset", from)
+	}
+	p.nWorkers.Store(int32(len(p.workers)))
+	p.metrics.assigned.Set(float64(len(p.workers)))
+	p.mu.Unlock()
+	return assigned, nil
+}
+
+// claimWait is how long a claim waits for the rows of its partitions before it looks for a frozen
+// previous owner's transaction that holds them (see endStaleHolders).
+const claimWait = time.Second
+
+// errHeld means a claim waited claimWait for rows another transaction holds.
+var errHeld = errors.New("the partitions' rows are held by another transaction")
+
+// claim claims parts in one transaction that waits at most claimWait for their rows.
+func (p *Processor) claim(ctx context.Context, owner string, parts []offsets.Partition) ([]offsets.Position, error) {
+	var claims []offsets.Position
+	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL lock_timeout = %d", claimWait.Milliseconds())); err != nil {
+			return err
+		}
+		var err error
+		claims, err = p.store.Claim(ctx, tx, owner, parts)
+		return err
+	})
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
+		return nil, fmt.Errorf("%w: %w", errHeld, err)
+	}
+	return claims, err
+}
+
+// endStaleHolders ends the transactions of a previous owner that hold parts' rows while waiting
+// for their client (a process that froze or lost its network mid-batch). Without it, such an owner
+// would hold up the claim of every partition assigned with its own until Postgres's
+// idle-in-transaction timeout (TxIdleTimeout) ended it. It reports whether it ended any.
+func (p *Processor) endStaleHolders(ctx context.Context, parts []offsets.Partition) bool {
+	held, err := p.store.EndStaleHolders(ctx, p.pool, parts)
+	if err != nil {
+		p.log.Warn("cannot end the transactions that hold the assigned partitions' rows; waiting for them (TxIdleTimeout bounds it)", "err", err)
+		return false
+	}
+	ended := false
+	for _, h := range held {
+		p.log.Warn("ended a stale transaction of a previous owner that held a partition's row (frozen or cut off mid-batch); its batch is rolled back and redone here",
+			"topic", h.Partition.Topic, "partition", h.Partition.Partition, "backend_pid", h.PID, "ended", h.Ended)
+		ended = ended || h.Ended
+	}
+	return ended
+}
+
+// resolveStarts gives the claimed partitions that have no position in Postgres yet one, and stores
+// it, so that wherever and whenever the partition is assigned next, it starts from the same offset:
+// Kafka's committed offset if the group has one (a consumer before kafkapg, or a restored
+// database), otherwise the start of the log, or its end for a source topic with
+// StartOffset = StartLatest. A retry tier always starts from the beginning: its records must never
+// be skipped.
+func (p *Processor) resolveStarts(ctx context.Context, cl *kgo.Client, assigned map[string]map[int32]kgo.Offset, claims []offsets.Position) ([]offsets.Position, error) {
+	var starts []offsets.Position
+	topics := map[string]bool{}
+	for _, pos := range claims {
+		if !pos.Known {
+			starts = append(starts, pos)
+			topics[pos.Topic] = true
+		}
+	}
+	if len(starts) == 0 {
+		return claims, nil
+	}
+	adm := kadm.NewClient(cl)
+	names := slices.Sorted(maps.Keys(topics))
+	first, err := adm.ListStartOffsets(ctx, names...)
+	if err == nil {
+		err = first.Error()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list start offsets: %w", err)
+	}
+	var end kadm.ListedOffsets
+	if p.cfg.StartOffset == StartLatest {
+		if end, err = adm.ListEndOffsets(ctx, names...); err == nil {
+			err = end.Error()
+		}
+		if err != nil {
+			return nil, fmt.Errorf("list end offsets: %w", err)
+		}
+	}
+	for i, pos := range starts {
+		listed := first
+		if _, tier := p.tierOf[pos.Topic]; !tier && p.cfg.StartOffset == StartLatest {
+			listed = end
+		}
+		o, ok := listed.Lookup(pos.Topic, pos.Partition)
+		if !ok {
+			return nil, fmt.Errorf("no offsets listed for %s", pos.TP())
+		}
+		starts[i].Next = o.Offset
+		// ConsumeResetOffset is AtStart (-2): anything else is the offset committed to Kafka.
+		if committed := assigned[pos.Topic][pos.Partition].EpochOffset().Offset; committed >= 0 {
+			starts[i].Next = committed
+		}
+	}
+	stored, err := p.store.SetStart(ctx, p.pool, starts)
+	if err != nil {
+		return nil, err
+	}
+	byTP := map[offsets.Partition]offsets.Position{}
+	for _, pos := range stored {
+		if pos.Known {
+			byTP[pos.TP()] = pos
+		}
+	}
+	out := slices.Clone(claims)
+	for i, pos := range out {
+		if st, ok := byTP[pos.TP()]; ok {
+			out[i] = st
+		}
+	}
+	return out, nil
+}
+
+func (p *Processor) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
+	ws := p.removeWorkers(revoked)
+	if len(ws) == 0 {
+		return
+	}
+	p.metrics.rebalances.WithLabelValues("revoked").Inc()
+	p.stopWorkers(stoppers(ws), p.cfg.HandoffTimeout)
+	if err := cl.CommitMarkedOffsets(ctx); err != nil {
+		p.log.Warn("kafka offset commit on revoke failed (advisory only)", "err", err)
+	}
+	cl.ResumeFetchPartitions(revoked)
+	p.log.Info("partitions revoked", "partitions", revoked)
+}
+
+func (p *Processor) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int32) {
+	if len(lost) == 0 {
+		return // called on every failed join attempt while the broker is unreachable
+	}
+	ws := p.removeWorkers(lost)
+	p.metrics.rebalances.WithLabelValues("lost").Inc()
+	p.joined.Store(false)
+	// Whatever the workers commit from now on would be fenced anyway once the partitions are
+	// claimed elsewhere; do not wait for them.
+	p.stopWorkers(stoppers(ws), 0)
+	cl.ResumeFetchPartitions(lost)
+	p.log.Warn("partitions lost (session expired or fatal group error)", "partitions", lost)
+}
+
+// partitionShare is how much of the buffer budget one partition may fill before its fetching
+// pauses: an equal share of every partition this process owns (source and retry tiers).
+func (p *Processor) partitionShare() int64 { return p.buf.share(int(p.nWorkers.Load())) }
+
+// worker returns the worker of tp, or nil.
+func (p *Processor) worker(tp offsets.Partition) *worker {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.workers[tp]
+}
+
+// removeWorkers removes and returns the workers of the given partitions (all if nil).
+func (p *Processor) removeWorkers(which map[string][]int32) []*worker {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []*worker
+	if which == nil {
+		for tp, w := range p.workers {
+			out = append(out, w)
+			delete(p.workers, tp)
+		}
+	} else {
+		for t, ps := range which {
+			for _, part := range ps {
+				tp := offsets.Partition{Topic: t, Partition: part}
+				if w := p.workers[tp]; w != nil {
+					out = append(out, w)
+					delete(p.workers, tp)
+				}
+			}
+		}
+	}
+	p.nWorkers.Store(int32(len(p.workers)))
+	p.metrics.assigned.Set(float64(len(p.workers)))
+	return out
+}
+
+// stopper is what stopWorkers stops: a partition worker or the heldApplier.
+type stopper interface {
+	stop()                     // finish the transaction in flight, start nothing new
+	abandon()                  // cancel the transaction in flight
+	finished() <-chan struct{} // closed once it has stopped
+	describe() []any           // log attributes naming it
+}
+
+// stopWorkers stops ss together: each finishes its transaction in flight for up to grace, then
+// has it cancelled; one that still has not stopped a second later (a handler ignoring its
+// context) is left behind with a warning: its transaction will be fenced or rolled back.
+func (p *Processor) stopWorkers(ss []stopper, grace time.Duration) {
+	if len(ss) == 0 {
+		return
+	}
+	for _, s := range ss {
+		s.stop()
+	}
+	allDone := make(chan struct{})
+	go func() {
+		for _, s := range ss {
+			<-s.finished()
+		}
+		close(allDone)
+	}()
+	select {
+	case <-allDone:
+		return
+	case <-time.After(grace):
+	}
+	for _, s := range ss {
+		s.abandon()
+	}
+	select {
+	case <-allDone:
+		return
+	case <-time.After(time.Second):
+	}
+	for _, s := range ss {
+		select {
+		case <-s.finished():
+		default:
+			p.log.Warn("did not stop (handler ignoring its context?); leaving it behind, its transaction will be fenced or rolled back", s.describe()...)
+		}
+	}
+}
+
+func stoppers(ws []*worker) []stopper {
+	out := make([]stopper, len(ws), len(ws)+1)
+	for i, w := range ws {
+		out[i] = w
+	}
+	return out
+}

@@ -1,0 +1,101 @@
+package processor
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/internal/backoff"
+	"github.com/kafkapg/kafkapg/offsets"
+	"github.com/kafkapg/kafkapg/retrytopics"
+	"github.com/kafkapg/kafkapg/sink"
+)
+
+// transact commits recs (running apply, if not nil) and msgs in one transaction that advances the
+// partition past recs. While the failure is the infrastructure's, it retries in place with
+// backoff, keeping the partition's position, for as long as the worker runs. A failure of apply is
+// the record's (returned, not retried) only if blame is set and it is not classified as
+// infrastructure.
+//
+// It returns nil, a *sink.HandlerError, errStopped, or an error wrapping offsets.ErrFenced or
+// retrytopics.ErrStale.
+func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(context.Context, pgx.Tx) error, blame bool) error {
+	last := recs[len(recs)-1]
+	next := last.consumed + 1
+	blamed := ""
+	if blame {
+		blamed = w.source
+	}
+	return w.p.inPlace(w.ctx, w.stopping, w.log.With("from_offset", recs[0].consumed), blamed, &w.prog, func() error {
+		start := time.Now()
+		err := w.p.sink.Apply(w.ctx, w.pos, next, apply, msgs)
+		if errors.Is(err, offsets.ErrAlreadyAdvanced) {
+			w.log.Info("an earlier commit whose outcome was unknown had succeeded", "next_offset", next)
+			err = nil
+		}
+		if err != nil {
+			return err
+		}
+		w.pos = w.pos.Advanced(next)
+		w.prog.advanced()
+		w.cl.MarkCommitOffsets(map[string]map[int32]kgo.EpochOffset{
+			w.tp.Topic: {w.tp.Partition: {Epoch: last.leaderEpoch, Offset: next}},
+		})
+		w.p.metrics.txDuration.Observe(time.Since(start).Seconds())
+		w.p.metrics.batchRecords.Observe(float64(len(recs)))
+		return nil
+	})
+}
+
+// inPlace runs tx until it succeeds, retrying in place with backoff while the failure is not the
+// record's, until ctx is done or stopping is closed (then it returns errStopped). It returns at
+// once an error wrapping offsets.ErrFenced or retrytopics.ErrStale, and, if blame names a source
+// topic, a *sink.HandlerError that its handler's error is not classified as infrastructure: a
+// failure of the record.
+//
+// What it retries is either the infrastructure's failure (Postgres down, or a dependency the
+// handler reports with Infrastructure), which passes by waiting, or a failure of kafkapg's own
+// statements that waiting will not fix (a bug, a table changed underneath): the latter is logged
+// as an error and counted in kafkapg_internal_errors_total. prog, if not nil, is told which.
+func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *slog.Logger, blame string, prog *progress, tx func() error) error {
+	for failures := 0; ; {
+		err := tx()
+		if err == nil {
+			if failures > 0 {
+				log.Info("transactions succeed again; processing resumes", "after_failures", failures)
+			}
+			return nil
+		}
+		if ctx.Err() != nil {
+			return errStopped
+		}
+		if errors.Is(err, offsets.ErrFenced) || errors.Is(err, retrytopics.ErrStale) {
+			return err
+		}
+		var herr *sink.HandlerError
+		var oerr *ownError
+		if errors.As(err, &herr) && !errors.As(herr.Err, &oerr) && blame != "" && p.classify(blame, herr.Err) != ClassInfrastructure {
+			return herr
+		}
+		failures++
+		cause := stallInfrastructure
+		if Classify(err) == ClassInfrastructure {
+			p.metrics.infraRetries.Inc()
+		} else {
+			cause = stallError
+			p.metrics.internalErrors.Inc()
+		}
+		if prog != nil {
+			prog.waiting(cause, err)
+		}
+		d := p.backoff.Delay(failures)
+		stallLog(log, cause, err, failures, d)
+		if !backoff.Sleep(ctx, stopping, d) {
+			return errStopped
+		}
+	}
+}
