@@ -105,11 +105,11 @@ func topicVarName(topic string) string {
 	}, topic)
 }
 
-// ConfigError is a missing or malformed setting: the service exits with status 2 on it.
-type ConfigError struct{ Err error }
+// configError is a missing or malformed setting: the service exits with status 2 on it.
+type configError struct{ Err error }
 
-func (e *ConfigError) Error() string { return e.Err.Error() }
-func (e *ConfigError) Unwrap() error { return e.Err }
+func (e *configError) Error() string { return e.Err.Error() }
+func (e *configError) Unwrap() error { return e.Err }
 
 // loadDBEnv reads the database settings from the environment.
 func loadDBEnv() (*dbEnv, error) {
@@ -118,7 +118,7 @@ func loadDBEnv() (*dbEnv, error) {
 		return nil, err
 	}
 	if err := e.validate(); err != nil {
-		return nil, &ConfigError{err}
+		return nil, &configError{err}
 	}
 	return &e, nil
 }
@@ -130,7 +130,7 @@ func loadEnv(hs *registry) (*env, error) {
 	var e env
 	// envconfig skips unexported embedded structs: they are read on their own.
 	if err := errors.Join(process(&e.dbEnv), process(&e.kafkaSecurityEnv), process(&e)); err != nil {
-		return nil, &ConfigError{err}
+		return nil, &configError{err}
 	}
 	e.KafkaBrokers = cleanList(e.KafkaBrokers)
 	e.KafkaTopics = cleanList(e.KafkaTopics)
@@ -138,7 +138,7 @@ func loadEnv(hs *registry) (*env, error) {
 		e.Handler = hs.names[0]
 	}
 	if err := e.validate(hs); err != nil {
-		return nil, &ConfigError{err}
+		return nil, &configError{err}
 	}
 	return &e, nil
 }
@@ -150,13 +150,13 @@ func process(spec any) error {
 	case err == nil:
 		return nil
 	case errors.As(err, &pe):
-		return &ConfigError{fmt.Errorf("%s=%q is not a valid %s (%v)", pe.KeyName, pe.Value, typeName(pe.TypeName), pe.Err)}
+		return &configError{fmt.Errorf("%s=%q is not a valid %s (%v)", pe.KeyName, pe.Value, typeName(pe.TypeName), pe.Err)}
 	case strings.HasPrefix(err.Error(), "required key "):
 		// envconfig: "required key X missing value"
 		name := strings.TrimSuffix(strings.TrimPrefix(err.Error(), "required key "), " missing value")
-		return &ConfigError{fmt.Errorf("%s is required", name)}
+		return &configError{fmt.Errorf("%s is required", name)}
 	}
-	return &ConfigError{err}
+	return &configError{err}
 }
 
 func typeName(t string) string {

@@ -302,9 +302,9 @@ func TestLoadEnvErrors(t *testing.T) {
 			if err == nil {
 				t.Fatalf("loadEnv(builtins()) = %+v, want an error", e)
 			}
-			var ce *ConfigError
+			var ce *configError
 			if !errors.As(err, &ce) {
-				t.Errorf("error %T %q is not a *ConfigError", err, err)
+				t.Errorf("error %T %q is not a *configError", err, err)
 			}
 			for _, w := range tt.want {
 				if !strings.Contains(err.Error(), w) {
@@ -363,9 +363,9 @@ func TestLoadDBEnv(t *testing.T) {
 			if err == nil {
 				t.Fatalf("loadDBEnv() = %+v, want an error", got)
 			}
-			var ce *ConfigError
+			var ce *configError
 			if !errors.As(err, &ce) {
-				t.Errorf("error %T %q is not a *ConfigError", err, err)
+				t.Errorf("error %T %q is not a *configError", err, err)
 			}
 			for _, w := range tt.wantErr {
 				if !strings.Contains(err.Error(), w) {

@@ -189,7 +189,7 @@ func Run(args []string, stderr io.Writer, handlers ...Handler) int {
 		help()
 		return 2
 	}
-	var cerr *ConfigError
+	var cerr *configError
 	switch {
 	case err == nil:
 		return 0
@@ -233,7 +233,7 @@ func newLogger(env *env, w io.Writer) *slog.Logger {
 func openPool(ctx context.Context, env *dbEnv) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(env.DatabaseURL)
 	if err != nil {
-		return nil, &ConfigError{fmt.Errorf("DATABASE_URL is not a valid connection string: %v", err)}
+		return nil, &configError{fmt.Errorf("DATABASE_URL is not a valid connection string: %v", err)}
 	}
 	if !strings.Contains(env.DatabaseURL, "pool_max_conns") {
 		cfg.MaxConns = env.DBMaxConns
@@ -284,7 +284,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	}))
 	ln, err := net.Listen("tcp", env.HTTPAddr)
 	if err != nil {
-		return &ConfigError{fmt.Errorf("HTTP_ADDR=%q: %v", env.HTTPAddr, err)}
+		return &configError{fmt.Errorf("HTTP_ADDR=%q: %v", env.HTTPAddr, err)}
 	}
 	healthy := func(ctx context.Context) error {
 		if p := proc.Load(); p != nil {
