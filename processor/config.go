@@ -29,6 +29,10 @@ const (
 	OnDeadLetterBlock OnDeadLetter = "block"
 )
 
+// NoBatchWait, as Config.BatchMaxWait, applies the records a partition has as soon as they
+// arrive, without waiting for a batch to fill.
+const NoBatchWait time.Duration = -1
+
 // DefaultRetryTiers are the retry tiers used when Config.RetryTiers is nil.
 var DefaultRetryTiers = []time.Duration{time.Second, 10 * time.Second, time.Minute}
 
@@ -96,7 +100,7 @@ type Config struct {
 	//
 	BatchMaxRecords int
 	// BatchMaxWait is how long a partition waits for a batch to fill before applying what it
-	// has; negative applies whatever has arrived at once. Under load batches fill while the
+	// has; NoBatchWait applies whatever has arrived at once. Under load batches fill while the
 	// previous one is being applied, so this only matters for trickles. Defaults to 20ms.
 	BatchMaxWait time.Duration
 	// MaxBufferedBytes bounds the memory that fetched records take while they wait to be applied

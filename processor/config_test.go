@@ -243,7 +243,7 @@ func TestConfigWithDefaultsSpecialValues(t *testing.T) {
 		},
 		{
 			name:   "negative BatchMaxWait means apply at once",
-			modify: func(c *Config) { c.BatchMaxWait = -1 },
+			modify: func(c *Config) { c.BatchMaxWait = NoBatchWait },
 			check: func(c *Config) error {
 				if c.BatchMaxWait != 0 {
 					return fmt.Errorf("BatchMaxWait = %v, want 0", c.BatchMaxWait)

@@ -45,7 +45,7 @@ type env struct {
 	Handler              string        `envconfig:"HANDLER" field:"Handler"`
 	HTTPAddr             string        `envconfig:"HTTP_ADDR" default:":9090"`
 	BatchMaxRecords      int           `envconfig:"BATCH_MAX_RECORDS" default:"500" field:"BatchMaxRecords"`
-	BatchMaxWait         time.Duration `envconfig:"BATCH_MAX_WAIT" default:"20ms" field:"BatchMaxWait"`
+	BatchMaxWait         batchWait     `envconfig:"BATCH_MAX_WAIT" default:"20ms" field:"BatchMaxWait"`
 	RetryLocalAttempts   int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3" field:"LocalAttempts"`
 	MaxRecordBytes       int           `envconfig:"MAX_RECORD_BYTES" default:"1048576" field:"MaxRecordBytes"`
 	MaxBufferedBytes     int           `envconfig:"MAX_BUFFERED_BYTES" default:"67108864" field:"MaxBufferedBytes"`
@@ -69,6 +69,20 @@ type env struct {
 	tiers     []time.Duration        // RETRY_TIERS, parsed
 	kafkaOpts []kgo.Opt              // KAFKA_TLS_*, KAFKA_SASL_*, parsed
 	topics    map[string]topicPolicy // TOPIC_<topic>_*, parsed, by topic
+}
+
+// batchWait is BATCH_MAX_WAIT: a duration, or none (processor.NoBatchWait).
+type batchWait time.Duration
+
+// Decode implements envconfig.Decoder.
+func (w *batchWait) Decode(value string) error {
+	if strings.TrimSpace(value) == "none" {
+		*w = batchWait(processor.NoBatchWait)
+		return nil
+	}
+	d, err := time.ParseDuration(strings.TrimSpace(value))
+	*w = batchWait(d)
+	return err
 }
 
 // topicPolicy is a topic's TOPIC_<topic>_* variables (see topicSettings).
@@ -161,6 +175,8 @@ func process(spec any) error {
 
 func typeName(t string) string {
 	switch t {
+	case "service.batchWait":
+		return "duration (e.g. 20ms), or none"
 	case "time.Duration":
 		return "duration (e.g. 250ms, 10s, 1m)"
 	case "int", "int32":
@@ -241,8 +257,8 @@ func (e *env) validate(hs *registry) error {
 	atLeast1("MAX_RECORD_BYTES", e.MaxRecordBytes)
 	atLeast1("MAX_BUFFERED_BYTES", e.MaxBufferedBytes)
 	atLeast1("BREAKER_MIN_RECORDS", e.BreakerMinRecords)
-	if e.BatchMaxWait < 0 {
-		errs = append(errs, fmt.Errorf("BATCH_MAX_WAIT must not be negative, got %v", e.BatchMaxWait))
+	if e.BatchMaxWait == 0 || time.Duration(e.BatchMaxWait) < processor.NoBatchWait {
+		errs = append(errs, fmt.Errorf("BATCH_MAX_WAIT must be positive, or none to apply records as they arrive, got %v", time.Duration(e.BatchMaxWait)))
 	}
 	if e.BreakerThreshold <= 0 || e.BreakerThreshold > 1 {
 		errs = append(errs, fmt.Errorf("BREAKER_THRESHOLD is a share of records, above 0 and at most 1, got %v (BREAKER_ENABLED=false turns the breaker off)", e.BreakerThreshold))
@@ -444,10 +460,6 @@ func parseLevel(s string) (slog.Level, error) {
 // processorConfig is the processor configuration the environment describes, with the handlers
 // of hs.
 func (e *env) processorConfig(hs *registry, log *slog.Logger, reg prometheus.Registerer) *processor.Config {
-	batchWait := e.BatchMaxWait
-	if batchWait == 0 {
-		batchWait = -1 // BATCH_MAX_WAIT=0: apply at once
-	}
 	c := &processor.Config{
 		Brokers:              e.KafkaBrokers,
 		Group:                e.KafkaGroupID,
@@ -456,7 +468,7 @@ func (e *env) processorConfig(hs *registry, log *slog.Logger, reg prometheus.Reg
 		StartOffset:          processor.StartOffset(e.KafkaStartOffset),
 		GroupProtocol:        processor.GroupProtocol(e.KafkaGroupProtocol),
 		BatchMaxRecords:      e.BatchMaxRecords,
-		BatchMaxWait:         batchWait,
+		BatchMaxWait:         time.Duration(e.BatchMaxWait),
 		LocalAttempts:        e.RetryLocalAttempts,
 		MaxRecordBytes:       e.MaxRecordBytes,
 		MaxBufferedBytes:     e.MaxBufferedBytes,

@@ -104,7 +104,7 @@ func TestLoadEnvDefaults(t *testing.T) {
 		Handler:               "ledger",
 		HTTPAddr:              ":9090",
 		BatchMaxRecords:       500,
-		BatchMaxWait:          20 * time.Millisecond,
+		BatchMaxWait:          batchWait(20 * time.Millisecond),
 		RetryLocalAttempts:    3,
 		MaxRecordBytes:        1 << 20,
 		RetryBackoffBase:      200 * time.Millisecond,
@@ -155,9 +155,9 @@ func TestLoadEnvValues(t *testing.T) {
 			check: func(e *env) bool { return e.KafkaStartOffset == "latest" },
 		},
 		{
-			name:  "zero batch wait means apply at once",
-			vars:  with("BATCH_MAX_WAIT", "0"),
-			check: func(e *env) bool { return e.BatchMaxWait == 0 },
+			name:  "batch wait none means apply at once",
+			vars:  with("BATCH_MAX_WAIT", "none"),
+			check: func(e *env) bool { return time.Duration(e.BatchMaxWait) == processor.NoBatchWait },
 		},
 		{
 			name: "durations and integers",
@@ -225,7 +225,7 @@ func TestLoadEnvErrors(t *testing.T) {
 		{name: "a topic without its handler", vars: with("HANDLER", "", "KAFKA_TOPICS", "orders,refunds", "TOPIC_ORDERS_HANDLER", "ledger"), want: []string{"HANDLER is required", "set TOPIC_REFUNDS_HANDLER"}},
 
 		{name: "session timeout without unit", vars: with("KAFKA_SESSION_TIMEOUT", "45"), want: []string{"KAFKA_SESSION_TIMEOUT", `"45"`, "duration"}},
-		{name: "batch wait garbled", vars: with("BATCH_MAX_WAIT", "soon"), want: []string{"BATCH_MAX_WAIT", `"soon"`, "duration"}},
+		{name: "batch wait garbled", vars: with("BATCH_MAX_WAIT", "soon"), want: []string{"BATCH_MAX_WAIT", `"soon"`, "duration (e.g. 20ms), or none"}},
 		{name: "backoff base garbled", vars: with("RETRY_BACKOFF_BASE", "2x"), want: []string{"RETRY_BACKOFF_BASE", `"2x"`, "duration"}},
 		{name: "backoff max garbled", vars: with("RETRY_BACKOFF_MAX", "five"), want: []string{"RETRY_BACKOFF_MAX", `"five"`, "duration"}},
 		{name: "shutdown timeout garbled", vars: with("SHUTDOWN_TIMEOUT", "10 s"), want: []string{"SHUTDOWN_TIMEOUT", `"10 s"`, "duration"}},
@@ -252,7 +252,8 @@ func TestLoadEnvErrors(t *testing.T) {
 		{name: "unknown group protocol", vars: with("KAFKA_GROUP_PROTOCOL", "consumer-v2"), want: []string{`KAFKA_GROUP_PROTOCOL must be "auto" or "classic", got "consumer-v2"`}},
 		{name: "buffer under a mebibyte", vars: with("MAX_BUFFERED_BYTES", "1000"), want: []string{"MAX_BUFFERED_BYTES must be at least 1 MiB (1048576), got 1000"}},
 		{name: "buffer garbled", vars: with("MAX_BUFFERED_BYTES", "64MiB"), want: []string{"MAX_BUFFERED_BYTES", `"64MiB"`, "integer"}},
-		{name: "negative batch wait", vars: with("BATCH_MAX_WAIT", "-1ms"), want: []string{"BATCH_MAX_WAIT must not be negative"}},
+		{name: "negative batch wait", vars: with("BATCH_MAX_WAIT", "-1ms"), want: []string{"BATCH_MAX_WAIT must be positive, or none to apply records as they arrive, got -1ms"}},
+		{name: "zero batch wait", vars: with("BATCH_MAX_WAIT", "0"), want: []string{"BATCH_MAX_WAIT must be positive, or none", "got 0s"}},
 		{name: "zero batch size", vars: with("BATCH_MAX_RECORDS", "0"), want: []string{"BATCH_MAX_RECORDS must be at least 1, got 0"}},
 		{name: "zero local attempts", vars: with("RETRY_LOCAL_ATTEMPTS", "0"), want: []string{"RETRY_LOCAL_ATTEMPTS must be at least 1, got 0"}},
 		{name: "zero max conns", vars: with("DB_MAX_CONNS", "0"), want: []string{"DB_MAX_CONNS must be at least 1, got 0"}},
@@ -417,8 +418,8 @@ func TestDocsDocumentEveryVariable(t *testing.T) {
 }
 
 // TestProcessorConfig checks the translations between the environment and processor.Config
-// where they spell "off" differently: a mistake there would silently leave the breaker on, or
-// make BATCH_MAX_WAIT=0 wait the default.
+// where they spell a setting differently: a mistake there would silently leave the breaker on,
+// or make BATCH_MAX_WAIT=none wait the default.
 func TestProcessorConfig(t *testing.T) {
 	for _, tt := range []struct {
 		name  string
@@ -450,9 +451,9 @@ func TestProcessorConfig(t *testing.T) {
 			}
 			return ""
 		}},
-		{"BATCH_MAX_WAIT=0 applies at once", with("BATCH_MAX_WAIT", "0"), func(c *processor.Config) string {
-			if c.BatchMaxWait >= 0 {
-				return fmt.Sprintf("BatchMaxWait = %v, want negative (no wait)", c.BatchMaxWait)
+		{"BATCH_MAX_WAIT=none applies at once", with("BATCH_MAX_WAIT", "none"), func(c *processor.Config) string {
+			if c.BatchMaxWait != processor.NoBatchWait {
+				return fmt.Sprintf("BatchMaxWait = %v, want NoBatchWait", c.BatchMaxWait)
 			}
 			return ""
 		}},
