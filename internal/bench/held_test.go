@@ -70,20 +70,20 @@ func BenchmarkHeldRecords(b *testing.B) {
 		}
 		pool.Close()
 
-		b.ReportMetric(drain, "drain_rec/s")
+		b.ReportMetric(drain, "held_rec/s")
 		b.ReportMetric(fast, "fast_rec/s")
 		b.ReportMetric(drain/fast, "x_fast")
 		fmt.Printf("\nheld records drain, %s broker, %d events over %d accounts (%d partitions):\n", k.Name, events, accounts, partitions)
 		fmt.Printf("  held records applied after release  %9.0f records/s\n", drain)
 		fmt.Printf("  same records from the topic           %9.0f records/s\n", fast)
-		fmt.Printf("  drain / fast path = %.2f\n\n", drain/fast)
+		fmt.Printf("  held / fast path = %.2f\n\n", drain/fast)
 	}
 }
 
 // drainProcessor runs the processor with ON_DEAD_LETTER=block; once released is closed, it
 // releases every blocked key.
 func drainProcessor(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.Pool, released <-chan struct{}) func(context.Context) error {
-	group := "drain-" + topic
+	group := "held-" + topic
 	p, err := processor.New(pool, &processor.Config{
 		Brokers:         k.Brokers,
 		Group:           group,
