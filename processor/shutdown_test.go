@@ -60,6 +60,11 @@ func stopsWhileAMemberIsSilent(t *testing.T, k *testenv.Kafka, protocol processo
 	cfgA.RebalanceTimeout = 40 * time.Second
 	cfgA.ShutdownTimeout = 30 * time.Second
 	a := h.Start(cfgA)
+	// Under the consumer protocol the session timeout is the group's, and each processor sets
+	// it as it starts: A must have set its 60 s before C and B set 8 s, or the group may keep
+	// A's, and C's partitions would stay with the silent C for a minute. (Replicas of one
+	// Deployment share their settings; only this test gives them different ones.)
+	waitJoined(t, a)
 
 	net := testenv.NewNetFault()
 	cfgC := config(8 * time.Second)

@@ -141,7 +141,8 @@ const usage = `usage: %[1]s [run|migrate|help]
   run      consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
   migrate  create or upgrade kafkapg's tables in DB_SCHEMA, then exit
 
-Configuration is read from environment variables; see docs/configuration.md.
+Configuration is read from environment variables: see docs/configuration.md in
+github.com/kafkapg/kafkapg.
 Handlers in this binary (HANDLER): %[2]s
 `
 
