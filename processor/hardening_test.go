@@ -784,6 +784,15 @@ func TestFrozenOwnerHoldsUpNoClaim(t *testing.T) {
 		net.Cut()
 		cut := time.Now()
 		b := h.Start(h.Config(ledger.Handler{}))
+		// Well within A's one-minute idle timeout; it takes about 3 s (A's session, then B's
+		// claim). On a loaded CI machine it once took more than 20 s: say where B was then.
+		testenv.Eventually(t, 40*time.Second, func() error {
+			if got := h.Applied(); got < len(items) {
+				return fmt.Errorf("%d of %d events applied; B ready: %v, B owns %v partitions; positions: %s",
+					got, len(items), b.P.Ready(context.Background()), b.Gauge("kafkapg_assigned_partitions"), h.Positions())
+			}
+			return nil
+		})
 		h.WaitSettled(items, 1, 20*time.Second)
 		t.Logf("B applied everything %v after A was cut off (A's session: 2s; its transactions' idle timeout: 1m)", time.Since(cut).Round(time.Millisecond))
 		g.open()
