@@ -9,51 +9,23 @@ import (
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kadm"
-	"github.com/twmb/franz-go/pkg/kfake"
-	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/internal/testenv"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
-
-// newCluster starts an in-process single-broker cluster and returns its addresses.
-func newCluster(t *testing.T) []string {
-	t.Helper()
-	c, err := kfake.NewCluster(kfake.NumBrokers(1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(c.Close)
-	return c.ListenAddrs()
-}
 
 // newAdmin returns an admin client of its own. kadm answers ListTopics from the kgo client's
 // metadata cache (for MetadataMinAge, 5s by default), so each step of a test that must see the
 // broker's current state uses a fresh client.
-func newAdmin(t *testing.T, addrs []string) *kadm.Client {
+func newAdmin(t *testing.T, k *testenv.Kafka) *kadm.Client {
 	t.Helper()
-	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(cl.Close)
-	return kadm.NewClient(cl)
-}
-
-func createTopic(t *testing.T, addrs []string, topic string, partitions int32) {
-	t.Helper()
-	resp, err := newAdmin(t, addrs).CreateTopic(context.Background(), partitions, 1, nil, topic)
-	if err == nil {
-		err = resp.Err
-	}
-	if err != nil {
-		t.Fatalf("create topic %s: %v", topic, err)
-	}
+	return kadm.NewClient(k.Client(t))
 }
 
 // partitions returns the partition count of topic, or -1 if it does not exist.
-func partitions(t *testing.T, addrs []string, topic string) int {
+func partitions(t *testing.T, k *testenv.Kafka, topic string) int {
 	t.Helper()
-	d, err := newAdmin(t, addrs).ListTopics(context.Background(), topic)
+	d, err := newAdmin(t, k).ListTopics(context.Background(), topic)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -74,12 +46,12 @@ func TestEnsureTopics(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	addrs := newCluster(t)
-	createTopic(t, addrs, "orders", 3)
-	createTopic(t, addrs, "refunds", 1)
+	k := testenv.NewKfake(t)
+	k.CreateTopicNamed(t, "orders", 3)
+	k.CreateTopicNamed(t, "refunds", 1)
 	sources := []string{"orders", "ghost", "refunds"}
 
-	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf(sources, 0), true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf(sources, 0), true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -94,13 +66,13 @@ func TestEnsureTopics(t *testing.T) {
 		"refunds.billing.dlq": 1,
 		"ghost.billing.dlq":   -1, // a missing source gets no DLQ
 	} {
-		if got := partitions(t, addrs, topic); got != want {
+		if got := partitions(t, k, topic); got != want {
 			t.Errorf("%s has %d partitions, want %d (-1: does not exist)", topic, got, want)
 		}
 	}
 
 	// Idempotent: the second call finds everything in place.
-	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf(sources, 0), true)
+	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf(sources, 0), true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -112,20 +84,20 @@ func TestEnsureTopics(t *testing.T) {
 	}
 
 	// Once the source appears, its DLQ is created.
-	createTopic(t, addrs, "ghost", 2)
-	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf(sources, 0), true)
+	k.CreateTopicNamed(t, "ghost", 2)
+	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf(sources, 0), true)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if want := []string{"ghost.billing.dlq"}; !slices.Equal(created, want) || len(missing) != 0 {
 		t.Errorf("after creating ghost: created = %q, missing = %q; want %q, none missing", created, missing, want)
 	}
-	if got := partitions(t, addrs, "ghost.billing.dlq"); got != 2 {
+	if got := partitions(t, k, "ghost.billing.dlq"); got != 2 {
 		t.Errorf("ghost.billing.dlq has %d partitions, want 2", got)
 	}
 
 	// Another group gets DLQs of its own.
-	created, _, err = retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "audit", tiersOf([]string{"orders"}, 0), true)
+	created, _, err = retrytopics.EnsureTopics(ctx, newAdmin(t, k), "audit", tiersOf([]string{"orders"}, 0), true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,13 +113,13 @@ func TestEnsureTopicsLostRace(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	addrs := newCluster(t)
-	createTopic(t, addrs, "orders", 3)
-	stale := newAdmin(t, addrs)
+	k := testenv.NewKfake(t)
+	k.CreateTopicNamed(t, "orders", 3)
+	stale := newAdmin(t, k)
 	if _, err := stale.ListTopics(ctx, "orders", "orders.billing.dlq"); err != nil {
 		t.Fatal(err)
 	}
-	createTopic(t, addrs, "orders.billing.dlq", 3) // the other instance
+	k.CreateTopicNamed(t, "orders.billing.dlq", 3) // the other instance
 	if d, err := stale.ListTopics(ctx, "orders.billing.dlq"); err != nil || d["orders.billing.dlq"].Err == nil {
 		t.Fatalf("the admin client's metadata is not stale (err %v): the race is not staged, the test would prove nothing", err)
 	}
@@ -167,19 +139,19 @@ func TestEnsureTopicsKeepsExisting(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	addrs := newCluster(t)
-	createTopic(t, addrs, "orders", 3)
-	createTopic(t, addrs, "orders.billing.dlq", 1)
-	createTopic(t, addrs, "gone.billing.dlq", 1)
+	k := testenv.NewKfake(t)
+	k.CreateTopicNamed(t, "orders", 3)
+	k.CreateTopicNamed(t, "orders.billing.dlq", 1)
+	k.CreateTopicNamed(t, "gone.billing.dlq", 1)
 
-	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf([]string{"orders", "gone"}, 0), true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders", "gone"}, 0), true)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(created) != 0 || !slices.Equal(missing, []string{"gone"}) {
 		t.Errorf("created = %q, missing = %q; want nothing created, the missing source gone reported", created, missing)
 	}
-	if got := partitions(t, addrs, "orders.billing.dlq"); got != 1 {
+	if got := partitions(t, k, "orders.billing.dlq"); got != 1 {
 		t.Errorf("existing DLQ now has %d partitions, want it untouched (1)", got)
 	}
 }
@@ -188,26 +160,26 @@ func TestEnsureTopicsNoSources(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	addrs := newCluster(t)
-	createTopic(t, addrs, "orders", 3)
-	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf(nil, 0), true)
+	k := testenv.NewKfake(t)
+	k.CreateTopicNamed(t, "orders", 3)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf(nil, 0), true)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(created) != 0 || len(missing) != 0 {
 		t.Errorf("created = %q, missing = %q; want neither for no sources", created, missing)
 	}
-	if got := partitions(t, addrs, "orders.billing.dlq"); got != -1 {
+	if got := partitions(t, k, "orders.billing.dlq"); got != -1 {
 		t.Errorf("orders.billing.dlq was created although orders was not asked for")
 	}
 }
 
 func TestEnsureTopicsContextDone(t *testing.T) {
 	t.Parallel()
-	addrs := newCluster(t)
+	k := testenv.NewKfake(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf([]string{"orders"}, 0), true)
+	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders"}, 0), true)
 	if err == nil {
 		t.Fatal("EnsureTopics with a cancelled context returned no error")
 	}
@@ -220,11 +192,11 @@ func TestEnsureTopicsTiers(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	addrs := newCluster(t)
-	createTopic(t, addrs, "orders", 3)
+	k := testenv.NewKfake(t)
+	k.CreateTopicNamed(t, "orders", 3)
 
 	// Creation disabled: every missing retry and dead-letter topic is named in the error.
-	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf([]string{"orders"}, 2), false)
+	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders"}, 2), false)
 	if !errors.Is(err, retrytopics.ErrTopicMissing) {
 		t.Fatalf("err = %v, want ErrTopicMissing", err)
 	}
@@ -233,11 +205,11 @@ func TestEnsureTopicsTiers(t *testing.T) {
 			t.Errorf("error %q does not name %s", err, name)
 		}
 	}
-	if got := partitions(t, addrs, "orders.billing.retry.1"); got != -1 {
+	if got := partitions(t, k, "orders.billing.retry.1"); got != -1 {
 		t.Errorf("a topic was created although creation is disabled")
 	}
 
-	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf([]string{"orders"}, 2), true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders"}, 2), true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -246,12 +218,12 @@ func TestEnsureTopicsTiers(t *testing.T) {
 		t.Errorf("created = %q, missing = %q; want %q, none missing", created, missing, want)
 	}
 	for _, name := range want {
-		if got := partitions(t, addrs, name); got != 3 {
+		if got := partitions(t, k, name); got != 3 {
 			t.Errorf("%s has %d partitions, want 3 (the source's)", name, got)
 		}
 	}
 	// Now everything exists: creation disabled is fine.
-	if _, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, addrs), "billing", tiersOf([]string{"orders"}, 2), false); err != nil {
+	if _, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders"}, 2), false); err != nil {
 		t.Errorf("with all topics present and creation disabled: %v", err)
 	}
 }
