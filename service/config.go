@@ -282,9 +282,6 @@ func (e *env) validate(hs *registry) error {
 	topics, err := topicEnv(e.KafkaTopics, hs)
 	errs = append(errs, err)
 	e.topics = topics
-	if err := errors.Join(errs...); err != nil {
-		return err
-	}
 	if e.Handler == "" {
 		var without []string
 		for _, t := range e.KafkaTopics {
@@ -293,13 +290,38 @@ func (e *env) validate(hs *registry) error {
 			}
 		}
 		if len(without) > 0 {
-			return fmt.Errorf("HANDLER is required: this binary has handlers %s; choose one (or set %s)", strings.Join(hs.names, ", "), strings.Join(without, ", "))
+			errs = append(errs, fmt.Errorf("HANDLER is required: this binary has handlers %s; choose one (or set %s)", strings.Join(hs.names, ", "), strings.Join(without, ", ")))
+		}
+	}
+	// Then what the processor checks, so that every variable at fault is named at once; a
+	// variable already named above is not named twice (its value was not taken, and the
+	// processor saw a default or nothing in its place).
+	named := map[string]bool{}
+	for _, err := range errs {
+		if err != nil {
+			for _, err := range unjoin(err) {
+				named[varOf(err)] = true
+			}
 		}
 	}
 	if err := e.processorConfig(hs, nil, nil).Validate(); err != nil {
-		return e.rename(err)
+		for _, err := range e.rename(err) {
+			if !named[varOf(err)] {
+				errs = append(errs, err)
+			}
+		}
 	}
-	return nil
+	return errors.Join(errs...)
+}
+
+// varOf returns the variable a configuration error names first: its message up to a space,
+// '=' or ':'.
+func varOf(err error) string {
+	msg := err.Error()
+	if i := strings.IndexAny(msg, " =:"); i >= 0 {
+		return msg[:i]
+	}
+	return msg
 }
 
 // topicEnv reads the per-topic variables, TOPIC_<topic>_<setting>, of topics. A variable that
@@ -397,8 +419,11 @@ func (tp *topicPolicy) set(setting, value string, hs *registry) error {
 
 // rename rewrites the processor's configuration errors to name the variables that set the fields
 // at fault.
-func (e *env) rename(err error) error {
+func (e *env) rename(err error) []error {
 	names := fieldVars()
+	// Fields named in a message ("less than BackoffBase"), longest first: no field's name is
+	// then rewritten inside another's.
+	fields := slices.SortedFunc(maps.Keys(names), func(a, b string) int { return len(b) - len(a) })
 	var errs []error
 	for _, err := range unjoin(err) {
 		var ce *processor.ConfigError
@@ -414,12 +439,12 @@ func (e *env) rename(err error) error {
 			name = "(processor." + ce.Field + ")" // a field no variable sets: a bug of the service
 		}
 		msg := ce.Err.Error()
-		for field, v := range names { // fields named in the message, e.g. "less than BackoffBase"
-			msg = strings.ReplaceAll(msg, field+" ", v+" ")
+		for _, field := range fields {
+			msg = strings.ReplaceAll(msg, field+" ", names[field]+" ")
 		}
 		errs = append(errs, fmt.Errorf("%s %s", name, msg))
 	}
-	return errors.Join(errs...)
+	return errs
 }
 
 // unjoin returns the errors err joins (errors.Join, through any wrapping), or err alone.

@@ -293,6 +293,8 @@ func TestLoadEnvErrors(t *testing.T) {
 			want: []string{`TOPIC_ORDERS_ON_DEAD_LETTER must be "skip" or "block", got "drop"`}},
 		{name: "two topics with one variable name", vars: with("KAFKA_TOPICS", "a.b,a-b"),
 			want: []string{`KAFKA_TOPICS: topics "a.b" and "a-b" have the same name in per-topic variables (TOPIC_A_B_*)`}},
+		{name: "problems the processor finds are reported with the environment's", vars: with("BATCH_MAX_WAIT", "0", "TOPIC_ORDERS_ON_DEAD_LETTER", "drop", "RETRY_BACKOFF_BASE", "2s", "RETRY_BACKOFF_MAX", "1s"),
+			want: []string{"BATCH_MAX_WAIT must be positive", `TOPIC_ORDERS_ON_DEAD_LETTER must be "skip" or "block"`, "RETRY_BACKOFF_MAX 1s is less than RETRY_BACKOFF_BASE (2s)"}},
 		{name: "several problems are all reported", vars: with("HANDLER", "nope", "LOG_FORMAT", "xml", "BATCH_MAX_RECORDS", "0"),
 			want: []string{"HANDLER", "LOG_FORMAT", "BATCH_MAX_RECORDS"}},
 	}
@@ -311,6 +313,16 @@ func TestLoadEnvErrors(t *testing.T) {
 				if !strings.Contains(err.Error(), w) {
 					t.Errorf("error %q does not contain %q", err, w)
 				}
+			}
+			// Each variable is named once: the processor's check of a value the environment
+			// refused must not add a second, confusing message.
+			seen := map[string]bool{}
+			for _, line := range strings.Split(err.Error(), "\n") {
+				name := varOf(errors.New(line))
+				if seen[name] {
+					t.Errorf("%s is named twice in %q", name, err)
+				}
+				seen[name] = true
 			}
 		})
 	}
