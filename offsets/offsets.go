@@ -17,6 +17,11 @@ var ErrFenced = errors.New("partition was claimed by another owner (fenced)")
 // same token: an earlier commit whose outcome was unknown did succeed. Nothing must be re-applied.
 var ErrAlreadyAdvanced = errors.New("offset already advanced by an earlier commit of this owner")
 
+// ErrKeysChanged means an operator's replay held a key of the partition since the owner last read
+// its held keys (the row's keys_epoch moved on): the owner must read them again and run the batch
+// again. The transaction that observed it has applied nothing.
+var ErrKeysChanged = errors.New("the partition's held keys changed (a replay); read them again")
+
 // Partition names one topic partition.
 type Partition struct {
 	Topic     string
@@ -34,6 +39,9 @@ type Position struct {
 	Token     int64
 	Next      int64
 	Known     bool
+	// KeysEpoch is the row's keys_epoch as the owner last read it with its held keys (see
+	// ErrKeysChanged).
+	KeysEpoch int64
 }
 
 // TP returns the position's partition.
@@ -73,11 +81,11 @@ func NewStore(schema, group string) *Store {
 			ORDER BY topic, partition
 			ON CONFLICT (consumer_group, topic, partition) DO UPDATE
 			SET owner_token = o.owner_token + 1, owner = EXCLUDED.owner, claimed_at = now()
-			RETURNING topic, partition, owner_token, next_offset`,
+			RETURNING topic, partition, owner_token, next_offset, keys_epoch`,
 		advanceSQL: `UPDATE ` + t + ` SET next_offset = $5, updated_at = now()
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3
-			AND owner_token = $4 AND next_offset IS NOT DISTINCT FROM $6`,
-		readSQL: `SELECT owner_token, next_offset FROM ` + t + `
+			AND owner_token = $4 AND next_offset IS NOT DISTINCT FROM $6 AND keys_epoch = $7`,
+		readSQL: `SELECT owner_token, next_offset, keys_epoch FROM ` + t + `
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
 		listSQL: `SELECT topic, partition, next_offset FROM ` + t + `
 			WHERE consumer_group = $1 AND topic = ANY($2) AND next_offset IS NOT NULL`,
@@ -119,7 +127,7 @@ func (s *Store) Claim(ctx context.Context, q Querier, owner string, parts []Part
 	for rows.Next() {
 		var pos Position
 		var next *int64
-		if err := rows.Scan(&pos.Topic, &pos.Partition, &pos.Token, &next); err != nil {
+		if err := rows.Scan(&pos.Topic, &pos.Partition, &pos.Token, &next, &pos.KeysEpoch); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("claim: %w", err)
 		}
@@ -219,7 +227,7 @@ func (s *Store) QueueAdvance(b *pgx.Batch, pos Position, next int64) *pgx.Queued
 	if pos.Known {
 		expected = &pos.Next
 	}
-	return b.Queue(s.advanceSQL, s.group, pos.Topic, pos.Partition, pos.Token, next, expected)
+	return b.Queue(s.advanceSQL, s.group, pos.Topic, pos.Partition, pos.Token, next, expected, pos.KeysEpoch)
 }
 
 // Advance runs the fenced offset update from pos to next in tx and checks it.
@@ -228,7 +236,7 @@ func (s *Store) Advance(ctx context.Context, tx pgx.Tx, pos Position, next int64
 	if pos.Known {
 		expected = &pos.Next
 	}
-	tag, err := tx.Exec(ctx, s.advanceSQL, s.group, pos.Topic, pos.Partition, pos.Token, next, expected)
+	tag, err := tx.Exec(ctx, s.advanceSQL, s.group, pos.Topic, pos.Partition, pos.Token, next, expected, pos.KeysEpoch)
 	if err != nil {
 		return fmt.Errorf("advance %s to %d: %w", pos.TP(), next, err)
 	}
@@ -237,14 +245,15 @@ func (s *Store) Advance(ctx context.Context, tx pgx.Tx, pos Position, next int64
 
 // CheckAdvance interprets the row count of an Advance. One row: nil. Zero rows: it reads the row
 // in tx and returns ErrFenced (another token), ErrAlreadyAdvanced (same token, offset already at
-// next) or an error describing the unexpected offset.
+// next), ErrKeysChanged (same token and offset, another keys_epoch) or an error describing the
+// unexpected offset.
 func (s *Store) CheckAdvance(ctx context.Context, tx pgx.Tx, pos Position, next int64, rowsAffected int64) error {
 	if rowsAffected == 1 {
 		return nil
 	}
-	var token int64
+	var token, epoch int64
 	var stored *int64
-	err := tx.QueryRow(ctx, s.readSQL, s.group, pos.Topic, pos.Partition).Scan(&token, &stored)
+	err := tx.QueryRow(ctx, s.readSQL, s.group, pos.Topic, pos.Partition).Scan(&token, &stored, &epoch)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return fmt.Errorf("advance %s: offsets row is missing (deleted while owned?): %w", pos.TP(), ErrFenced)
@@ -254,6 +263,8 @@ func (s *Store) CheckAdvance(ctx context.Context, tx pgx.Tx, pos Position, next 
 		return fmt.Errorf("advance %s: token %d, now %d: %w", pos.TP(), pos.Token, token, ErrFenced)
 	case stored != nil && *stored == next:
 		return ErrAlreadyAdvanced
+	case epoch != pos.KeysEpoch && (stored == nil) == !pos.Known && (stored == nil || *stored == pos.Next):
+		return fmt.Errorf("advance %s: keys epoch %d, now %d: %w", pos.TP(), pos.KeysEpoch, epoch, ErrKeysChanged)
 	default:
 		// Same owner, different offset: the row was edited underneath us (an operator rewinding the
 		// offset, say). Treat it like losing the partition; a re-assignment re-reads the row.
@@ -266,7 +277,7 @@ func (s *Store) CheckAdvance(ctx context.Context, tx pgx.Tx, pos Position, next 
 func (s *Store) Load(ctx context.Context, q Querier, p Partition) (Position, error) {
 	pos := Position{Topic: p.Topic, Partition: p.Partition}
 	var next *int64
-	err := q.QueryRow(ctx, s.readSQL, s.group, p.Topic, p.Partition).Scan(&pos.Token, &next)
+	err := q.QueryRow(ctx, s.readSQL, s.group, p.Topic, p.Partition).Scan(&pos.Token, &next, &pos.KeysEpoch)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return pos, nil
 	}

@@ -6,6 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/kafkapg/kafkapg/offsets"
 	"github.com/kafkapg/kafkapg/retrytopics"
 	"github.com/kafkapg/kafkapg/sink"
 )
@@ -15,6 +16,7 @@ type outcome struct {
 	applied    int // handled
 	held       int // held behind their keys
 	duplicates int // copies of retry records that had moved on
+	replayed   int // dead letters a replay brought back, applied
 }
 
 // applyRange applies recs, isolating the ones that fail: the whole range is tried in one
@@ -59,6 +61,16 @@ func (w *worker) applyRange(recs []*Record) error {
 // It returns nil, a *sink.HandlerError (the handler failed; its RecordError indexes recs),
 // errStopped or an error wrapping offsets.ErrFenced.
 func (w *worker) handleAll(recs []*Record) error {
+	for {
+		err := w.handleOnce(recs)
+		if !errors.Is(err, offsets.ErrKeysChanged) {
+			return err
+		}
+		// A replay held a key: decide again which records wait behind their keys.
+	}
+}
+
+func (w *worker) handleOnce(recs []*Record) error {
 	var out outcome
 	err := w.transact(recs, nil, func(ctx context.Context, tx pgx.Tx) error {
 		out = outcome{}
@@ -78,10 +90,18 @@ func (w *worker) handleAll(recs []*Record) error {
 			return own(err)
 		}
 		out.applied = len(live)
+		for _, r := range live {
+			if r.deadLetter != 0 {
+				out.replayed++
+			}
+		}
 		return nil
 	}, true)
 	if err == nil {
 		w.applied.Add(float64(out.applied))
+		if out.replayed > 0 {
+			w.p.metrics.replayed.WithLabelValues(w.source, "applied").Add(float64(out.replayed))
+		}
 		w.p.breaker.succeeded(out.applied)
 		if w.tier > 0 && out.applied > 0 {
 			w.p.heldApplier.notify() // the records' keys may have become ready
@@ -193,7 +213,7 @@ func (w *worker) admitRetries(ctx context.Context, tx pgx.Tx, recs []*Record, ou
 				continue
 			}
 			taken[r.origin()] = true
-			r.firstFailed = st.FirstFailedAt
+			r.firstFailed, r.deadLetter = st.FirstFailedAt, st.DeadLetter
 		}
 		live = append(live, r)
 		index = append(index, i)
@@ -225,6 +245,7 @@ func (w *worker) fromTier(rec *Record) {
 	rec.Topic, rec.Partition, rec.Offset, rec.Timestamp = f.Topic, f.Partition, f.Offset, f.Timestamp
 	rec.Headers = retrytopics.StripHeaders(rec.Headers)
 	rec.Attempt = f.Attempt + 1
+	rec.tier = w.tier
 	rec.stage = retrytopics.FromTier // its first failure time is read with its retry state
 }
 

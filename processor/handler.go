@@ -28,7 +28,8 @@ type Record struct {
 	Timestamp time.Time
 	// Attempt is the delivery attempt: 1 for the first delivery (from the source topic, or after
 	// waiting behind its key), n+1 from retry tier n. Retries inside one delivery (see
-	// Config.LocalAttempts) do not change it.
+	// Config.LocalAttempts) do not change it. A dead letter that died at attempt n and is brought
+	// back by a replay is delivered as attempt n+1, and counts on from there through the tiers.
 	Attempt int
 
 	consumed    int64 // offset in the partition it was consumed from (source topic or tier)
@@ -39,6 +40,8 @@ type Record struct {
 	notOurs     bool      // read from a retry tier, but another group's or source topic's record: skipped
 	control     bool      // a Kafka transaction marker: skipped, the offset moves past it
 	firstFailed time.Time // zero until its first failure
+	tier        int       // the retry tier it was consumed from; 0 from its source topic or held
+	deadLetter  int64     // its dead_letters row, when a replay brought it back
 }
 
 // size is what Config.MaxRecordBytes bounds: key, value and headers.
@@ -55,7 +58,8 @@ func (r *Record) origin() retrytopics.Origin {
 }
 
 func (r *Record) rec() retrytopics.Rec {
-	return retrytopics.Rec{Origin: r.origin(), Key: r.Key, Value: r.Value, Headers: r.Headers, Timestamp: r.Timestamp}
+	return retrytopics.Rec{Origin: r.origin(), Key: r.Key, Value: r.Value, Headers: r.Headers, Timestamp: r.Timestamp,
+		Attempt: r.Attempt, DeadLetter: r.deadLetter}
 }
 
 // Handler applies one record's effects. It is the main extension point of kafkapg.

@@ -214,6 +214,15 @@ func (d *heldApplier) applyHeld(k retrytopics.Key, limit int) (int, *Record, err
 	}
 	if len(recs) > 0 {
 		d.p.metrics.applied.WithLabelValues(k.Topic).Add(float64(len(recs)))
+		replayed := 0
+		for _, r := range recs {
+			if r.deadLetter != 0 {
+				replayed++
+			}
+		}
+		if replayed > 0 {
+			d.p.metrics.replayed.WithLabelValues(k.Topic, "applied").Add(float64(replayed))
+		}
 		d.p.breaker.succeeded(len(recs))
 	}
 	return len(recs), first, nil
@@ -276,9 +285,12 @@ func (d *heldApplier) transact(apply func(context.Context, pgx.Tx) error, blame 
 }
 
 // heldRecord is the Record of a held record: attempt 1, like any record delivered for the
-// first time.
+// first time, or the attempt after its last for a dead letter a replay brought back.
 func heldRecord(r retrytopics.Rec) *Record {
 	return &Record{
+		Attempt:    max(r.Attempt, 1),
+		deadLetter: r.DeadLetter,
+		ordered:    r.Key != nil,
 		Topic:     r.Topic,
 		Partition: r.Partition,
 		Offset:    r.Offset,
@@ -286,8 +298,6 @@ func heldRecord(r retrytopics.Rec) *Record {
 		Value:     r.Value,
 		Headers:   r.Headers,
 		Timestamp: r.Timestamp,
-		Attempt:   1,
 		stage:     retrytopics.FromHeld,
-		ordered:   true,
 	}
 }

@@ -28,6 +28,7 @@ type metrics struct {
 	routed      *prometheus.CounterVec
 	recordsHeld *prometheus.CounterVec
 	duplicates  *prometheus.CounterVec
+	replayed    *prometheus.CounterVec
 
 	// Group-wide state of the retry path, read from Postgres every few seconds.
 	heldKeys     prometheus.Gauge
@@ -37,6 +38,8 @@ type metrics struct {
 	tierRecords  *prometheus.GaugeVec
 	tierOverdue  *prometheus.GaugeVec
 	deadLetterDB prometheus.Gauge
+	deadLetters  *prometheus.GaugeVec
+	tasks        prometheus.Gauge
 
 	// The circuit breaker (per process).
 	breakerOpen    prometheus.Gauge
@@ -127,6 +130,18 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "retry_duplicates_skipped_total",
 			Help: "Copies of retry records skipped because the record had already moved on (at-least-once publication).",
 		}, []string{"topic"}),
+		replayed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "replayed_records_total",
+			Help: "Dead letters brought back by a replay that settled here, by outcome: applied, or dead_lettered again.",
+		}, []string{"topic", "outcome"}),
+		deadLetters: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Name: "dead_letters",
+			Help: "Rows in the dead_letters table by status: new, replaying, replayed, discarded (group-wide, from Postgres).",
+		}, []string{"status"}),
+		tasks: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "tasks_running",
+			Help: "Replay and discard tasks running, or interrupted and waiting to be resumed (group-wide, from Postgres).",
+		}),
 		heldKeys: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "held_keys",
 			Help: "Keys of the group whose later records wait behind a record in the retry path or a blocked dead letter (group-wide, from Postgres).",
@@ -198,7 +213,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	}
 	for _, c := range []prometheus.Collector{m.breakerOpen, m.breakerOpened, m.breakerWaiting, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
 		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
-		m.routed, m.recordsHeld, m.duplicates, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
+		m.routed, m.recordsHeld, m.duplicates, m.replayed, m.deadLetters, m.tasks, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors, m.stuckKeys,
 		m.outboxWaiting, m.outboxAside, m.outboxOldest} {
 		if err := reg.Register(c); err != nil {
@@ -219,6 +234,8 @@ func (m *metrics) initLabels(t string, group string, tiers int) {
 	m.consumed.WithLabelValues(t)
 	m.recordsHeld.WithLabelValues(t)
 	m.duplicates.WithLabelValues(t)
+	m.replayed.WithLabelValues(t, "applied")
+	m.replayed.WithLabelValues(t, "dead_lettered")
 	for _, c := range classes {
 		m.failures.WithLabelValues(t, c)
 		m.deadLettered.WithLabelValues(t, c)
@@ -257,6 +274,10 @@ func (m *metrics) setRetryStats(st retrytopics.Stats, tiers int) {
 	m.heldRecords.Set(float64(st.HeldRecords))
 	m.oldestHeld.Set(st.OldestHeld.Seconds())
 	m.deadLetterDB.Set(float64(st.DeadLettersDB))
+	for _, s := range retrytopics.DeadLetterStatuses {
+		m.deadLetters.WithLabelValues(s).Set(float64(st.DeadLetters[s]))
+	}
+	m.tasks.Set(float64(st.TasksRunning))
 	for n := 1; n <= tiers; n++ {
 		t := st.Tiers[n]
 		m.tierRecords.WithLabelValues(tierLabel(n)).Set(float64(t.Records))

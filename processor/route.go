@@ -11,6 +11,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/backoff"
+	"github.com/kafkapg/kafkapg/offsets"
 	"github.com/kafkapg/kafkapg/retrytopics"
 	"github.com/kafkapg/kafkapg/sink"
 )
@@ -98,7 +99,9 @@ type move struct {
 }
 
 // plan decides where a record that failed as f says goes: the next retry tier if the error is
-// retryable and tiers remain, the dead-letter topic otherwise.
+// retryable and tiers remain, the dead-letter topic otherwise. The next tier is the one after
+// the tier the record came from (its Attempt too, except for a replayed dead letter, whose
+// attempts count on from its earlier ones).
 func (p *Processor) plan(rec *Record, source string, f failure) move {
 	cause, class := f.cause, f.class
 	pol := p.policy(source)
@@ -131,8 +134,8 @@ func (p *Processor) plan(rec *Record, source string, f failure) move {
 		FirstFailedAt: first,
 	}
 	topic := retrytopics.DLQTopic(source, p.cfg.Group)
-	if class == ClassRetryable && rec.Attempt <= len(pol.tiers) && !rec.foreign {
-		m.tier = rec.Attempt
+	if class == ClassRetryable && rec.tier < len(pol.tiers) && !rec.foreign {
+		m.tier = rec.tier + 1
 		m.DueAt = retrytopics.DueAt(now, pol.tiers[m.tier-1], rand.Float64())
 		hf.DueAt = m.DueAt
 		topic = retrytopics.TierTopic(source, p.cfg.Group, m.tier)
@@ -173,6 +176,9 @@ func (p *Processor) moved(m move, source string, f failure) {
 		return
 	}
 	p.metrics.deadLettered.WithLabelValues(source, m.Class).Inc()
+	if m.DeadLetter != 0 {
+		p.metrics.replayed.WithLabelValues(source, "dead_lettered").Inc()
+	}
 	if m.Held && m.Block {
 		log.Warn("record dead-lettered; its key stays held until an operator releases it (OnDeadLetterBlock)", "err", f.cause)
 		return
@@ -187,11 +193,27 @@ func (w *worker) route(rec *Record, f failure) error {
 	err := w.transact([]*Record{rec}, []sink.Message{m.msg}, func(ctx context.Context, tx pgx.Tx) error {
 		return w.p.write(ctx, tx, m)
 	}, false)
+	if errors.Is(err, offsets.ErrKeysChanged) {
+		// A replay held a key of the partition meanwhile, perhaps this record's: it may now
+		// have to wait behind it rather than move on. Nothing was applied; decide again.
+		if _, held := w.held[string(rec.Key)]; held && rec.ordered {
+			err := w.handleAll([]*Record{rec}) // held behind its key, most likely
+			var herr *sink.HandlerError
+			if !errors.As(err, &herr) {
+				return err
+			}
+		}
+		return w.route(rec, f)
+	}
 	if errors.Is(err, retrytopics.ErrStale) {
 		// Only a duplicate copy of a retry record can get here; its state has moved on.
 		w.log.Info("retry record moved on while it was being retried; skipping this copy", "offset", rec.consumed, "key_hash", keyHash(rec.Key), "origin", rec.origin(), "err", err)
 		w.p.metrics.duplicates.WithLabelValues(w.source).Inc()
-		return w.transact([]*Record{rec}, nil, nil, false)
+		for {
+			if err := w.transact([]*Record{rec}, nil, nil, false); !errors.Is(err, offsets.ErrKeysChanged) {
+				return err
+			}
+		}
 	}
 	if err != nil {
 		return err

@@ -21,8 +21,12 @@ import (
 // the record's (returned, not retried) only if blame is set and it is not classified as
 // infrastructure.
 //
-// It returns nil, a *sink.HandlerError, errStopped, or an error wrapping offsets.ErrFenced or
-// retrytopics.ErrStale.
+// If a replay held a key of the partition since the worker read its held keys, nothing is
+// applied: it reads them again and returns offsets.ErrKeysChanged, for the caller to decide
+// again which records wait behind their keys.
+//
+// It returns nil, a *sink.HandlerError, errStopped, or an error wrapping offsets.ErrFenced,
+// offsets.ErrKeysChanged or retrytopics.ErrStale.
 func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(context.Context, pgx.Tx) error, blame bool) error {
 	last := recs[len(recs)-1]
 	next := last.consumed + 1
@@ -36,6 +40,13 @@ func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(contex
 		if errors.Is(err, offsets.ErrAlreadyAdvanced) {
 			w.log.Info("an earlier commit whose outcome was unknown had succeeded", "next_offset", next)
 			err = nil
+		}
+		if errors.Is(err, offsets.ErrKeysChanged) {
+			w.log.Info("a replay held a key of this partition; reading its held keys again")
+			if rerr := w.readHeld(); rerr != nil {
+				return rerr // Postgres failed: retried in place
+			}
+			return err
 		}
 		if err != nil {
 			return err
@@ -53,7 +64,7 @@ func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(contex
 
 // inPlace runs tx until it succeeds, retrying in place with backoff while the failure is not the
 // record's, until ctx is done or stopping is closed (then it returns errStopped). It returns at
-// once an error wrapping offsets.ErrFenced or retrytopics.ErrStale, and, if blame names a source
+// once an error wrapping offsets.ErrFenced, offsets.ErrKeysChanged or retrytopics.ErrStale, and, if blame names a source
 // topic, a *sink.HandlerError that its handler's error is not classified as infrastructure: a
 // failure of the record.
 //
@@ -73,7 +84,7 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 		if ctx.Err() != nil {
 			return errStopped
 		}
-		if errors.Is(err, offsets.ErrFenced) || errors.Is(err, retrytopics.ErrStale) {
+		if errors.Is(err, offsets.ErrFenced) || errors.Is(err, offsets.ErrKeysChanged) || errors.Is(err, retrytopics.ErrStale) {
 			return err
 		}
 		var herr *sink.HandlerError

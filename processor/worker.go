@@ -267,28 +267,30 @@ func (w *worker) run() {
 // heldRefresh is how often a partition with held keys reloads them (see worker.held).
 const heldRefresh = time.Minute
 
-// loadHeld reads the partition's held keys (source partitions), retrying while Postgres fails.
-// It runs on the worker's goroutine, between batches: every key the worker held is committed.
+// loadHeld reads the partition's held keys (source partitions) and its keys epoch, retrying
+// while Postgres fails. It runs on the worker's goroutine, between batches: every key the worker
+// held is committed.
 func (w *worker) loadHeld() error {
-	if w.tier > 0 {
-		return nil
+	return w.p.inPlace(w.ctx, w.stopping, w.log, "", &w.prog, w.readHeld)
+}
+
+// readHeld reads the partition's held keys and keys epoch once.
+func (w *worker) readHeld() error {
+	keys, epoch, err := w.p.retry.HeldKeys(w.ctx, w.p.pool, w.tp.Topic, w.tp.Partition)
+	if err != nil {
+		return err
 	}
-	return w.p.inPlace(w.ctx, w.stopping, w.log, "", &w.prog, func() error {
-		keys, err := w.p.retry.HeldKeys(w.ctx, w.p.pool, w.tp.Topic, w.tp.Partition)
-		if err != nil {
-			return err
-		}
-		first := w.held == nil
-		w.held = make(map[string]struct{}, len(keys))
-		for _, k := range keys {
-			w.held[string(k)] = struct{}{}
-		}
-		w.heldLoaded = time.Now()
-		if first && len(keys) > 0 {
-			w.log.Info("partition has held keys; their records keep waiting behind them", "held_keys", len(keys))
-		}
-		return nil
-	})
+	w.pos.KeysEpoch = epoch
+	first := w.held == nil
+	w.held = make(map[string]struct{}, len(keys))
+	for _, k := range keys {
+		w.held[string(k)] = struct{}{}
+	}
+	w.heldLoaded = time.Now()
+	if first && len(keys) > 0 {
+		w.log.Info("partition has held keys; their records keep waiting behind them", "held_keys", len(keys))
+	}
+	return nil
 }
 
 // records converts a fetched batch, dropping records below the stored position (already

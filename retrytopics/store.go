@@ -32,6 +32,9 @@ type Store struct {
 	heldKeys    string
 	heldRecords string
 	deadLetters string
+	events      string
+	offsets     string
+	tasks       string
 }
 
 // NewStore returns a Store for group whose tables live in schema.
@@ -43,6 +46,9 @@ func NewStore(schema, group string) *Store {
 		heldKeys:    t("held_keys"),
 		heldRecords: t("held_records"),
 		deadLetters: t("dead_letters"),
+		events:      t("dead_letter_events"),
+		offsets:     t("offsets"),
+		tasks:       t("tasks"),
 	}
 }
 
@@ -73,6 +79,11 @@ type Rec struct {
 	Value     []byte
 	Headers   []kgo.RecordHeader
 	Timestamp time.Time
+	// Attempt is the delivery attempt a held record is handled as: 1, or for a dead letter a
+	// replay brought back, one more than the attempts it died after (0 means 1).
+	Attempt int
+	// DeadLetter is the dead_letters row of a record a replay brought back; 0 otherwise.
+	DeadLetter int64
 }
 
 // Key names a key of a source partition.
@@ -120,18 +131,16 @@ type Move struct {
 	Block bool
 }
 
-// HeldKeys returns the keys of a source partition that are held, in any state.
-func (s *Store) HeldKeys(ctx context.Context, q Querier, topic string, partition int32) ([][]byte, error) {
-	rows, err := q.Query(ctx, `SELECT key FROM `+s.heldKeys+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
-		s.group, topic, partition)
+// HeldKeys returns the keys of a source partition that are held, in any state, and the keys
+// epoch of its offsets row (see offsets.ErrKeysChanged) as of the same snapshot.
+func (s *Store) HeldKeys(ctx context.Context, q Querier, topic string, partition int32) (keys [][]byte, epoch int64, err error) {
+	err = q.QueryRow(ctx, `SELECT coalesce((SELECT keys_epoch FROM `+s.offsets+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3), 0),
+			ARRAY(SELECT key FROM `+s.heldKeys+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3)`,
+		s.group, topic, partition).Scan(&epoch, &keys)
 	if err != nil {
-		return nil, fmt.Errorf("read held keys of %s[%d]: %w", topic, partition, err)
+		return nil, 0, fmt.Errorf("read held keys of %s[%d]: %w", topic, partition, err)
 	}
-	keys, err := pgx.CollectRows(rows, pgx.RowTo[[]byte])
-	if err != nil {
-		return nil, fmt.Errorf("read held keys of %s[%d]: %w", topic, partition, err)
-	}
-	return keys, nil
+	return keys, epoch, nil
 }
 
 // LockHeldKeys locks the held_keys rows of the given keys of a source partition and returns the
@@ -174,6 +183,7 @@ func (s *Store) Hold(ctx context.Context, tx pgx.Tx, recs []Rec) error {
 type RetryState struct {
 	Attempt       int // the delivery attempt its current copy in a tier carries
 	FirstFailedAt time.Time
+	DeadLetter    int64 // the dead_letters row of a record a replay brought back; 0 otherwise
 }
 
 // LockRetries locks the retry state of records and returns it; a record with no state is not in
@@ -185,7 +195,7 @@ func (s *Store) LockRetries(ctx context.Context, tx pgx.Tx, recs []Origin) (map[
 	for i, o := range recs {
 		topics[i], parts[i], offs[i] = o.Topic, o.Partition, o.Offset
 	}
-	rows, err := tx.Query(ctx, `SELECT topic, partition, "offset", attempt, first_failed_at FROM `+s.retries+`
+	rows, err := tx.Query(ctx, `SELECT topic, partition, "offset", attempt, first_failed_at, coalesce(dead_letter_id, 0) FROM `+s.retries+`
 		WHERE consumer_group = $1
 		AND (topic, partition, "offset") IN (SELECT * FROM unnest($2::text[], $3::int[], $4::bigint[]))
 		ORDER BY topic, partition, "offset" FOR UPDATE`, s.group, topics, parts, offs)
@@ -195,7 +205,7 @@ func (s *Store) LockRetries(ctx context.Context, tx pgx.Tx, recs []Origin) (map[
 	out := map[Origin]RetryState{}
 	var o Origin
 	var st RetryState
-	_, err = pgx.ForEachRow(rows, []any{&o.Topic, &o.Partition, &o.Offset, &st.Attempt, &st.FirstFailedAt}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&o.Topic, &o.Partition, &o.Offset, &st.Attempt, &st.FirstFailedAt, &st.DeadLetter}, func() error {
 		out[o] = st
 		return nil
 	})
@@ -212,6 +222,11 @@ func (s *Store) Applied(ctx context.Context, tx pgx.Tx, r Rec, held bool) error 
 	if _, err := tx.Exec(ctx, `DELETE FROM `+s.retries+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4`,
 		s.group, r.Topic, r.Partition, r.Offset); err != nil {
 		return fmt.Errorf("forget retry state of %s: %w", r.Origin, err)
+	}
+	if r.DeadLetter != 0 {
+		if err := s.replayed(ctx, tx, []int64{r.DeadLetter}); err != nil {
+			return err
+		}
 	}
 	if held {
 		return s.release(ctx, tx, Key{r.Topic, r.Partition, r.Key})
@@ -230,9 +245,9 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 				return err
 			}
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)`,
-			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage)); err != nil {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message, dead_letter_id)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, nullif($11::bigint, 0))`,
+			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage), m.DeadLetter); err != nil {
 			return fmt.Errorf("store retry state of %s: %w", m.Origin, err)
 		}
 	case FromTier:
@@ -295,10 +310,19 @@ func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
 			return err
 		}
 	}
+	// A record a replay brought back that fails for good again is dead in its own row again
+	// (status new); its history keeps each death.
 	keys, vals := sink.SplitHeaders(m.Headers)
-	if _, err := tx.Exec(ctx, `INSERT INTO `+s.deadLetters+` (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp",
-			error_class, error_message, attempts, first_failed_at)
-		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)`,
+	if _, err := tx.Exec(ctx, `WITH d AS (
+			INSERT INTO `+s.deadLetters+` AS d (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp",
+				error_class, error_message, attempts, first_failed_at)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+			ON CONFLICT (consumer_group, topic, partition, "offset") DO UPDATE
+			SET status = 'new', status_changed_at = now(), dead_lettered_at = now(), error_class = EXCLUDED.error_class,
+				error_message = EXCLUDED.error_message, attempts = EXCLUDED.attempts
+			RETURNING id)
+		INSERT INTO `+s.events+` (dead_letter_id, event, attempt, error_class, error_message)
+			SELECT id, 'dead_lettered', $12, $10, $11 FROM d`,
 		s.group, m.Topic, m.Partition, m.Offset, m.Key, m.Value, keys, vals, m.Timestamp.UnixMilli(),
 		m.Class, safetext.Text(m.Message, maxStoredMessage), m.Attempt, m.FirstFailedAt); err != nil {
 		return fmt.Errorf("store dead letter %s: %w", m.Origin, err)
@@ -362,8 +386,8 @@ func (s *Store) TakeHeld(ctx context.Context, tx pgx.Tx, k Key, limit, maxBytes 
 	}
 	// The values before a row are summed from their sizes, which Postgres knows without reading
 	// them: values past the budget are never read.
-	rows, err := tx.Query(ctx, `SELECT "offset", value, header_keys, header_values, "timestamp" FROM (
-			SELECT "offset", value, header_keys, header_values, "timestamp",
+	rows, err := tx.Query(ctx, `SELECT "offset", value, header_keys, header_values, "timestamp", attempt, coalesce(dead_letter_id, 0), keyless FROM (
+			SELECT "offset", value, header_keys, header_values, "timestamp", attempt, dead_letter_id, keyless,
 				coalesce(sum(coalesce(octet_length(value), 0)) OVER (ORDER BY "offset" ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
 			FROM `+s.heldRecords+`
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
@@ -376,8 +400,12 @@ func (s *Store) TakeHeld(ctx context.Context, tx pgx.Tx, k Key, limit, maxBytes 
 	var r Rec
 	var hkeys, hvals [][]byte
 	var ms int64
-	_, err = pgx.ForEachRow(rows, []any{&r.Offset, &r.Value, &hkeys, &hvals, &ms}, func() error {
+	var keyless bool
+	_, err = pgx.ForEachRow(rows, []any{&r.Offset, &r.Value, &hkeys, &hvals, &ms, &r.Attempt, &r.DeadLetter, &keyless}, func() error {
 		r.Topic, r.Partition, r.Key, r.Timestamp = k.Topic, k.Partition, k.Key, time.UnixMilli(ms).UTC()
+		if keyless {
+			r.Key = nil // it waited under a key of its own (see Replay)
+		}
 		var err error
 		if r.Headers, err = sink.JoinHeaders(hkeys, hvals); err != nil {
 			return fmt.Errorf("held record at offset %d: %w", r.Offset, err)
@@ -412,7 +440,32 @@ func (s *Store) AppliedHeld(ctx context.Context, tx pgx.Tx, k Key, recs []Rec) e
 	if tag.RowsAffected() != int64(len(recs)) {
 		return fmt.Errorf("deleted %d of %d applied held records: %w", tag.RowsAffected(), len(recs), ErrStale)
 	}
+	var replayed []int64
+	for _, r := range recs {
+		if r.DeadLetter != 0 {
+			replayed = append(replayed, r.DeadLetter)
+		}
+	}
+	if len(replayed) > 0 {
+		if err := s.replayed(ctx, tx, replayed); err != nil {
+			return err
+		}
+	}
 	return s.release(ctx, tx, k)
+}
+
+// replayed records that the records of dead letters ids, brought back by a replay, were applied.
+func (s *Store) replayed(ctx context.Context, tx pgx.Tx, ids []int64) error {
+	if _, err := tx.Exec(ctx, `WITH d AS (
+			UPDATE `+s.deadLetters+` SET status = 'replayed', status_changed_at = now()
+			WHERE consumer_group = $1 AND id = ANY($2) AND status = 'replaying'
+			RETURNING id)
+		INSERT INTO `+s.events+` (dead_letter_id, event, task_id)
+			SELECT d.id, 'replayed', (SELECT task_id FROM `+s.events+` e WHERE e.dead_letter_id = d.id AND e.event = 'replay_queued' ORDER BY e.id DESC LIMIT 1) FROM d`,
+		s.group, ids); err != nil {
+		return fmt.Errorf("mark %d replayed dead letters: %w", len(ids), err)
+	}
+	return nil
 }
 
 // unhold deletes a held record, failing if it is not there.
@@ -472,7 +525,14 @@ type Stats struct {
 	OldestHeld    time.Duration // age of the oldest held record; 0 if none
 	Tiers         map[int]TierStats
 	DeadLettersDB int // dead_letters rows with status new
+	// DeadLetters counts dead_letters rows by status (see DeadLetterStatuses).
+	DeadLetters  map[string]int
+	TasksRunning int // replay and discard tasks not finished
 }
+
+// DeadLetterStatuses are the statuses of a dead_letters row: new (dead), replaying (brought
+// back by a replay, not settled yet), replayed (applied by a replay), discarded.
+var DeadLetterStatuses = []string{"new", "replaying", "replayed", "discarded"}
 
 // TierStats describes the records waiting in one retry tier.
 type TierStats struct {
@@ -484,19 +544,25 @@ type TierStats struct {
 
 // Stats reads the group's retry path state.
 func (s *Store) Stats(ctx context.Context, q Querier) (Stats, error) {
-	st := Stats{Tiers: map[int]TierStats{}}
+	st := Stats{Tiers: map[int]TierStats{}, DeadLetters: map[string]int{}}
 	var oldest float64
+	var replaying, replayed, discarded int
 	err := q.QueryRow(ctx, `SELECT
 			(SELECT count(*) FROM `+s.heldKeys+` WHERE consumer_group = $1),
 			(SELECT count(*) FROM `+s.heldKeys+` WHERE consumer_group = $1 AND state = 'blocked'),
 			(SELECT count(*) FROM `+s.heldRecords+` WHERE consumer_group = $1),
 			(SELECT coalesce(extract(epoch FROM now() - min(held_at)), 0)::float8 FROM `+s.heldRecords+` WHERE consumer_group = $1),
-			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'new')`, s.group).
-		Scan(&st.HeldKeys, &st.BlockedKeys, &st.HeldRecords, &oldest, &st.DeadLettersDB)
+			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'new'),
+			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'replaying'),
+			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'replayed'),
+			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'discarded'),
+			(SELECT count(*) FROM `+s.tasks+` WHERE consumer_group = $1 AND status = 'running')`, s.group).
+		Scan(&st.HeldKeys, &st.BlockedKeys, &st.HeldRecords, &oldest, &st.DeadLettersDB, &replaying, &replayed, &discarded, &st.TasksRunning)
 	if err != nil {
 		return st, fmt.Errorf("read retry path stats: %w", err)
 	}
 	st.OldestHeld = time.Duration(oldest * float64(time.Second))
+	st.DeadLetters["new"], st.DeadLetters["replaying"], st.DeadLetters["replayed"], st.DeadLetters["discarded"] = st.DeadLettersDB, replaying, replayed, discarded
 	rows, err := q.Query(ctx, `SELECT attempt - 1, count(*), coalesce(extract(epoch FROM max(now() - due_at)), 0)::float8
 		FROM `+s.retries+` WHERE consumer_group = $1 GROUP BY attempt`, s.group)
 	if err != nil {
