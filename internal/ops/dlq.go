@@ -24,8 +24,8 @@ type Filter struct {
 	Class  string `json:"class,omitempty"`
 	// Status is new, replaying, replayed or discarded.
 	Status string    `json:"status,omitempty"`
-	Since  time.Time `json:"since,omitzero"` // dead-lettered at or after
-	Until  time.Time `json:"until,omitzero"` // dead-lettered before
+	Since  time.Time `json:"since,omitzero"`  // dead-lettered at or after
+	Until  time.Time `json:"until,omitzero"`  // dead-lettered before
 	Error  string    `json:"error,omitempty"` // a substring of the error message, case-insensitive
 	IDs    []int64   `json:"ids,omitempty"`
 }
@@ -80,25 +80,25 @@ func (f Filter) where(args *[]any) string {
 // DeadLetter is a dead_letters row. Value and Headers are read by Show only; List gives
 // ValueSize.
 type DeadLetter struct {
-	ID              int64              `json:"id"`
-	Topic           string             `json:"topic"`
-	Partition       int32              `json:"partition"`
-	Offset          int64              `json:"offset"`
-	Key             []byte             `json:"key"`
-	Value           []byte             `json:"value,omitempty"`
-	ValueSize       int                `json:"value_size"`
-	Headers         []kgoHeader        `json:"headers,omitempty"`
-	Timestamp       time.Time          `json:"timestamp"`
-	Class           string             `json:"error_class"`
-	Message         string             `json:"error_message"`
-	Attempts        int                `json:"attempts"`
-	FirstFailedAt   time.Time          `json:"first_failed_at"`
-	DeadLetteredAt  time.Time          `json:"dead_lettered_at"`
-	Status          string             `json:"status"`
-	StatusChangedAt time.Time          `json:"status_changed_at"`
-	Replays         int                `json:"replays"`
-	Events          []Event            `json:"events,omitempty"`
-	BlocksKey       bool               `json:"blocks_key"` // its key waits for it (ON_DEAD_LETTER=block)
+	ID              int64       `json:"id"`
+	Topic           string      `json:"topic"`
+	Partition       int32       `json:"partition"`
+	Offset          int64       `json:"offset"`
+	Key             []byte      `json:"key"`
+	Value           []byte      `json:"value,omitempty"`
+	ValueSize       int         `json:"value_size"`
+	Headers         []kgoHeader `json:"headers,omitempty"`
+	Timestamp       time.Time   `json:"timestamp"`
+	Class           string      `json:"error_class"`
+	Message         string      `json:"error_message"`
+	Attempts        int         `json:"attempts"`
+	FirstFailedAt   time.Time   `json:"first_failed_at"`
+	DeadLetteredAt  time.Time   `json:"dead_lettered_at"`
+	Status          string      `json:"status"`
+	StatusChangedAt time.Time   `json:"status_changed_at"`
+	Replays         int         `json:"replays"`
+	Events          []Event     `json:"events,omitempty"`
+	BlocksKey       bool        `json:"blocks_key"` // its key waits for it (ON_DEAD_LETTER=block)
 }
 
 // kgoHeader is a record header.
