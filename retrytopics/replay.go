@@ -22,8 +22,9 @@ import (
 // holds the key's records. A record without a key waits under a key of its own and has no order
 // to keep.
 //
-// It returns the ids it queued; the others were not new (replaying, replayed, discarded) or do
-// not exist, and are left alone. task, if not 0, names the task that replays them.
+// It returns the ids it queued; the others were not new (replaying, replayed, discarded), do
+// not exist, or are lost records whose value Postgres never had (see ReleaseStuck), and are left
+// alone. task, if not 0, names the task that replays them.
 func (s *Store) Replay(ctx context.Context, tx pgx.Tx, ids []int64, task int64) (queued []int64, err error) {
 	if len(ids) == 0 {
 		return nil, nil
@@ -38,7 +39,8 @@ func (s *Store) Replay(ctx context.Context, tx pgx.Tx, ids []int64, task int64) 
 		return nil, fmt.Errorf("replay: bump the partitions' keys epoch: %w", err)
 	}
 	rows, err := tx.Query(ctx, `SELECT id FROM `+s.deadLetters+`
-		WHERE consumer_group = $1 AND id = ANY($2) AND status = 'new' ORDER BY id FOR UPDATE`, s.group, ids)
+		WHERE consumer_group = $1 AND id = ANY($2) AND status = 'new' AND NOT (error_class = 'lost' AND value IS NULL)
+		ORDER BY id FOR UPDATE`, s.group, ids)
 	if err != nil {
 		return nil, fmt.Errorf("replay: lock dead letters: %w", err)
 	}

@@ -158,9 +158,13 @@ func (s *Store) ReleaseStuck(ctx context.Context, tx pgx.Tx, k StuckKey, note st
 	if err != nil {
 		return fmt.Errorf("forget retry state of the stuck key's record: %w", err)
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO `+s.deadLetters+` (consumer_group, topic, partition, "offset", key, value, "timestamp",
-			error_class, error_message, attempts, first_failed_at)
-		VALUES ($1, $2, $3, $4, $5, NULL, 0, 'lost', $6, $7, $8)`,
+	if _, err := tx.Exec(ctx, `WITH d AS (
+			INSERT INTO `+s.deadLetters+` (consumer_group, topic, partition, "offset", key, value, "timestamp",
+				error_class, error_message, attempts, first_failed_at)
+			VALUES ($1, $2, $3, $4, $5, NULL, 0, 'lost', $6, $7, $8)
+			RETURNING id, error_class, error_message, attempts)
+		INSERT INTO `+s.events+` (dead_letter_id, event, attempt, error_class, error_message)
+			SELECT id, 'dead_lettered', attempts, error_class, error_message FROM d`,
 		s.group, k.Topic, k.Partition, head, k.Key.Key, safeNote(note, k), max(k.Attempt-1, 1), first); err != nil {
 		return fmt.Errorf("dead-letter the stuck key's record: %w", err)
 	}

@@ -257,7 +257,10 @@ type Preview struct {
 	BlockingKeys int64 `json:"blocking_keys"`
 	// Keyed is how many of them have a key: those that do not block it are applied after the
 	// key's records that came later (as with ON_DEAD_LETTER=skip).
-	Keyed int64    `json:"keyed"`
+	Keyed int64 `json:"keyed"`
+	// Lost is how many of them are records lost in the retry path (class lost), whose value
+	// Postgres never had: a replay leaves them alone.
+	Lost  int64    `json:"lost"`
 	Notes []string `json:"notes"`
 }
 
@@ -306,10 +309,10 @@ func (o *Ops) Preview(ctx context.Context, act Action, f Filter, sample int) (Pr
 	}
 	args := []any{o.group}
 	where := nf.where(&args)
-	err = o.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE d.key IS NOT NULL),
+	err = o.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE d.key IS NOT NULL), count(*) FILTER (WHERE d.error_class = 'lost' AND d.value IS NULL),
 			count(*) FILTER (WHERE EXISTS (SELECT 1 FROM `+o.table("held_keys")+` h WHERE h.consumer_group = d.consumer_group AND h.topic = d.topic
 				AND h.partition = d.partition AND h.key_hash = d.key_hash AND h.key = d.key AND h.state = 'blocked' AND h.head_offset = d."offset"))
-		FROM `+o.table("dead_letters")+` d WHERE `+where, args...).Scan(&p.Keyed, &p.BlockingKeys)
+		FROM `+o.table("dead_letters")+` d WHERE `+where, args...).Scan(&p.Keyed, &p.Lost, &p.BlockingKeys)
 	if err != nil {
 		return p, fmt.Errorf("preview: %w", err)
 	}
@@ -322,6 +325,9 @@ func (o *Ops) Preview(ctx context.Context, act Action, f Filter, sample int) (Pr
 		}
 		if n := p.Keyed - p.BlockingKeys; n > 0 {
 			p.Notes = append(p.Notes, fmt.Sprintf("%d of them have a key they do not block: each is applied after the key's records that came later (the key's records that arrive after the replay wait behind it)", n))
+		}
+		if p.Lost > 0 {
+			p.Notes = append(p.Notes, fmt.Sprintf("%d of them were lost in the retry path (class lost): Postgres never had their value, so a replay leaves them alone; read them from the source topic at their coordinates", p.Lost))
 		}
 		p.Notes = append(p.Notes, "a replayed record that fails again goes round the retry tiers and, if it still fails, back into its own dead_letters row (status new)")
 	}
