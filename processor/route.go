@@ -136,6 +136,7 @@ func (p *Processor) plan(rec *Record, source string, f failure) move {
 	topic := retrytopics.DLQTopic(source, p.cfg.Group)
 	if class == ClassRetryable && rec.tier < len(pol.tiers) && !rec.foreign {
 		m.tier = rec.tier + 1
+		m.Tier = m.tier
 		m.DueAt = retrytopics.DueAt(now, pol.tiers[m.tier-1], rand.Float64())
 		hf.DueAt = m.DueAt
 		topic = retrytopics.TierTopic(source, p.cfg.Group, m.tier)

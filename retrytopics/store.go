@@ -124,8 +124,10 @@ type Move struct {
 	Class         string
 	Message       string
 	FirstFailedAt time.Time
-	// DueAt is when the record may be tried again (ToTier only).
+	// DueAt is when the record may be tried again, and Tier the retry tier it goes to (ToTier
+	// only).
 	DueAt time.Time
+	Tier  int
 	// Block keeps the key held after a dead letter, until an operator releases it (DeadLetter
 	// only).
 	Block bool
@@ -245,15 +247,15 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 				return err
 			}
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message, dead_letter_id)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, nullif($11::bigint, 0))`,
-			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage), m.DeadLetter); err != nil {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message, dead_letter_id, tier)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, nullif($11::bigint, 0), $12)`,
+			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage), m.DeadLetter, m.tier()); err != nil {
 			return fmt.Errorf("store retry state of %s: %w", m.Origin, err)
 		}
 	case FromTier:
-		tag, err := tx.Exec(ctx, `UPDATE `+s.retries+` SET attempt = $6, due_at = $7, error_class = $8, error_message = $9, updated_at = now()
+		tag, err := tx.Exec(ctx, `UPDATE `+s.retries+` SET attempt = $6, due_at = $7, error_class = $8, error_message = $9, tier = $10, updated_at = now()
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4 AND attempt = $5`,
-			s.group, m.Topic, m.Partition, m.Offset, m.Attempt, next, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage))
+			s.group, m.Topic, m.Partition, m.Offset, m.Attempt, next, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage), m.tier())
 		if err != nil {
 			return fmt.Errorf("update retry state of %s: %w", m.Origin, err)
 		}
@@ -279,6 +281,15 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 		}
 	}
 	return nil
+}
+
+// tier is the tier the move sends the record to: Tier, or for callers that leave it unset, the
+// tier its attempt implies (records that were never replayed).
+func (m Move) tier() int {
+	if m.Tier > 0 {
+		return m.Tier
+	}
+	return m.Attempt
 }
 
 // maxStoredMessage bounds the error messages stored in Postgres, in bytes.
@@ -563,8 +574,8 @@ func (s *Store) Stats(ctx context.Context, q Querier) (Stats, error) {
 	}
 	st.OldestHeld = time.Duration(oldest * float64(time.Second))
 	st.DeadLetters["new"], st.DeadLetters["replaying"], st.DeadLetters["replayed"], st.DeadLetters["discarded"] = st.DeadLettersDB, replaying, replayed, discarded
-	rows, err := q.Query(ctx, `SELECT attempt - 1, count(*), coalesce(extract(epoch FROM max(now() - due_at)), 0)::float8
-		FROM `+s.retries+` WHERE consumer_group = $1 GROUP BY attempt`, s.group)
+	rows, err := q.Query(ctx, `SELECT tier, count(*), coalesce(extract(epoch FROM max(now() - due_at)), 0)::float8
+		FROM `+s.retries+` WHERE consumer_group = $1 GROUP BY tier`, s.group)
 	if err != nil {
 		return st, fmt.Errorf("read retry tier stats: %w", err)
 	}

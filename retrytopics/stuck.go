@@ -64,7 +64,7 @@ func (s *Store) stuckSQL(what string) string {
 		SELECT h.topic, h.partition, h.key, h.state, coalesce(h.head_offset, -1) AS head, h.updated_at, coalesce(r.attempt, 0) AS attempt,
 			CASE
 				WHEN h.state = 'ready' THEN 'unapplied'
-				WHEN r."offset" IS NULL OR c.tiers IS NULL OR r.attempt - 1 > c.tiers THEN 'orphaned'
+				WHEN r."offset" IS NULL OR c.tiers IS NULL OR r.tier > c.tiers THEN 'orphaned'
 				ELSE 'overdue'
 			END AS reason
 		FROM ` + s.heldKeys + ` h
@@ -73,7 +73,7 @@ func (s *Store) stuckSQL(what string) string {
 		LEFT JOIN unnest($2::text[], $4::int[]) AS c(topic, tiers) ON c.topic = h.topic
 		WHERE h.consumer_group = $1 AND h.state <> 'blocked'
 		AND h.updated_at < now() - $3::interval
-		AND (h.state = 'ready' OR r."offset" IS NULL OR c.tiers IS NULL OR r.attempt - 1 > c.tiers OR r.due_at < now() - $3::interval)
+		AND (h.state = 'ready' OR r."offset" IS NULL OR c.tiers IS NULL OR r.tier > c.tiers OR r.due_at < now() - $3::interval)
 	) ` + what
 }
 
@@ -162,6 +162,10 @@ func (s *Store) ReleaseStuck(ctx context.Context, tx pgx.Tx, k StuckKey, note st
 			INSERT INTO `+s.deadLetters+` (consumer_group, topic, partition, "offset", key, value, "timestamp",
 				error_class, error_message, attempts, first_failed_at)
 			VALUES ($1, $2, $3, $4, $5, NULL, 0, 'lost', $6, $7, $8)
+			-- A replayed record lost on its way has its row, with its value: it is dead there again.
+			ON CONFLICT (consumer_group, topic, partition, "offset") DO UPDATE
+			SET status = 'new', status_changed_at = now(), dead_lettered_at = now(), error_class = EXCLUDED.error_class,
+				error_message = EXCLUDED.error_message, attempts = EXCLUDED.attempts
 			RETURNING id, error_class, error_message, attempts)
 		INSERT INTO `+s.events+` (dead_letter_id, event, attempt, error_class, error_message)
 			SELECT id, 'dead_lettered', attempts, error_class, error_message FROM d`,

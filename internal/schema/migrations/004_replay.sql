@@ -13,8 +13,12 @@ ALTER TABLE offsets ADD COLUMN keys_epoch bigint NOT NULL DEFAULT 0;
 ALTER TABLE held_records ADD COLUMN attempt integer NOT NULL DEFAULT 1;
 ALTER TABLE held_records ADD COLUMN dead_letter_id bigint;
 ALTER TABLE held_records ADD COLUMN keyless boolean NOT NULL DEFAULT false;
--- ... and, sent round the retry tiers again, it keeps its row's id.
+-- ... and, sent round the retry tiers again, it keeps its row's id. tier is the retry tier its copy
+-- is in: attempt - 1, except for a replayed record, whose attempts count on from its earlier ones.
 ALTER TABLE retries ADD COLUMN dead_letter_id bigint;
+ALTER TABLE retries ADD COLUMN tier integer;
+UPDATE retries SET tier = attempt - 1;
+ALTER TABLE retries ALTER COLUMN tier SET NOT NULL;
 
 -- status: new (dead), replaying (brought back, not settled yet), replayed (applied by a replay),
 -- discarded (an operator gave up on it). A replayed record that fails for good again is dead in
