@@ -1,0 +1,795 @@
+package ops
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/retrytopics"
+)
+
+// Where a traced record is now (RecordTrace.State).
+const (
+	// TraceNotConsumed: the group's position in the partition has not reached the record (or
+	// the group has no position there yet, or the record is not produced yet).
+	TraceNotConsumed = "not_consumed"
+	// TraceApplied: the partition's position passed the record and no table of the retry path
+	// holds it; or a replay of its dead letter applied it.
+	TraceApplied = "applied"
+	// TraceInTier: the record is in a retry tier, waiting for its due time.
+	TraceInTier = "in_tier"
+	// TraceOutbox: a copy of the record waits in the outbox to be published (to its next retry
+	// tier, or, with nothing else holding the record, to any topic).
+	TraceOutbox = "outbox"
+	// TraceHeld: the record waits in held_records behind its key (or, replayed, to be applied).
+	TraceHeld = "held"
+	// TraceDeadLettered: the record is dead-lettered (its dead letter is new, replaying or
+	// discarded).
+	TraceDeadLettered = "dead_lettered"
+	// TraceBeyondRetention: the record is below the partition's log start offset: the broker
+	// deleted it, and no table of the retry path holds it.
+	TraceBeyondRetention = "beyond_retention"
+)
+
+// TraceQuery chooses the records Trace follows: the record at Topic, Partition, Offset; or,
+// with Key set (non-nil; an empty key is a key), the latest records of Key in Topic.
+type TraceQuery struct {
+	Topic     string
+	Partition int32
+	Offset    int64
+	Key       []byte
+	// Limit bounds the records of a key, newest first. Defaults to 20.
+	Limit int
+	// Scan is how many of the last records of each partition of Topic are read from Kafka to
+	// find the key's records that Postgres does not keep. Defaults to 1000.
+	Scan int
+}
+
+const (
+	defaultTraceLimit = 20
+	maxTraceLimit     = 1000
+	defaultTraceScan  = 1000
+	maxTraceScan      = 1_000_000
+	// traceKafkaTimeout bounds all of a trace's reads from Kafka.
+	traceKafkaTimeout = 15 * time.Second
+	// traceScanIdle: a scan that receives nothing for this long twice in a row stops (the rest
+	// of a partition may hold no records at all: transaction markers).
+	traceScanIdle = 2 * time.Second
+)
+
+func (q TraceQuery) withDefaults() (TraceQuery, error) {
+	if q.Topic == "" {
+		return q, usage("a topic is required")
+	}
+	if q.Key == nil {
+		if q.Partition < 0 || q.Offset < 0 {
+			return q, usage("a partition and an offset (both at least 0) are required, or a key")
+		}
+		return q, nil
+	}
+	q.Limit, q.Scan = cmp.Or(q.Limit, defaultTraceLimit), cmp.Or(q.Scan, defaultTraceScan)
+	if q.Limit < 0 || q.Limit > maxTraceLimit {
+		return q, usage("limit must be between 1 and %d, got %d", maxTraceLimit, q.Limit)
+	}
+	if q.Scan < 0 || q.Scan > maxTraceScan {
+		return q, usage("scan must be between 1 and %d, got %d", maxTraceScan, q.Scan)
+	}
+	return q, nil
+}
+
+// TraceResult is what Trace found.
+type TraceResult struct {
+	Records []RecordTrace `json:"records"`
+	// Notes say what could not be checked (Kafka unreachable, a scan cut short).
+	Notes []string `json:"notes,omitempty"`
+}
+
+// RecordTrace says where a record is now and how it got there.
+type RecordTrace struct {
+	Topic     string `json:"topic"`
+	Partition int32  `json:"partition"`
+	Offset    int64  `json:"offset"`
+	Key       []byte `json:"key"`
+	// KeyText is Key for people (KeyText); empty when the key is not known (the record is
+	// neither in Postgres nor read from Kafka).
+	KeyText string `json:"key_text,omitempty"`
+	// State is one of the Trace* constants.
+	State string `json:"state"`
+	// Now says in words where the record is now.
+	Now string `json:"now"`
+	// Steps say how it got there, in the order it went.
+	Steps []TraceStep `json:"steps"`
+}
+
+// TraceStep is a step of a record's way through kafkapg.
+type TraceStep struct {
+	At   time.Time `json:"at"`
+	What string    `json:"what"`
+}
+
+// Trace answers, for the records q chooses, where each is now and how it got there, from the
+// group's tables and, through kc, the topic's log start and end offsets (nil kc: Postgres only).
+// kafkapg keeps no history of a record it applied: an applied record is one that the partition's
+// position passed and that no table holds. For a key, the records are those Postgres keeps in
+// the retry path plus those of the last q.Scan records of each partition (read from Kafka with a
+// short-lived consumer built from kc's options), newest (highest offset) first, at most q.Limit.
+// Kafka reads stop after 15 seconds; what they could not check is in the result's notes.
+func (o *Ops) Trace(ctx context.Context, q TraceQuery, kc *kgo.Client) (TraceResult, error) {
+	q, err := q.withDefaults()
+	if err != nil {
+		return TraceResult{}, err
+	}
+	res := TraceResult{Records: []RecordTrace{}}
+	kctx, cancel := context.WithTimeout(ctx, traceKafkaTimeout)
+	defer cancel()
+	var bounds map[int32]logBounds
+	switch {
+	case kc == nil && q.Key != nil:
+		res.Notes = append(res.Notes, "Kafka was not consulted: only the key's records that Postgres keeps are listed, and the broker's retention is not checked")
+	case kc == nil:
+		res.Notes = append(res.Notes, "Kafka was not consulted: the broker's retention is not checked")
+	default:
+		bounds, err = topicBounds(kctx, kc, q.Topic)
+		if err != nil {
+			res.Notes = append(res.Notes, fmt.Sprintf("the offsets of %s could not be read from Kafka (%v): the broker's retention is not checked", q.Topic, err))
+		}
+	}
+
+	found := map[traceOrigin]*kgo.Record{}
+	var origins []traceOrigin
+	if q.Key == nil {
+		org := traceOrigin{q.Partition, q.Offset}
+		origins = append(origins, org)
+		if b, ok := bounds[q.Partition]; ok && q.Offset >= b.start && q.Offset < b.end {
+			recs, notes := scanTopic(kctx, kc, q.Topic, map[int32][2]int64{q.Partition: {q.Offset, q.Offset + 1}}, nil)
+			res.Notes = append(res.Notes, notes...)
+			for _, r := range recs {
+				found[traceOrigin{r.Partition, r.Offset}] = r
+			}
+		} else if kc != nil && bounds != nil && !ok {
+			res.Notes = append(res.Notes, fmt.Sprintf("Kafka has no partition %d of %s", q.Partition, q.Topic))
+		}
+	} else {
+		if origins, err = o.keyOrigins(ctx, q); err != nil {
+			return TraceResult{}, err
+		}
+		if len(bounds) > 0 {
+			ranges := map[int32][2]int64{}
+			for p, b := range bounds {
+				ranges[p] = [2]int64{max(b.start, b.end-int64(q.Scan)), b.end}
+			}
+			recs, notes := scanTopic(kctx, kc, q.Topic, ranges, q.Key)
+			res.Notes = append(res.Notes, notes...)
+			for _, r := range recs {
+				org := traceOrigin{r.Partition, r.Offset}
+				found[org] = r
+				origins = append(origins, org)
+			}
+		}
+		slices.SortFunc(origins, func(a, b traceOrigin) int {
+			return cmp.Or(cmp.Compare(b.offset, a.offset), cmp.Compare(a.partition, b.partition))
+		})
+		origins = slices.Compact(origins)
+		origins = origins[:min(len(origins), q.Limit)]
+	}
+	if len(origins) == 0 {
+		return res, nil
+	}
+	f, err := o.traceFacts(ctx, q.Topic, origins)
+	if err != nil {
+		return TraceResult{}, err
+	}
+	for _, org := range origins {
+		res.Records = append(res.Records, o.describe(q, org, f, found[org], bounds))
+	}
+	return res, nil
+}
+
+// traceOrigin is a record of the traced topic.
+type traceOrigin struct {
+	partition int32
+	offset    int64
+}
+
+// logBounds are a partition's log start and end offsets.
+type logBounds struct{ start, end int64 }
+
+// topicBounds reads the log start and end offsets of topic's partitions.
+func topicBounds(ctx context.Context, kc *kgo.Client, topic string) (map[int32]logBounds, error) {
+	adm := kadm.NewClient(kc)
+	starts, err := adm.ListStartOffsets(ctx, topic)
+	if err == nil {
+		err = starts.Error()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list start offsets: %w", err)
+	}
+	ends, err := adm.ListEndOffsets(ctx, topic)
+	if err == nil {
+		err = ends.Error()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list end offsets: %w", err)
+	}
+	out := map[int32]logBounds{}
+	starts.Each(func(s kadm.ListedOffset) {
+		if e, ok := ends.Lookup(topic, s.Partition); ok {
+			out[s.Partition] = logBounds{s.Offset, e.Offset}
+		}
+	})
+	return out, nil
+}
+
+// scanTopic reads the records of topic in the offset ranges [from, to) of ranges with a consumer
+// built from kc's options, keeping those whose key is key (all of them if key is nil). It stops
+// when every range is read, ctx ends, or nothing arrives for a while, and says so in notes.
+func scanTopic(ctx context.Context, kc *kgo.Client, topic string, ranges map[int32][2]int64, key []byte) (recs []*kgo.Record, notes []string) {
+	pending := map[int32]int64{}
+	at := map[int32]kgo.Offset{}
+	for p, r := range ranges {
+		if r[0] < r[1] {
+			pending[p] = r[1]
+			at[p] = kgo.NewOffset().At(r[0])
+		}
+	}
+	if len(pending) == 0 {
+		return nil, nil
+	}
+	opts := append(slices.Clone(kc.Opts()),
+		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: at}),
+		kgo.FetchMaxWait(200*time.Millisecond))
+	cl, err := kgo.NewClient(opts...)
+	if err != nil {
+		return nil, []string{fmt.Sprintf("%s could not be read: %v", topic, err)}
+	}
+	defer cl.Close()
+	idle := 0
+	for len(pending) > 0 && ctx.Err() == nil && idle < 2 {
+		pctx, cancel := context.WithTimeout(ctx, traceScanIdle)
+		fs := cl.PollFetches(pctx)
+		cancel()
+		got := false
+		fs.EachError(func(t string, p int32, err error) {
+			if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+				return
+			}
+			if _, ok := pending[p]; ok && t == topic {
+				notes = append(notes, fmt.Sprintf("%s[%d] could not be read to its end: %v", topic, p, err))
+				delete(pending, p)
+			}
+		})
+		fs.EachRecord(func(r *kgo.Record) {
+			end, ok := pending[r.Partition]
+			if !ok || r.Offset >= end {
+				return
+			}
+			got = true
+			if key == nil || (r.Key != nil && string(r.Key) == string(key)) {
+				recs = append(recs, r)
+			}
+			if r.Offset >= end-1 {
+				delete(pending, r.Partition)
+			}
+		})
+		if got {
+			idle = 0
+		} else {
+			idle++
+		}
+	}
+	for _, p := range slices.Sorted(maps.Keys(pending)) {
+		notes = append(notes, fmt.Sprintf("%s[%d] was not read to its end (offset %d) in time: its last records may be missing", topic, p, pending[p]))
+	}
+	return recs, notes
+}
+
+// keyOrigins returns the records of q.Key in q.Topic that the retry path's tables keep, newest
+// first, at most q.Limit.
+func (o *Ops) keyOrigins(ctx context.Context, q TraceQuery) ([]traceOrigin, error) {
+	rows, err := o.pool.Query(ctx, `SELECT partition, "offset" FROM (
+			SELECT partition, "offset" FROM `+o.table("retries")+` WHERE consumer_group = $1 AND topic = $2 AND key = $3
+			UNION SELECT partition, "offset" FROM `+o.table("held_records")+`
+				WHERE consumer_group = $1 AND topic = $2 AND key_hash = sha256($3::bytea) AND key = $3 AND NOT keyless
+			UNION SELECT partition, "offset" FROM `+o.table("dead_letters")+`
+				WHERE consumer_group = $1 AND topic = $2 AND key_hash = sha256($3::bytea) AND key = $3
+		) k ORDER BY "offset" DESC, partition LIMIT $4`, o.group, q.Topic, q.Key, q.Limit)
+	if err != nil {
+		return nil, fmt.Errorf("find the key's records: %w", err)
+	}
+	var out []traceOrigin
+	var org traceOrigin
+	if _, err := pgx.ForEachRow(rows, []any{&org.partition, &org.offset}, func() error {
+		out = append(out, org)
+		return nil
+	}); err != nil {
+		return nil, fmt.Errorf("find the key's records: %w", err)
+	}
+	// Copies waiting in the outbox name their record in their headers.
+	rows, err = o.pool.Query(ctx, `SELECT p, off FROM (`+o.outboxOriginsSQL()+`) x
+		WHERE key = $3 ORDER BY id DESC LIMIT $4`, o.group, []byte(q.Topic), q.Key, q.Limit)
+	if err != nil {
+		return nil, fmt.Errorf("find the key's records in the outbox: %w", err)
+	}
+	var p, off []byte
+	if _, err := pgx.ForEachRow(rows, []any{&p, &off}, func() error {
+		if org, ok := parseOrigin(p, off); ok {
+			out = append(out, org)
+		}
+		return nil
+	}); err != nil {
+		return nil, fmt.Errorf("find the key's records in the outbox: %w", err)
+	}
+	return out, nil
+}
+
+// outboxOriginsSQL selects the group's ($1) outbox rows that are copies of records of the topic
+// $2 (as bytes), with the partition (p) and offset (off) of the record, as their headers say.
+func (o *Ops) outboxOriginsSQL() string {
+	hdr := func(name string) string {
+		return `(SELECT h.v FROM unnest(o.header_keys, o.header_values) AS h(k, v) WHERE h.k = '\x` +
+			fmt.Sprintf("%x", name) + `'::bytea LIMIT 1)`
+	}
+	return `SELECT o.id, o.topic, o.key, o.created_at, o.refused_at, o.refused_error,
+			` + hdr(retrytopics.HeaderOriginalPartition) + ` AS p, ` + hdr(retrytopics.HeaderOriginalOffset) + ` AS off
+		FROM ` + o.table("outbox") + ` o
+		WHERE o.consumer_group = $1 AND ` + hdr(retrytopics.HeaderOriginalTopic) + ` = $2::bytea`
+}
+
+// parseOrigin reads the partition and offset headers of a copy.
+func parseOrigin(p, off []byte) (traceOrigin, bool) {
+	pn, err1 := strconv.ParseInt(string(p), 10, 32)
+	on, err2 := strconv.ParseInt(string(off), 10, 64)
+	return traceOrigin{int32(pn), on}, err1 == nil && err2 == nil
+}
+
+// traceFacts is what the group's tables say about a set of records of one topic.
+type traceFacts struct {
+	positions map[int32]tracePosition
+	retries   map[traceOrigin]traceRetry
+	held      map[traceOrigin]traceHeld
+	dead      map[traceOrigin]traceDead
+	outbox    map[traceOrigin][]traceCopy
+	releases  map[traceOrigin][]traceRelease
+	keys      []HeldKey // the held keys of the records' keys
+}
+
+type tracePosition struct {
+	next      *int64
+	updatedAt time.Time
+}
+
+type traceRetry struct {
+	key                       []byte
+	attempt                   int
+	firstFailed, due, updated time.Time
+	class, message            string
+	deadLetter                int64
+	tier                      int
+}
+
+type traceHeld struct {
+	key        []byte
+	keyless    bool
+	timestamp  int64
+	heldAt     time.Time
+	attempt    int
+	deadLetter int64
+}
+
+type traceDead struct {
+	id                                  int64
+	key                                 []byte
+	timestamp                           int64
+	class, message, status              string
+	attempts                            int
+	firstFailed, deadLettered, statusAt time.Time
+	events                              []TraceStep
+	replayAttempt                       int // the attempt its latest replay was queued as; 0 if none
+}
+
+type traceCopy struct {
+	topic     string
+	key       []byte
+	createdAt time.Time
+	refusedAt *time.Time
+	refused   *string
+}
+
+type traceRelease struct {
+	at                 time.Time
+	actor, reason, why string
+}
+
+// traceFacts reads, in one snapshot, what the group's tables keep about origins of topic.
+func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigin) (*traceFacts, error) {
+	f := &traceFacts{positions: map[int32]tracePosition{}, retries: map[traceOrigin]traceRetry{}, held: map[traceOrigin]traceHeld{},
+		dead: map[traceOrigin]traceDead{}, outbox: map[traceOrigin][]traceCopy{}, releases: map[traceOrigin][]traceRelease{}}
+	parts := make([]int32, len(origins))
+	offs := make([]int64, len(origins))
+	partText := make([]string, len(origins))
+	offText := make([]string, len(origins))
+	for i, org := range origins {
+		parts[i], offs[i] = org.partition, org.offset
+		partText[i], offText[i] = strconv.Itoa(int(org.partition)), strconv.FormatInt(org.offset, 10)
+	}
+	err := pgx.BeginTxFunc(ctx, o.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		type query struct {
+			what string
+			sql  string
+			args []any
+			scan []any
+			row  func() error
+		}
+		in := `AND (partition, "offset") IN (SELECT * FROM unnest($3::int[], $4::bigint[]))`
+		var (
+			org    traceOrigin
+			pos    tracePosition
+			rt     traceRetry
+			hr     traceHeld
+			dl     traceDead
+			cp     traceCopy
+			rl     traceRelease
+			p, off []byte
+			rp, ro string
+		)
+		queries := []query{
+			{"positions", `SELECT partition, next_offset, updated_at FROM ` + o.table("offsets") + `
+				WHERE consumer_group = $1 AND topic = $2 AND partition = ANY($3)`,
+				[]any{o.group, topic, parts}, []any{&org.partition, &pos.next, &pos.updatedAt},
+				func() error { f.positions[org.partition] = pos; pos = tracePosition{}; return nil }},
+			{"retry states", `SELECT partition, "offset", key, attempt, first_failed_at, due_at, updated_at, error_class, error_message,
+					coalesce(dead_letter_id, 0), tier
+				FROM ` + o.table("retries") + ` WHERE consumer_group = $1 AND topic = $2 ` + in,
+				[]any{o.group, topic, parts, offs},
+				[]any{&org.partition, &org.offset, &rt.key, &rt.attempt, &rt.firstFailed, &rt.due, &rt.updated, &rt.class, &rt.message, &rt.deadLetter, &rt.tier},
+				func() error { f.retries[org] = rt; rt = traceRetry{}; return nil }},
+			{"held records", `SELECT partition, "offset", key, keyless, "timestamp", held_at, attempt, coalesce(dead_letter_id, 0)
+				FROM ` + o.table("held_records") + ` WHERE consumer_group = $1 AND topic = $2 ` + in,
+				[]any{o.group, topic, parts, offs},
+				[]any{&org.partition, &org.offset, &hr.key, &hr.keyless, &hr.timestamp, &hr.heldAt, &hr.attempt, &hr.deadLetter},
+				func() error { f.held[org] = hr; hr = traceHeld{}; return nil }},
+			{"dead letters", `SELECT partition, "offset", id, key, "timestamp", error_class, error_message, status, attempts,
+					first_failed_at, dead_lettered_at, status_changed_at
+				FROM ` + o.table("dead_letters") + ` WHERE consumer_group = $1 AND topic = $2 ` + in,
+				[]any{o.group, topic, parts, offs},
+				[]any{&org.partition, &org.offset, &dl.id, &dl.key, &dl.timestamp, &dl.class, &dl.message, &dl.status, &dl.attempts,
+					&dl.firstFailed, &dl.deadLettered, &dl.statusAt},
+				func() error { f.dead[org] = dl; dl = traceDead{}; return nil }},
+			{"outbox", `SELECT p, off, topic, key, created_at, refused_at, refused_error FROM (` + o.outboxOriginsSQL() + `) x
+				WHERE (p, off) IN (SELECT convert_to(a, 'UTF8'), convert_to(b, 'UTF8') FROM unnest($3::text[], $4::text[]) AS u(a, b))
+				ORDER BY id`,
+				[]any{o.group, []byte(topic), partText, offText},
+				[]any{&p, &off, &cp.topic, &cp.key, &cp.createdAt, &cp.refusedAt, &cp.refused},
+				func() error {
+					if org, ok := parseOrigin(p, off); ok {
+						f.outbox[org] = append(f.outbox[org], cp)
+					}
+					cp = traceCopy{}
+					return nil
+				}},
+			{"key releases", `SELECT detail->>'partition', detail->>'head_offset', at, actor, reason, coalesce(detail->>'reason', '')
+				FROM ` + o.table("audit") + ` WHERE consumer_group = $1 AND action = 'release_key' AND detail->>'topic' = $2
+				AND (detail->>'partition', detail->>'head_offset') IN (SELECT * FROM unnest($3::text[], $4::text[]))
+				ORDER BY id`,
+				[]any{o.group, topic, partText, offText},
+				[]any{&rp, &ro, &rl.at, &rl.actor, &rl.reason, &rl.why},
+				func() error {
+					if org, ok := parseOrigin([]byte(rp), []byte(ro)); ok {
+						f.releases[org] = append(f.releases[org], rl)
+					}
+					return nil
+				}},
+		}
+		for _, q := range queries {
+			rows, err := tx.Query(ctx, q.sql, q.args...)
+			if err != nil {
+				return fmt.Errorf("trace: read %s: %w", q.what, err)
+			}
+			if _, err := pgx.ForEachRow(rows, q.scan, q.row); err != nil {
+				return fmt.Errorf("trace: read %s: %w", q.what, err)
+			}
+		}
+		if err := o.traceEvents(ctx, tx, f); err != nil {
+			return err
+		}
+		return o.traceKeys(ctx, tx, topic, f)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return f, nil
+}
+
+// traceEvents reads the history of the dead letters in f.
+func (o *Ops) traceEvents(ctx context.Context, tx pgx.Tx, f *traceFacts) error {
+	if len(f.dead) == 0 {
+		return nil
+	}
+	byID := map[int64]traceOrigin{}
+	var ids []int64
+	for org, d := range f.dead {
+		byID[d.id] = org
+		ids = append(ids, d.id)
+	}
+	rows, err := tx.Query(ctx, `SELECT dead_letter_id, at, event, coalesce(task_id, 0), coalesce(attempt, 0), coalesce(error_class, ''),
+			coalesce(error_message, '')
+		FROM `+o.table("dead_letter_events")+` WHERE dead_letter_id = ANY($1) ORDER BY id`, ids)
+	if err != nil {
+		return fmt.Errorf("trace: read dead letter history: %w", err)
+	}
+	var id, task int64
+	var at time.Time
+	var event, class, msg string
+	var attempt int
+	_, err = pgx.ForEachRow(rows, []any{&id, &at, &event, &task, &attempt, &class, &msg}, func() error {
+		by := ""
+		if task != 0 {
+			by = fmt.Sprintf(" by task %d", task)
+		}
+		var what string
+		switch event {
+		case "dead_lettered":
+			what = fmt.Sprintf("dead-lettered at attempt %d (%s) as dead letter #%d", attempt, errorText(class, msg), id)
+		case "replay_queued":
+			what = fmt.Sprintf("replay queued%s: back in held_records, to be handled as attempt %d", by, attempt)
+		case "replayed":
+			what = "applied by the replay" + by
+		case "discarded":
+			what = "dead letter discarded" + by
+		default:
+			what = event + by
+		}
+		d := f.dead[byID[id]]
+		d.events = append(d.events, TraceStep{At: at, What: what})
+		if event == "replay_queued" {
+			d.replayAttempt = attempt
+		}
+		f.dead[byID[id]] = d
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("trace: read dead letter history: %w", err)
+	}
+	return nil
+}
+
+// traceKeys reads the held keys of the keys of the records in f.
+func (o *Ops) traceKeys(ctx context.Context, tx pgx.Tx, topic string, f *traceFacts) error {
+	var parts []int32
+	var keys [][]byte
+	add := func(org traceOrigin, key []byte) {
+		if key != nil {
+			parts, keys = append(parts, org.partition), append(keys, key)
+		}
+	}
+	for org, h := range f.held {
+		add(org, h.key)
+	}
+	for org, d := range f.dead {
+		add(org, d.key)
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	rows, err := tx.Query(ctx, o.heldKeySQL(`AND h.topic = $2
+		AND (h.partition, h.key_hash) IN (SELECT p, sha256(k) FROM unnest($3::int[], $4::bytea[]) AS u(p, k))`, ""),
+		o.group, topic, parts, keys)
+	if err != nil {
+		return fmt.Errorf("trace: read held keys: %w", err)
+	}
+	if f.keys, err = o.scanHeldKeys(rows); err != nil {
+		return fmt.Errorf("trace: read held keys: %w", err)
+	}
+	return nil
+}
+
+// heldKey returns the held key of a record's key, if it is held.
+func (f *traceFacts) heldKey(partition int32, key []byte) (HeldKey, bool) {
+	for _, k := range f.keys {
+		if k.Partition == partition && string(k.Key) == string(key) {
+			return k, true
+		}
+	}
+	return HeldKey{}, false
+}
+
+// describe says where the record at org is now and how it got there.
+func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Record, bounds map[int32]logBounds) RecordTrace {
+	t := RecordTrace{Topic: q.Topic, Partition: org.partition, Offset: org.offset, Steps: []TraceStep{}}
+	step := func(at time.Time, format string, args ...any) {
+		t.Steps = append(t.Steps, TraceStep{At: at, What: fmt.Sprintf(format, args...)})
+	}
+	known := false
+	setKey := func(k []byte) {
+		if !known {
+			t.Key, known = k, true
+		}
+	}
+	produced := int64(0)
+	if kr != nil {
+		setKey(kr.Key)
+		produced = kr.Timestamp.UnixMilli()
+	}
+	rt, inTier := f.retries[org]
+	hr, held := f.held[org]
+	dl, dead := f.dead[org]
+	copies := f.outbox[org]
+	if q.Key != nil {
+		setKey(q.Key)
+	}
+	if held {
+		if hr.keyless {
+			setKey(nil)
+		} else {
+			setKey(hr.key)
+		}
+		produced = cmp.Or(produced, hr.timestamp)
+	}
+	if dead {
+		setKey(dl.key)
+		produced = cmp.Or(produced, dl.timestamp)
+	}
+	if inTier {
+		setKey(rt.key)
+	}
+	for _, c := range copies {
+		setKey(c.key)
+	}
+	if known {
+		t.KeyText = KeyText(t.Key)
+	}
+	if produced > 0 {
+		step(time.UnixMilli(produced).UTC(), "produced (record timestamp)")
+	}
+
+	// How it got there, in the order of the record's way (the times come from the clocks of
+	// several processes and Postgres, which need not agree to the millisecond).
+	switch {
+	case dead:
+		step(dl.firstFailed, "first failed")
+		t.Steps = append(t.Steps, dl.events...)
+		if len(dl.events) == 0 {
+			step(dl.deadLettered, "dead-lettered at attempt %d (%s) as dead letter #%d", dl.attempts, errorText(dl.class, dl.message), dl.id)
+		}
+	case inTier:
+		step(rt.firstFailed, "first failed")
+	}
+	tier := rt.tier
+	if inTier {
+		step(rt.updated, "attempt %d failed (%s): sent to retry tier %d (%s), due %s", rt.attempt-1, errorText(rt.class, rt.message),
+			tier, retrytopics.TierTopic(q.Topic, o.group, tier), timeText(rt.due))
+	}
+	if held && hr.deadLetter == 0 {
+		step(hr.heldAt, "held behind its key")
+	}
+	for _, c := range copies {
+		step(c.createdAt, "copy written to the outbox, to be published to %s", o.topicRole(q.Topic, c.topic))
+		if c.refusedAt != nil {
+			step(*c.refusedAt, "Kafka refused the copy for good: %s", errorText("refused", derefString(c.refused)))
+		}
+	}
+	for _, r := range f.releases[org] {
+		step(r.at, "its key was released by %s (%s): %s", r.actor, r.why, r.reason)
+	}
+
+	// Where it is now.
+	lookup := t.Key
+	if held {
+		lookup = hr.key // a replayed record without a key waits under a key of its own
+	}
+	hk, keyHeld := f.heldKey(org.partition, lookup)
+	switch {
+	case held:
+		t.State = TraceHeld
+		wait := "its key is not held any more (nothing will apply it: report this)"
+		if keyHeld {
+			wait = fmt.Sprintf("its key is %s: %s", hk.State, hk.Why)
+		}
+		if hr.deadLetter != 0 {
+			t.Now = fmt.Sprintf("replayed dead letter #%d waits in held_records to be applied as attempt %d; %s", hr.deadLetter, hr.attempt, wait)
+		} else {
+			t.Now = "held behind its key; " + wait
+		}
+	case inTier:
+		tierTopic := retrytopics.TierTopic(q.Topic, o.group, tier)
+		detail := fmt.Sprintf("attempt %d, due %s%s, last error %s", rt.attempt, timeText(rt.due), overdue(rt.due), errorText(rt.class, rt.message))
+		t.State, t.Now = TraceInTier, fmt.Sprintf("in retry tier %d (%s): %s", tier, tierTopic, detail)
+		for _, c := range copies {
+			if c.topic == tierTopic && c.refusedAt == nil {
+				t.State, t.Now = TraceOutbox, fmt.Sprintf("waits in the outbox to be published to %s (retry tier %d): %s", tierTopic, tier, detail)
+			}
+		}
+	case dead && dl.status == "replayed":
+		t.State, t.Now = TraceApplied, fmt.Sprintf("applied by a replay of dead letter #%d (%s)", dl.id, timeText(dl.statusAt))
+	case dead:
+		t.State = TraceDeadLettered
+		t.Now = fmt.Sprintf("dead-lettered: dead letter #%d, %s, status %s, after %d attempts", dl.id, errorText(dl.class, dl.message), dl.status, dl.attempts)
+		if keyHeld && hk.State == "blocked" && hk.HeadOffset != nil && *hk.HeadOffset == org.offset {
+			t.Now += fmt.Sprintf("; its key is blocked behind it with %d held records (keys release)", hk.Held)
+		}
+		t.Now += pendingCopies(o, q.Topic, copies)
+	case len(copies) > 0:
+		t.State, t.Now = TraceOutbox, strings.TrimPrefix(pendingCopies(o, q.Topic, copies), "; ")
+	default:
+		t.State, t.Now = o.position(org, f.positions[org.partition], bounds, step)
+	}
+	return t
+}
+
+// position describes a record that no table of the retry path holds, from the partition's
+// position and the broker's log bounds.
+func (o *Ops) position(org traceOrigin, pos tracePosition, bounds map[int32]logBounds, step func(time.Time, string, ...any)) (state, now string) {
+	b, haveBounds := bounds[org.partition]
+	if haveBounds && org.offset >= b.end {
+		return TraceNotConsumed, fmt.Sprintf("not produced yet: the partition ends at offset %d", b.end)
+	}
+	gone := haveBounds && org.offset < b.start
+	if pos.next != nil && org.offset < *pos.next {
+		step(pos.updatedAt, "the partition's position passed it (the group's next offset is now %d)", *pos.next)
+		now = fmt.Sprintf("applied (the partition's position passed it by %s)", timeText(pos.updatedAt))
+		if gone {
+			return TraceBeyondRetention, now + fmt.Sprintf("; beyond the broker's retention now: the log starts at offset %d", b.start)
+		}
+		return TraceApplied, now
+	}
+	next := "the group has no position in the partition yet"
+	if pos.next != nil {
+		next = fmt.Sprintf("the group's next offset in the partition is %d", *pos.next)
+	}
+	if gone {
+		return TraceBeyondRetention, fmt.Sprintf("not consumed (%s) and beyond the broker's retention: the log starts at offset %d, so it can no longer be consumed", next, b.start)
+	}
+	return TraceNotConsumed, "not consumed yet: " + next
+}
+
+// pendingCopies describes the copies of a record waiting in the outbox, after a semicolon.
+func pendingCopies(o *Ops, source string, copies []traceCopy) string {
+	s := ""
+	for _, c := range copies {
+		if c.refusedAt != nil {
+			s += fmt.Sprintf("; its copy to %s was refused by Kafka for good (%s) and is set aside in the outbox",
+				o.topicRole(source, c.topic), errorText("refused", derefString(c.refused)))
+		} else {
+			s += fmt.Sprintf("; its copy waits in the outbox to be published to %s", o.topicRole(source, c.topic))
+		}
+	}
+	return s
+}
+
+// topicRole names a topic a copy of a record of source goes to, with its role.
+func (o *Ops) topicRole(source, topic string) string {
+	if topic == retrytopics.DLQTopic(source, o.group) {
+		return topic + " (the dead-letter topic)"
+	}
+	for n := 1; n <= retrytopics.MaxTiers; n++ {
+		if topic == retrytopics.TierTopic(source, o.group, n) {
+			return fmt.Sprintf("%s (retry tier %d)", topic, n)
+		}
+	}
+	return topic
+}
+
+// overdue says how long past its due time a record is, if it is.
+func overdue(due time.Time) string {
+	if late := time.Since(due); late >= time.Second {
+		return fmt.Sprintf(" (overdue by %s)", late.Round(time.Second))
+	}
+	return ""
+}
+
+func derefString(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
