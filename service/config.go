@@ -44,6 +44,7 @@ type env struct {
 	// the binary's only handler, if it has one.
 	Handler              string        `envconfig:"HANDLER" field:"Handler"`
 	HTTPAddr             string        `envconfig:"HTTP_ADDR" default:":9090"`
+	OperatorToken        string        `envconfig:"OPERATOR_TOKEN"`
 	BatchMaxRecords      int           `envconfig:"BATCH_MAX_RECORDS" default:"500" field:"BatchMaxRecords"`
 	BatchMaxWait         batchWait     `envconfig:"BATCH_MAX_WAIT" default:"20ms" field:"BatchMaxWait"`
 	RetryLocalAttempts   int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3" field:"LocalAttempts"`
@@ -226,6 +227,9 @@ func (e *env) validate(hs *registry) error {
 	}
 	if len(e.KafkaTopics) == 0 {
 		errs = append(errs, errors.New("KAFKA_TOPICS is required"))
+	}
+	if t := e.OperatorToken; t != "" && len(strings.TrimSpace(t)) < 16 {
+		errs = append(errs, errors.New("OPERATOR_TOKEN must be at least 16 characters (it guards replays of records): generate one, e.g. openssl rand -hex 32"))
 	}
 	if e.Handler != "" && hs.get(e.Handler) == nil {
 		errs = append(errs, fmt.Errorf("HANDLER=%q is not a handler of this binary (it has: %s)", e.Handler, strings.Join(hs.names, ", ")))

@@ -46,6 +46,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kafkapg/kafkapg/internal/backoff"
+	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -136,10 +137,16 @@ func progName() string {
 	return filepath.Base(os.Args[0])
 }
 
-const usage = `usage: %[1]s [run|migrate|help]
+const usage = `usage: %[1]s [run|migrate|dlq|keys|trace|help]
 
   run      consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
   migrate  create or upgrade kafkapg's tables in DB_SCHEMA, then exit
+  dlq      list, show, replay, discard and purge dead letters; list and cancel tasks
+  keys     list held and blocked keys; release one
+  trace    where a record is now, and how it got there
+
+Each operator command takes -h for its own help. Commands that change anything are
+dry runs unless given --execute, and then need --reason.
 
 Configuration is read from environment variables: see docs/configuration.md in
 github.com/kafkapg/kafkapg.
@@ -156,6 +163,11 @@ func Main(handlers ...Handler) {
 // Run is Main without the exit: it runs the command args name (run if none) and returns the
 // exit status. It stops on SIGINT or SIGTERM.
 func Run(args []string, stderr io.Writer, handlers ...Handler) int {
+	return run(args, os.Stdout, stderr, handlers...)
+}
+
+// run is Run writing the results of operator commands to stdout.
+func run(args []string, stdout, stderr io.Writer, handlers ...Handler) int {
 	prog := progName()
 	hs, err := newRegistry(handlers)
 	if err != nil {
@@ -167,7 +179,8 @@ func Run(args []string, stderr io.Writer, handlers ...Handler) int {
 	if len(args) > 0 {
 		cmd = args[0]
 	}
-	if len(args) > 1 {
+	operator := cmd == "dlq" || cmd == "keys" || cmd == "trace"
+	if len(args) > 1 && !operator {
 		help()
 		return 2
 	}
@@ -180,6 +193,8 @@ func Run(args []string, stderr io.Writer, handlers ...Handler) int {
 		return 0
 	case "migrate":
 		err = migrateOnly(ctx, stderr)
+	case "dlq", "keys", "trace":
+		err = operate(ctx, cmd, args[1:], hs, stdout, stderr)
 	case "run":
 		var e *env
 		if e, err = loadEnv(hs); err == nil {
@@ -191,9 +206,13 @@ func Run(args []string, stderr io.Writer, handlers ...Handler) int {
 		return 2
 	}
 	var cerr *configError
+	var uerr *usageError
 	switch {
-	case err == nil:
+	case err == nil, errors.Is(err, errHelpShown):
 		return 0
+	case errors.As(err, &uerr), errors.Is(err, ops.ErrUsage):
+		fmt.Fprintf(stderr, "%s %s: %v\n", prog, cmd, err)
+		return 2
 	case errors.As(err, &cerr):
 		fmt.Fprintf(stderr, "%s: configuration error: %s\n", prog, strings.ReplaceAll(err.Error(), "\n", "; "))
 		return 2
@@ -293,14 +312,25 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		}
 		return nil
 	}
-	srv := &http.Server{Handler: httpHandler(reg, healthy, ready), ReadHeaderTimeout: 5 * time.Second}
+	var operator http.Handler
+	if env.OperatorToken != "" {
+		a := newAPI(ctx, ops.New(pool, env.DBSchema, env.KafkaGroupID), env.OperatorToken, log)
+		a.keys = keysRoutes(a, env)
+		defer a.wait() // before the pool closes: running tasks stop after their chunk in flight
+		operator = a.handler()
+	}
+	srv := &http.Server{Handler: httpHandler(reg, healthy, ready, operator), ReadHeaderTimeout: 5 * time.Second}
 	go srv.Serve(ln)
 	defer func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 		defer cancel()
 		srv.Shutdown(sctx)
 	}()
-	log.Info("http listening", "addr", ln.Addr().String(), "paths", "/metrics /healthz /readyz")
+	paths := "/metrics /healthz /readyz"
+	if operator != nil {
+		paths += " /api/v1/ (operator API)"
+	}
+	log.Info("http listening", "addr", ln.Addr().String(), "paths", paths)
 
 	// Postgres may not be up yet (pods start in any order): wait for it with backoff.
 	policy := backoff.Policy{Base: env.RetryBackoffBase, Max: env.RetryBackoffMax}
@@ -337,8 +367,13 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	return err
 }
 
-func httpHandler(reg *prometheus.Registry, healthy, ready func(context.Context) error) http.Handler {
+// httpHandler serves the metrics, the health checks and, if not nil, the operator API under
+// /api/.
+func httpHandler(reg *prometheus.Registry, healthy, ready func(context.Context) error, operator http.Handler) http.Handler {
 	mux := http.NewServeMux()
+	if operator != nil {
+		mux.Handle("/api/", operator)
+	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)

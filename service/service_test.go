@@ -130,7 +130,7 @@ func TestHTTPHandler(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			h := httpHandler(newTestRegistry(t), func(context.Context) error { return tt.unhealthy }, func(context.Context) error { return tt.ready })
+			h := httpHandler(newTestRegistry(t), func(context.Context) error { return tt.unhealthy }, func(context.Context) error { return tt.ready }, nil)
 			rec := httptest.NewRecorder()
 			h.ServeHTTP(rec, httptest.NewRequest(tt.method, tt.path, nil))
 			if rec.Code != tt.wantStatus {
@@ -147,7 +147,7 @@ func TestHTTPHandler(t *testing.T) {
 
 func TestHTTPHandlerMetricsTextFormat(t *testing.T) {
 	t.Parallel()
-	srv := httptest.NewServer(httpHandler(newTestRegistry(t), func(context.Context) error { return nil }, func(context.Context) error { return nil }))
+	srv := httptest.NewServer(httpHandler(newTestRegistry(t), func(context.Context) error { return nil }, func(context.Context) error { return nil }, nil))
 	defer srv.Close()
 	resp, err := http.Get(srv.URL + "/metrics")
 	if err != nil {
@@ -173,7 +173,7 @@ func TestHTTPHandlerReadyzDeadline(t *testing.T) {
 		deadline, ok = ctx.Deadline()
 		<-ctx.Done()
 		return ctx.Err()
-	})
+	}, nil)
 	start := time.Now()
 	rec := httptest.NewRecorder()
 	h.ServeHTTP(rec, httptest.NewRequest("GET", "/readyz", nil))

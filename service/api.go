@@ -1,0 +1,404 @@
+package service
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kafkapg/kafkapg/internal/ops"
+)
+
+// api is the operator JSON API under /api/v1/: the operations of the dlq, keys and trace
+// commands, over HTTP, for scripts and the console. It is served only when OPERATOR_TOKEN is set,
+// and every call must carry it (Authorization: Bearer <token>); a call without it gets 401 and
+// nothing else, record values included.
+//
+// Replays and discards started here run in this process as tasks (see ops.RunTask): if the
+// process stops, they are interrupted and can be resumed (POST /api/v1/tasks/{id}/resume, or
+// `dlq resume`) from any replica.
+type api struct {
+	ops    *ops.Ops
+	token  [sha256.Size]byte
+	log    *slog.Logger
+	runner string
+	keys   keysAPI
+
+	ctx   context.Context // ends when the service stops: running tasks are interrupted
+	tasks sync.WaitGroup
+}
+
+// keysAPI is what the keys and trace routes need beyond the dead letters (set by the service).
+type keysAPI struct {
+	keys    http.HandlerFunc
+	release http.HandlerFunc
+	trace   http.HandlerFunc
+}
+
+func newAPI(ctx context.Context, o *ops.Ops, token string, log *slog.Logger) *api {
+	host, _ := os.Hostname()
+	return &api{ops: o, token: sha256.Sum256([]byte(token)), log: log.With("component", "api"),
+		runner: fmt.Sprintf("%s/%d/api", host, os.Getpid()), ctx: ctx}
+}
+
+// handler returns the API's routes, each behind the token check.
+func (a *api) handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /api/v1/dead-letters", a.list)
+	mux.HandleFunc("GET /api/v1/dead-letters/summary", a.summary)
+	mux.HandleFunc("GET /api/v1/dead-letters/{id}", a.show)
+	mux.HandleFunc("POST /api/v1/dead-letters/replay", a.act(ops.Replay))
+	mux.HandleFunc("POST /api/v1/dead-letters/discard", a.act(ops.Discard))
+	mux.HandleFunc("POST /api/v1/dead-letters/purge", a.purge)
+	mux.HandleFunc("GET /api/v1/tasks", a.taskList)
+	mux.HandleFunc("GET /api/v1/tasks/{id}", a.task)
+	mux.HandleFunc("POST /api/v1/tasks/{id}/cancel", a.cancel)
+	mux.HandleFunc("POST /api/v1/tasks/{id}/resume", a.resume)
+	mux.HandleFunc("GET /api/v1/audit", a.audit)
+	if a.keys.keys != nil {
+		mux.HandleFunc("GET /api/v1/keys", a.keys.keys)
+		mux.HandleFunc("POST /api/v1/keys/release", a.keys.release)
+		mux.HandleFunc("GET /api/v1/trace", a.keys.trace)
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !a.authorized(r) {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="kafkapg"`)
+			writeError(w, http.StatusUnauthorized, errors.New("a valid operator token is required (Authorization: Bearer <OPERATOR_TOKEN>)"))
+			return
+		}
+		mux.ServeHTTP(w, r)
+	})
+}
+
+// authorized checks the bearer token in constant time.
+func (a *api) authorized(r *http.Request) bool {
+	got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	if !ok || got == "" {
+		return false
+	}
+	sum := sha256.Sum256([]byte(got))
+	return subtle.ConstantTimeCompare(sum[:], a.token[:]) == 1
+}
+
+// wait waits for the tasks this process runs to stop (they stop with the service's context).
+func (a *api) wait() { a.tasks.Wait() }
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}
+
+func writeError(w http.ResponseWriter, status int, err error) {
+	writeJSON(w, status, map[string]string{"error": err.Error()})
+}
+
+// fail writes err with the status it calls for.
+func fail(w http.ResponseWriter, err error) {
+	switch {
+	case errors.Is(err, ops.ErrUsage):
+		writeError(w, http.StatusBadRequest, err)
+	case errors.Is(err, ops.ErrNotFound):
+		writeError(w, http.StatusNotFound, err)
+	case errors.Is(err, ops.ErrTaskBusy):
+		writeError(w, http.StatusConflict, err)
+	default:
+		writeError(w, http.StatusInternalServerError, err)
+	}
+}
+
+// queryFilter reads a filter from the query string: topic, key, key_hex, class, status,
+// since, until (RFC 3339), error, id (repeatable or comma-separated).
+func queryFilter(r *http.Request) (ops.Filter, error) {
+	q := r.URL.Query()
+	f := ops.Filter{Topic: q.Get("topic"), Class: q.Get("class"), Status: q.Get("status"), Error: q.Get("error")}
+	if q.Has("key") {
+		f.Key, f.HasKey = []byte(q.Get("key")), true
+	}
+	if q.Has("key_hex") {
+		b, err := hex.DecodeString(q.Get("key_hex"))
+		if err != nil {
+			return f, fmt.Errorf("%w: key_hex: %v", ops.ErrUsage, err)
+		}
+		f.Key, f.HasKey = b, true
+	}
+	for _, p := range []struct {
+		name string
+		to   *time.Time
+	}{{"since", &f.Since}, {"until", &f.Until}} {
+		if s := q.Get(p.name); s != "" {
+			t, err := time.Parse(time.RFC3339, s)
+			if err != nil {
+				return f, fmt.Errorf("%w: %s %q is not an RFC 3339 time", ops.ErrUsage, p.name, s)
+			}
+			*p.to = t
+		}
+	}
+	for _, v := range q["id"] {
+		var ids idList
+		if err := ids.Set(v); err != nil {
+			return f, fmt.Errorf("%w: id: %v", ops.ErrUsage, err)
+		}
+		f.IDs = append(f.IDs, ids...)
+	}
+	return f, f.Validate()
+}
+
+func limit(r *http.Request, def int) (int, error) {
+	s := r.URL.Query().Get("limit")
+	if s == "" {
+		return def, nil
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n <= 0 || n > 10000 {
+		return 0, fmt.Errorf("%w: limit %q: want 1 to 10000", ops.ErrUsage, s)
+	}
+	return n, nil
+}
+
+func (a *api) list(w http.ResponseWriter, r *http.Request) {
+	f, err := queryFilter(r)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	n, err := limit(r, 50)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	dls, err := a.ops.List(r.Context(), f, n)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"dead_letters": dls})
+}
+
+func (a *api) summary(w http.ResponseWriter, r *http.Request) {
+	f, err := queryFilter(r)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	counts, err := a.ops.Summary(r.Context(), f)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"counts": counts})
+}
+
+func pathID(w http.ResponseWriter, r *http.Request) (int64, bool) {
+	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, fmt.Errorf("id %q is not a number", r.PathValue("id")))
+		return 0, false
+	}
+	return id, true
+}
+
+func (a *api) show(w http.ResponseWriter, r *http.Request) {
+	id, ok := pathID(w, r)
+	if !ok {
+		return
+	}
+	d, err := a.ops.Show(r.Context(), id)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, d)
+}
+
+// actRequest is the body of a replay or discard: without execute, a dry run.
+type actRequest struct {
+	Filter  ops.Filter `json:"filter"`
+	Execute bool       `json:"execute"`
+	Reason  string     `json:"reason"`
+	Actor   string     `json:"actor"`
+	Rate    float64    `json:"rate"`
+	Sample  int        `json:"sample"`
+}
+
+func decode(w http.ResponseWriter, r *http.Request, v any) bool {
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<20))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		writeError(w, http.StatusBadRequest, fmt.Errorf("request body: %v", err))
+		return false
+	}
+	return true
+}
+
+// actor is who acts: the request's actor, marked as coming through the API.
+func actor(name string) string {
+	if name = strings.TrimSpace(name); name == "" {
+		name = "anonymous"
+	}
+	return "api:" + name
+}
+
+func (a *api) act(act ops.Action) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		var req actRequest
+		if !decode(w, r, &req) {
+			return
+		}
+		if !req.Execute {
+			if req.Sample <= 0 {
+				req.Sample = 5
+			}
+			p, err := a.ops.Preview(r.Context(), act, req.Filter, req.Sample)
+			if err != nil {
+				fail(w, err)
+				return
+			}
+			writeJSON(w, http.StatusOK, map[string]any{"dry_run": true, "preview": p})
+			return
+		}
+		t, err := a.ops.StartTask(r.Context(), act, req.Filter, ops.Actor{Name: actor(req.Actor), Reason: req.Reason}, req.Rate)
+		if err != nil {
+			fail(w, err)
+			return
+		}
+		a.run(t.ID)
+		writeJSON(w, http.StatusAccepted, map[string]any{"task": t})
+	}
+}
+
+// run runs task id in the background until it ends or the service stops.
+func (a *api) run(id int64) {
+	a.tasks.Add(1)
+	go func() {
+		defer a.tasks.Done()
+		t, err := a.ops.RunTask(a.ctx, id, a.runner, nil)
+		if err != nil && a.ctx.Err() == nil {
+			a.log.Error("task failed; resume it when the cause is fixed", "task", id, "err", err)
+			return
+		}
+		a.log.Info("task ended", "task", id, "status", t.Status, "done", t.Done, "matched", t.Matched)
+	}()
+}
+
+type purgeRequest struct {
+	OlderThan string `json:"older_than"`
+	Execute   bool   `json:"execute"`
+	Reason    string `json:"reason"`
+	Actor     string `json:"actor"`
+}
+
+func (a *api) purge(w http.ResponseWriter, r *http.Request) {
+	var req purgeRequest
+	if !decode(w, r, &req) {
+		return
+	}
+	older, err := time.ParseDuration(req.OlderThan)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, fmt.Errorf("older_than %q: want a duration such as 720h", req.OlderThan))
+		return
+	}
+	n, err := a.ops.Purge(r.Context(), older, req.Execute, ops.Actor{Name: actor(req.Actor), Reason: req.Reason})
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"dry_run": !req.Execute, "rows": n})
+}
+
+func (a *api) taskList(w http.ResponseWriter, r *http.Request) {
+	n, err := limit(r, 20)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	ts, err := a.ops.Tasks(r.Context(), n)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"tasks": ts})
+}
+
+func (a *api) task(w http.ResponseWriter, r *http.Request) {
+	id, ok := pathID(w, r)
+	if !ok {
+		return
+	}
+	t, err := a.ops.Task(r.Context(), id)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, t)
+}
+
+type cancelRequest struct {
+	Reason string `json:"reason"`
+	Actor  string `json:"actor"`
+}
+
+func (a *api) cancel(w http.ResponseWriter, r *http.Request) {
+	id, ok := pathID(w, r)
+	if !ok {
+		return
+	}
+	var req cancelRequest
+	if !decode(w, r, &req) {
+		return
+	}
+	t, err := a.ops.Cancel(r.Context(), id, ops.Actor{Name: actor(req.Actor), Reason: req.Reason})
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, t)
+}
+
+func (a *api) resume(w http.ResponseWriter, r *http.Request) {
+	id, ok := pathID(w, r)
+	if !ok {
+		return
+	}
+	t, err := a.ops.Task(r.Context(), id)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	if t.Status != "running" {
+		fail(w, fmt.Errorf("%w: task %d is %s: nothing to resume", ops.ErrUsage, id, t.Status))
+		return
+	}
+	if !t.Interrupted {
+		fail(w, fmt.Errorf("task %d: %w (%s)", id, ops.ErrTaskBusy, t.Runner))
+		return
+	}
+	a.run(id)
+	writeJSON(w, http.StatusAccepted, t)
+}
+
+func (a *api) audit(w http.ResponseWriter, r *http.Request) {
+	n, err := limit(r, 50)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	es, err := a.ops.Audit(r.Context(), n)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"audit": es})
+}

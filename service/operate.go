@@ -1,0 +1,115 @@
+package service
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os/user"
+	"text/tabwriter"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/processor"
+)
+
+// opsCmd is what an operator command (dlq, keys, trace) works with: the service's environment,
+// a pool on its database (migrated), the group's operations, and where to write.
+type opsCmd struct {
+	prog string
+	env  *env
+	pool *pgxpool.Pool
+	ops  *ops.Ops
+	out  io.Writer // results: tables, JSON
+	err  io.Writer // progress and notes
+}
+
+// kafka returns a client for the service's brokers (with its TLS and SASL settings), for
+// commands that read records; the caller closes it.
+func (c *opsCmd) kafka(extra ...kgo.Opt) (*kgo.Client, error) {
+	sec, err := c.env.kafkaSecurityEnv.options()
+	if err != nil {
+		return nil, &configError{err}
+	}
+	opts := append([]kgo.Opt{kgo.SeedBrokers(c.env.KafkaBrokers...)}, sec...)
+	return kgo.NewClient(append(opts, extra...)...)
+}
+
+// operate runs the operator command cmd (dlq, keys, trace) with args.
+func operate(ctx context.Context, cmd string, args []string, hs *registry, stdout, stderr io.Writer) error {
+	e, err := loadEnv(hs)
+	if err != nil {
+		return err
+	}
+	pool, err := openPool(ctx, &e.dbEnv)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	// Tools see the same tables as the processors: bring them up to date first (a no-op when
+	// they are).
+	if err := processor.Migrate(ctx, pool, e.DBSchema); err != nil {
+		return fmt.Errorf("database: %w", err)
+	}
+	c := &opsCmd{prog: progName(), env: e, pool: pool, ops: ops.New(pool, e.DBSchema, e.KafkaGroupID), out: stdout, err: stderr}
+	switch cmd {
+	case "dlq":
+		return dlqCmd(ctx, c, args)
+	case "keys":
+		return keysCmd(ctx, c, args)
+	case "trace":
+		return traceCmd(ctx, c, args)
+	}
+	return fmt.Errorf("unknown operator command %q", cmd)
+}
+
+// usageError is bad usage of an operator command: exit status 2, with the message.
+type usageError struct{ msg string }
+
+func (e *usageError) Error() string { return e.msg }
+
+// usagef returns a usageError.
+func usagef(format string, args ...any) error { return &usageError{fmt.Sprintf(format, args...)} }
+
+// flags returns a flag set for a subcommand that reports its errors as usage errors.
+func (c *opsCmd) flags(name string) *flag.FlagSet {
+	fs := flag.NewFlagSet(c.prog+" "+name, flag.ContinueOnError)
+	fs.SetOutput(c.err)
+	return fs
+}
+
+// parse parses args with fs; a bad flag is a usageError (flag has printed the usage).
+func parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return errHelpShown
+		}
+		return &usageError{err.Error()}
+	}
+	return nil
+}
+
+// errHelpShown: the command printed its help as asked; exit 0.
+var errHelpShown = errors.New("help shown")
+
+// table returns a tabwriter for aligned columns on c.out; Flush it.
+func (c *opsCmd) table() *tabwriter.Writer { return tabwriter.NewWriter(c.out, 0, 0, 2, ' ', 0) }
+
+// json writes v as indented JSON on c.out.
+func (c *opsCmd) json(v any) error {
+	enc := json.NewEncoder(c.out)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+// defaultActor is the OS user running the command.
+func defaultActor() string {
+	if u, err := user.Current(); err == nil && u.Username != "" {
+		return u.Username
+	}
+	return "unknown"
+}
