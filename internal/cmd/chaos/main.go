@@ -80,6 +80,7 @@ const (
 	schema = "kafkapg_chaos"
 	// tiers are the processors' retry tiers; records get len(tiers)+1 delivery attempts.
 	tiers      = "200ms,500ms,1s"
+	tierCount  = 3
 	maxAttempt = 4
 	// sessionTimeout is short so that a stopped process loses its partitions quickly.
 	sessionTimeout = 6 * time.Second
@@ -139,8 +140,17 @@ func run(ctx context.Context, c config) error {
 	}
 	s.stats.settle = time.Since(settled)
 	s.bg.Wait() // recovery measurements
-	s.stopAll()
 	rep, err := s.verify(ctx, items)
+	if err == nil {
+		var r replayReport
+		r, err = s.replay(ctx, items)
+		s.replayed = &r
+		s.bg.Wait()
+	}
+	s.stopAll()
+	if verr := s.violations(); err == nil {
+		err = verr
+	}
 	fmt.Println(s.summary(rep, err))
 	if err != nil {
 		s.cfg.keep = true

@@ -55,7 +55,9 @@ type suite struct {
 
 	mu    sync.Mutex
 	stats stats
-	bg    sync.WaitGroup // recovery measurements in flight
+
+	replayed *replayReport  // the replay phase's, once it ran
+	bg       sync.WaitGroup // recovery measurements in flight
 }
 
 // stats counts faults and measures recoveries.
@@ -200,7 +202,30 @@ func (s *suite) startProc(idx int) (*proc, error) {
 	if err != nil {
 		return nil, err
 	}
-	env := []string{
+	cmd, err := s.command("processor", fmt.Sprintf("processor-%d.log", idx), s.procEnv(addr))
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start processor %d: %w", idx, err)
+	}
+	p := &proc{idx: idx, cmd: cmd, http: addr, done: make(chan struct{})}
+	go func() {
+		err := cmd.Wait()
+		if !p.expected.Load() { // it crashed or gave up on its own: a bug, whatever the checks say
+			s.count(func(st *stats) {
+				st.violations = append(st.violations, fmt.Sprintf("processor %d exited on its own (%v); see processor-%d.log", idx, err, idx))
+			})
+		}
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// procEnv is the environment of the processors (and of their dlq commands), serving HTTP on
+// addr.
+func (s *suite) procEnv(addr string) []string {
+	return []string{
 		"KAFKA_BROKERS=" + strings.Join(s.procSeeds, ","),
 		"KAFKA_GROUP_ID=" + s.group,
 		"KAFKA_TOPICS=" + s.topic,
@@ -219,24 +244,6 @@ func (s *suite) startProc(idx int) (*proc, error) {
 		"SHUTDOWN_TIMEOUT=5s",
 		"LOG_FORMAT=text",
 	}
-	cmd, err := s.command("processor", fmt.Sprintf("processor-%d.log", idx), env)
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start processor %d: %w", idx, err)
-	}
-	p := &proc{idx: idx, cmd: cmd, http: addr, done: make(chan struct{})}
-	go func() {
-		err := cmd.Wait()
-		if !p.expected.Load() { // it crashed or gave up on its own: a bug, whatever the checks say
-			s.count(func(st *stats) {
-				st.violations = append(st.violations, fmt.Sprintf("processor %d exited on its own (%v); see processor-%d.log", idx, err, idx))
-			})
-		}
-		close(p.done)
-	}()
-	return p, nil
 }
 
 // waitReady waits until the process answers /readyz with 200 (it is in the group and reaches
@@ -705,6 +712,17 @@ func (s *suite) verify(ctx context.Context, items []ledger.Item) (report, error)
 	return rep, errors.Join(errs...)
 }
 
+// violations returns the problems seen during the run (bad exit codes), joined.
+func (s *suite) violations() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var errs []error
+	for _, v := range s.stats.violations {
+		errs = append(errs, errors.New(v))
+	}
+	return errors.Join(errs...)
+}
+
 // summary is the one line the suite prints.
 func (s *suite) summary(rep report, err error) string {
 	s.mu.Lock()
@@ -714,17 +732,26 @@ func (s *suite) summary(rep report, err error) string {
 	if err != nil {
 		result = "FAILED"
 	}
+	replay := "replay: not run"
+	if r := s.replayed; r != nil {
+		resumed := "not killed"
+		if r.resumed {
+			resumed = "killed and resumed"
+		}
+		replay = fmt.Sprintf("replay of %d dead letters (%d processor kills, the replay command %s): %d recovered and applied exactly once, %d dead again in their own rows, settled in %s",
+			r.rows, r.kills, resumed, r.recovered, r.deadAgain, r.took.Round(100*time.Millisecond))
+	}
 	return fmt.Sprintf("chaos %s %s-protocol HANDLER=%s seed=%d: %d events: %d applied exactly once in per-account order, %d dead-lettered (%d in the DLQ topic, %d duplicates; %d dead_letters rows)"+
 		" | faults: %d kill, %d term, %d stop, %d pg-drop, %d pg-cut, %d pg-stall, %d broker-cut, %d broker-restart"+
 		" | recovery, one fault at a time: SIGTERM->exit %s (target 5s), kill->partitions flowing elsewhere %s (target %s: session timeout + 1s), postgres back->commits %s (target 10s)"+
 		" | under random faults: SIGTERM->exit max %s; kill->flowing median %s max %s; postgres back->commits median %s max %s; %d not measured"+
-		" | settled in %s | %s",
+		" | settled in %s | %s | %s",
 		s.brokerName, s.groupType, s.cfg.handler, s.cfg.seed, s.cfg.events, rep.applied, rep.dead, rep.dlq, rep.dups, rep.rows,
 		st.kills, st.terms, st.stops, st.pgDrops, st.pgCuts, st.pgStalls, st.brokerCuts, st.brokerRestarts,
 		measured(st.alone.term), measured(st.alone.kill), sessionTimeout+time.Second, measured(st.alone.pg),
 		maxDuration(st.termExit), medianDuration(st.killRecovery), maxDuration(st.killRecovery),
 		medianDuration(st.pgRecovery), maxDuration(st.pgRecovery), st.unmeasured,
-		st.settle.Round(100*time.Millisecond), result)
+		st.settle.Round(100*time.Millisecond), replay, result)
 }
 
 // close stops whatever still runs and removes the work directory unless it is kept.
