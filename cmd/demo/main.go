@@ -237,6 +237,13 @@ func run(events int, partitions int32, keep bool) error {
 	deadRows, rerr := ledger.CheckDeadLetterRows(ctx, pool, schema, group, items, maxAttempt)
 	derr = errors.Join(derr, rerr)
 
+	// The operator's turn, the processor still running: list, trace, replay.
+	recovered, oerr := operator(ctx, bin, proc.Env, pool, items)
+	var replayed ledger.Report
+	if oerr == nil {
+		replayed, oerr = ledger.VerifyWith(ctx, pool, items, maxAttempt, ledger.VerifyOptions{Recovered: recovered})
+	}
+
 	sigAt := time.Now()
 	proc.Process.Signal(syscall.SIGTERM)
 	var exitErr error
@@ -269,8 +276,14 @@ func run(events int, partitions int32, keep bool) error {
 	if merr != nil {
 		fmt.Printf("metrics    do NOT match the database: %v\n", merr)
 	}
+	if oerr == nil {
+		fmt.Printf("replayed   %d dead letters with the processor running: %d recovered and applied exactly once (%d events in the ledger now), the %d poison and malformed back in their own rows; replaying again applied nothing\n",
+			deadRows, len(recovered), replayed.Applied, deadRows-len(recovered))
+	} else {
+		fmt.Printf("replay     WRONG: %v\n", oerr)
+	}
 	fmt.Printf("shutdown   SIGTERM -> exit %s in %v\n", exitStatus(exitErr), shutdown.Round(time.Millisecond))
-	if verr != nil || derr != nil || merr != nil || exitErr != nil {
+	if verr != nil || derr != nil || merr != nil || oerr != nil || exitErr != nil {
 		return errors.New("the demo found problems (above)")
 	}
 	ok = true
