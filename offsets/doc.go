@@ -48,6 +48,18 @@
 // Advance finds next_offset already equal to its target and reports ErrAlreadyAdvanced instead of
 // applying the batch a second time.
 //
+// # Keys held from outside: keys_epoch
+//
+// The owner keeps in memory which keys of its partition are held (their later records must wait
+// in held_records), and only it holds new keys, so it need not ask Postgres for every record. An
+// operator's replay holds a key from outside. It bumps the row's keys_epoch in the transaction
+// that holds the key, and Advance also requires keys_epoch to be the one the owner last read with
+// its held keys. The replay's UPDATE takes the row lock, so it waits for the owner's batch in
+// flight, and the owner's next Advance, finding another epoch, updates nothing: ErrKeysChanged.
+// Nothing has been applied; the owner re-reads its held keys (and the epoch) and runs the batch
+// again, now holding the key's records. A batch is thus decided either wholly before the replay
+// or wholly after it.
+//
 // # What it does not guarantee
 //
 // Fencing protects the effects written through the transaction the processor opens. A handler

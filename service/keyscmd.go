@@ -198,7 +198,7 @@ func keysRelease(ctx context.Context, c *opsCmd, args []string) error {
 		fmt.Fprintln(w, "dry run: nothing changed; add --execute --reason ... to release")
 		return nil
 	}
-	fmt.Fprintf(w, "released: %s\n", rel.Action)
+	fmt.Fprintf(w, "done (audited): %s\n", rel.Action)
 	if rel.LostDeadLetterID != 0 {
 		fmt.Fprintf(w, "the lost record is dead letter #%d (%s dlq show %d)\n", rel.LostDeadLetterID, c.prog, rel.LostDeadLetterID)
 	}

@@ -176,7 +176,7 @@ func (o *Ops) Summary(ctx context.Context, f Filter) ([]Count, error) {
 	if err != nil {
 		return nil, fmt.Errorf("count dead letters: %w", err)
 	}
-	var out []Count
+	out := []Count{}
 	var c Count
 	_, err = pgx.ForEachRow(rows, []any{&c.Topic, &c.Class, &c.Status, &c.N, &c.Oldest, &c.Newest}, func() error {
 		out = append(out, c)
@@ -276,7 +276,7 @@ func actionable(f Filter) (Filter, error) {
 // Preview says what act would do to the dead letters f matches, changing nothing; sample is how
 // many of them to show.
 func (o *Ops) Preview(ctx context.Context, act Action, f Filter, sample int) (Preview, error) {
-	p := Preview{Action: act, Filter: f}
+	p := Preview{Action: act, Filter: f, Counts: []Count{}, Sample: []DeadLetter{}, Notes: []string{}}
 	if act != Replay && act != Discard {
 		return p, usage("unknown action %q", act)
 	}
@@ -307,6 +307,9 @@ func (o *Ops) Preview(ctx context.Context, act Action, f Filter, sample int) (Pr
 	if p.Sample, err = o.List(ctx, nf, sample); err != nil {
 		return p, err
 	}
+	if p.Sample == nil {
+		p.Sample = []DeadLetter{}
+	}
 	args := []any{o.group}
 	where := nf.where(&args)
 	err = o.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE d.key IS NOT NULL), count(*) FILTER (WHERE d.error_class = 'lost' AND d.value IS NULL),
@@ -319,7 +322,7 @@ func (o *Ops) Preview(ctx context.Context, act Action, f Filter, sample int) (Pr
 	if p.NotNew > 0 {
 		p.Notes = append(p.Notes, fmt.Sprintf("%d more dead letters match but are not new (replaying, replayed or discarded): they are left alone", p.NotNew))
 	}
-	if act == Replay {
+	if act == Replay && p.Matched > 0 {
 		if p.BlockingKeys > 0 {
 			p.Notes = append(p.Notes, fmt.Sprintf("%d of them block their key: each is applied before the records held behind it, which follow in order", p.BlockingKeys))
 		}

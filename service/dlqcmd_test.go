@@ -1,0 +1,225 @@
+package service
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/processor"
+)
+
+// dlqDB returns a migrated database with three new dead letters of topic orders in group dg:
+// ids 1..3, keys k1..k3, value "secret-value-<n>", classes retryable, permanent, retryable; and
+// sets the environment an operator command of that group reads.
+func dlqDB(t *testing.T) *pgxpool.Pool {
+	pool, url := testenv.Postgres(t)
+	ctx := context.Background()
+	if err := processor.Migrate(ctx, pool, "kafkapg"); err != nil {
+		t.Fatal(err)
+	}
+	_, err := pool.Exec(ctx, `INSERT INTO kafkapg.offsets (consumer_group, topic, partition, next_offset) VALUES ('dg', 'orders', 0, 10);
+		WITH d AS (
+			INSERT INTO kafkapg.dead_letters (consumer_group, topic, partition, "offset", key, value, "timestamp", error_class, error_message, attempts, first_failed_at)
+			SELECT 'dg', 'orders', 0, i, convert_to('k' || i, 'UTF8'), convert_to('secret-value-' || i, 'UTF8'), 0,
+				CASE WHEN i = 2 THEN 'permanent' ELSE 'retryable' END, 'boom ' || i, 3, now()
+			FROM generate_series(1, 3) AS i ORDER BY i
+			RETURNING id, attempts, error_class, error_message)
+		INSERT INTO kafkapg.dead_letter_events (dead_letter_id, event, attempt, error_class, error_message)
+			SELECT id, 'dead_lettered', attempts, error_class, error_message FROM d`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, v := range map[string]string{"DATABASE_URL": url, "KAFKA_BROKERS": "127.0.0.1:1", "KAFKA_GROUP_ID": "dg",
+		"KAFKA_TOPICS": "orders", "HANDLER": "ledger"} {
+		t.Setenv(k, v)
+	}
+	return pool
+}
+
+// cli runs the service's command line with args and returns its exit status, stdout and stderr.
+func cli(args ...string) (int, string, string) {
+	var out, errOut bytes.Buffer
+	code := run(args, &out, &errOut, builtinHandlers...)
+	return code, out.String(), errOut.String()
+}
+
+func statuses(t *testing.T, pool *pgxpool.Pool) string {
+	t.Helper()
+	var s string
+	if err := pool.QueryRow(context.Background(), `SELECT string_agg(id || ':' || status, ' ' ORDER BY id) FROM kafkapg.dead_letters`).Scan(&s); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// TestDlqCommands: the dlq commands as an operator types them: list and show read; replay and
+// discard are dry runs without --execute and refuse --execute without a reason; a replay queues
+// each row once and a second one is refused; everything that changed is audited.
+func TestDlqCommands(t *testing.T) {
+	pool := dlqDB(t)
+	check := func(wantCode int, want string, args ...string) string {
+		t.Helper()
+		code, out, errOut := cli(args...)
+		if code != wantCode || !strings.Contains(out+errOut, want) {
+			t.Fatalf("%q: exit %d, stdout:\n%s\nstderr:\n%s\nwant exit %d and %q", args, code, out, errOut, wantCode, want)
+		}
+		return out
+	}
+	out := check(0, "k3", "dlq", "list")
+	if !strings.Contains(out, "permanent") || strings.Count(out, "\n") != 4 {
+		t.Errorf("dlq list:\n%s\nwant a header and three rows", out)
+	}
+	check(0, "orders  permanent  new     1", "dlq", "list", "--summary")
+	check(0, "no dead letters match", "dlq", "list", "--class", "lost")
+	out = check(0, `"key": "azI="`, "dlq", "list", "--key", "k2", "--json")
+	if strings.Contains(out, "k1") || strings.Contains(out, "azE=") {
+		t.Errorf("dlq list --key k2 --json:\n%s\nwant only k2", out)
+	}
+	check(0, "value:      secret-value-2", "dlq", "show", "2")
+	check(0, "dead_lettered (attempt 3): permanent: boom 2", "dlq", "show", "2")
+	check(1, "not found", "dlq", "show", "99")
+	check(2, "takes one dead letter id", "dlq", "show")
+	check(2, "--since \"yesterday\"", "dlq", "list", "--since", "yesterday")
+	check(2, `status "bogus"`, "dlq", "list", "--status", "bogus")
+
+	check(0, "dry run: replay would act on 2 new dead letters; nothing changed", "dlq", "replay", "--class", "retryable")
+	if got := statuses(t, pool); got != "1:new 2:new 3:new" {
+		t.Fatalf("after a dry run: %s", got)
+	}
+	check(2, "--execute needs --reason", "dlq", "replay", "--execute")
+	check(0, "2 matched, 2 done", "dlq", "replay", "--class", "retryable", "--execute", "--reason", "fixed", "--actor", "ops-1", "--wait", "0")
+	if got := statuses(t, pool); got != "1:replaying 2:new 3:replaying" {
+		t.Fatalf("after the replay: %s", got)
+	}
+	check(2, "no new dead letter matches the filter", "dlq", "replay", "--id", "1,3", "--execute", "--reason", "again")
+	check(0, "dry run: discard would act on 1 new dead letters", "dlq", "discard")
+	check(0, "1 matched, 1 done", "dlq", "discard", "--id", "2", "--execute", "--reason", "poison")
+	if got := statuses(t, pool); got != "1:replaying 2:discarded 3:replaying" {
+		t.Fatalf("after the discard: %s", got)
+	}
+	out = check(0, "ops-1", "dlq", "tasks")
+	if !strings.Contains(out, "discard  done") || !strings.Contains(out, "replay   done") {
+		t.Errorf("dlq tasks:\n%s", out)
+	}
+	check(2, "task 1 is done: nothing to cancel", "dlq", "cancel", "1")
+	check(0, "dry run: 0 replayed or discarded dead letters", "dlq", "purge", "--older-than", "1h")
+	check(2, "--older-than is required", "dlq", "purge")
+
+	var audits int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.audit WHERE (actor, action, reason) IN (('ops-1', 'replay', 'fixed'))`).Scan(&audits); err != nil || audits != 1 {
+		t.Errorf("audit rows of the replay: %d, %v", audits, err)
+	}
+}
+
+// TestOperatorAPI: the API exists only with a token, answers nothing (values least of all)
+// without it, and runs the same operations: a dry run changes nothing, an executed replay runs
+// as a task to its end.
+func TestOperatorAPI(t *testing.T) {
+	pool := dlqDB(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	const token = "0123456789abcdef-token"
+	a := newAPI(ctx, ops.New(pool, "kafkapg", "dg"), token, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	srv := httptest.NewServer(httpHandler(prometheus.NewRegistry(), func(context.Context) error { return nil },
+		func(context.Context) error { return nil }, a.handler()))
+	defer srv.Close()
+	defer a.wait()
+	call := func(method, path, tok, body string) (int, string) {
+		t.Helper()
+		req, err := http.NewRequest(method, srv.URL+path, strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if tok != "" {
+			req.Header.Set("Authorization", "Bearer "+tok)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	for _, tok := range []string{"", "wrong-token-0123456789", token + "x"} {
+		for _, p := range []string{"/api/v1/dead-letters", "/api/v1/dead-letters/1", "/api/v1/tasks"} {
+			code, body := call("GET", p, tok, "")
+			if code != http.StatusUnauthorized || strings.Contains(body, "secret-value") || strings.Contains(body, "k1") {
+				t.Errorf("GET %s with token %q: %d %s; want 401 and nothing about the records", p, tok, code, body)
+			}
+		}
+		if code, _ := call("POST", "/api/v1/dead-letters/replay", tok, `{"execute": true, "reason": "x"}`); code != http.StatusUnauthorized {
+			t.Errorf("POST replay with token %q: %d; want 401", tok, code)
+		}
+	}
+	if got := statuses(t, pool); got != "1:new 2:new 3:new" {
+		t.Fatalf("unauthorized calls changed something: %s", got)
+	}
+	code, body := call("GET", "/api/v1/dead-letters/2", token, "")
+	var dl ops.DeadLetter
+	if code != 200 || json.Unmarshal([]byte(body), &dl) != nil || string(dl.Value) != "secret-value-2" || len(dl.Events) != 1 {
+		t.Fatalf("GET dead letter 2: %d %s", code, body)
+	}
+	if code, body := call("GET", "/api/v1/dead-letters?class=retryable&limit=1", token, ""); code != 200 || strings.Count(body, `"id"`) != 1 {
+		t.Errorf("GET list with a filter and a limit: %d %s", code, body)
+	}
+	if code, body := call("GET", "/api/v1/dead-letters?status=bogus", token, ""); code != 400 || !strings.Contains(body, "bogus") {
+		t.Errorf("GET list with a bad status: %d %s; want 400 naming it", code, body)
+	}
+	if code, body := call("POST", "/api/v1/dead-letters/replay", token, `{"filter": {"class": "retryable"}}`); code != 200 || !strings.Contains(body, `"matched": 2`) {
+		t.Errorf("dry run: %d %s", code, body)
+	}
+	if code, body := call("POST", "/api/v1/dead-letters/replay", token, `{"execute": true}`); code != 400 || !strings.Contains(body, "reason is required") {
+		t.Errorf("execute without a reason: %d %s; want 400", code, body)
+	}
+	if code, body := call("POST", "/api/v1/dead-letters/replay", token, `{"bogus": 1}`); code != 400 {
+		t.Errorf("unknown field: %d %s; want 400", code, body)
+	}
+	if got := statuses(t, pool); got != "1:new 2:new 3:new" {
+		t.Fatalf("dry runs changed something: %s", got)
+	}
+	code, body = call("POST", "/api/v1/dead-letters/replay", token, `{"filter": {"ids": [1, 3]}, "execute": true, "reason": "dependency back", "actor": "alice"}`)
+	var started struct{ Task ops.Task }
+	if code != http.StatusAccepted || json.Unmarshal([]byte(body), &started) != nil || started.Task.Matched != 2 {
+		t.Fatalf("execute: %d %s", code, body)
+	}
+	testenv.Eventually(t, 10*time.Second, func() error {
+		code, body := call("GET", fmt.Sprintf("/api/v1/tasks/%d", started.Task.ID), token, "")
+		var tk ops.Task
+		if code != 200 || json.Unmarshal([]byte(body), &tk) != nil || tk.Status != "done" || tk.Done != 2 {
+			return fmt.Errorf("task: %d %s", code, body)
+		}
+		return nil
+	})
+	if got := statuses(t, pool); got != "1:replaying 2:new 3:replaying" {
+		t.Errorf("after the API's replay: %s", got)
+	}
+	if code, body := call("GET", "/api/v1/audit", token, ""); code != 200 || !strings.Contains(body, `"actor": "api:alice"`) || !strings.Contains(body, "dependency back") {
+		t.Errorf("audit: %d %s; want the replay by api:alice", code, body)
+	}
+
+	// Without a token, there is no API at all.
+	plain := httptest.NewServer(httpHandler(prometheus.NewRegistry(), func(context.Context) error { return nil }, func(context.Context) error { return nil }, nil))
+	defer plain.Close()
+	resp, err := http.Get(plain.URL + "/api/v1/dead-letters")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusNotFound {
+		t.Errorf("without OPERATOR_TOKEN: %d; want 404", resp.StatusCode)
+	}
+}
