@@ -40,6 +40,7 @@ type metrics struct {
 	deadLetterDB prometheus.Gauge
 	deadLetters  *prometheus.GaugeVec
 	tasks        prometheus.Gauge
+	interrupted  prometheus.Gauge
 
 	// The circuit breaker (per process).
 	breakerOpen    prometheus.Gauge
@@ -142,6 +143,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "tasks_running",
 			Help: "Replay and discard tasks running, or interrupted and waiting to be resumed (group-wide, from Postgres).",
 		}),
+		interrupted: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "tasks_interrupted",
+			Help: "Running replay and discard tasks whose runner stopped heart-beating (killed halfway): resume or cancel them (group-wide, from Postgres).",
+		}),
 		heldKeys: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "held_keys",
 			Help: "Keys of the group whose later records wait behind a record in the retry path or a blocked dead letter (group-wide, from Postgres).",
@@ -213,7 +218,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	}
 	for _, c := range []prometheus.Collector{m.breakerOpen, m.breakerOpened, m.breakerWaiting, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
 		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
-		m.routed, m.recordsHeld, m.duplicates, m.replayed, m.deadLetters, m.tasks, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
+		m.routed, m.recordsHeld, m.duplicates, m.replayed, m.deadLetters, m.tasks, m.interrupted, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors, m.stuckKeys,
 		m.outboxWaiting, m.outboxAside, m.outboxOldest} {
 		if err := reg.Register(c); err != nil {
@@ -278,6 +283,7 @@ func (m *metrics) setRetryStats(st retrytopics.Stats, tiers int) {
 		m.deadLetters.WithLabelValues(s).Set(float64(st.DeadLetters[s]))
 	}
 	m.tasks.Set(float64(st.TasksRunning))
+	m.interrupted.Set(float64(st.TasksInterrupted))
 	for n := 1; n <= tiers; n++ {
 		t := st.Tiers[n]
 		m.tierRecords.WithLabelValues(tierLabel(n)).Set(float64(t.Records))

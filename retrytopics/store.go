@@ -539,6 +539,9 @@ type Stats struct {
 	// DeadLetters counts dead_letters rows by status (see DeadLetterStatuses).
 	DeadLetters  map[string]int
 	TasksRunning int // replay and discard tasks not finished
+	// TasksInterrupted counts the running tasks whose runner has not heart-beat for 15 s (its
+	// lease, see internal/ops): it stopped halfway, and the task waits to be resumed.
+	TasksInterrupted int
 }
 
 // DeadLetterStatuses are the statuses of a dead_letters row: new (dead), replaying (brought
@@ -567,8 +570,10 @@ func (s *Store) Stats(ctx context.Context, q Querier) (Stats, error) {
 			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'replaying'),
 			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'replayed'),
 			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'discarded'),
-			(SELECT count(*) FROM `+s.tasks+` WHERE consumer_group = $1 AND status = 'running')`, s.group).
-		Scan(&st.HeldKeys, &st.BlockedKeys, &st.HeldRecords, &oldest, &st.DeadLettersDB, &replaying, &replayed, &discarded, &st.TasksRunning)
+			(SELECT count(*) FROM `+s.tasks+` WHERE consumer_group = $1 AND status = 'running'),
+			(SELECT count(*) FROM `+s.tasks+` WHERE consumer_group = $1 AND status = 'running'
+				AND (heartbeat_at IS NULL OR heartbeat_at < now() - interval '15 seconds'))`, s.group).
+		Scan(&st.HeldKeys, &st.BlockedKeys, &st.HeldRecords, &oldest, &st.DeadLettersDB, &replaying, &replayed, &discarded, &st.TasksRunning, &st.TasksInterrupted)
 	if err != nil {
 		return st, fmt.Errorf("read retry path stats: %w", err)
 	}
