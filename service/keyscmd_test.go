@@ -155,7 +155,7 @@ dry run: nothing changed; add --execute --reason ... to release
 	if err := keysCmd(ctx, c, []string{"release", "--topic", "orders", "--partition", "1", "--key-hex", "ff00", "--execute", "--reason", "INC-9", "--actor", "bob"}); err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(out.String(), "\nreleased: release the blocked key: ") || state() != "ready" {
+	if !strings.Contains(out.String(), "\ndone (audited): release the blocked key: ") || state() != "ready" {
 		t.Errorf("keys release --execute:\n%s\nkey %s, want ready", out, state())
 	}
 	var actor, reason string
