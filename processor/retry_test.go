@@ -180,18 +180,6 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 		cfg.OnDeadLetter = processor.OnDeadLetterBlock
 		r := h.Start(cfg)
 
-		event := func(id, account string, seq int64, fail int, poison bool) ledger.Item {
-			ev := ledger.Event{EventID: id, Account: account, Amount: seq * 10, Seq: seq, FailAttempts: fail, Poison: poison}
-			v, _ := json.Marshal(ev)
-			kind := ledger.KindOK
-			switch {
-			case poison:
-				kind = ledger.KindPoison
-			case fail > 0:
-				kind = ledger.KindFlaky
-			}
-			return ledger.Item{Kind: kind, Event: ev, Key: []byte(account), Value: v}
-		}
 		items := []ledger.Item{
 			event("a1", "A", 1, 0, false),
 			event("a2", "A", 2, 0, true), // poison: dead-lettered, blocks A

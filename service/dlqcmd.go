@@ -315,6 +315,10 @@ func dlqAct(ctx context.Context, c *opsCmd, act ops.Action, args []string) error
 	if strings.TrimSpace(*reason) == "" {
 		return usagef("--execute needs --reason: why you %s these dead letters (kept in the audit table)", act)
 	}
+	// Rows the filter names that are not new are refused; say so before acting on the others.
+	if p, err := c.ops.Preview(ctx, act, f, 0); err == nil && p.NotNew > 0 {
+		fmt.Fprintf(c.err, "refused: %d matching dead letters are not new (replaying, replayed or discarded); they are left alone\n", p.NotNew)
+	}
 	t, err := c.ops.StartTask(ctx, act, f, ops.Actor{Name: *actor, Reason: *reason}, rate)
 	if err != nil {
 		return err
@@ -529,17 +533,10 @@ func showBytes(b []byte) string {
 	return fmt.Sprintf("(%d bytes, not text) base64:%s", len(b), base64.StdEncoding.EncodeToString(b))
 }
 
-// shortBytes is showBytes for a table cell: at most n characters; bytes that are not text in hex.
-func shortBytes(b []byte, n int) string {
-	switch {
-	case b == nil:
-		return "-"
-	case printable(b):
-		return safetext.Truncate(string(b), n)
-	}
-	return safetext.Truncate("0x"+hex.EncodeToString(b), n)
-}
+// shortBytes is a key for a table cell (ops.KeyText), at most n bytes.
+func shortBytes(b []byte, n int) string { return safetext.Truncate(ops.KeyText(b), n) }
 
+// printable reports whether b is text to show as it is: valid UTF-8, printable or white space.
 func printable(b []byte) bool {
 	if !utf8.Valid(b) {
 		return false

@@ -105,6 +105,7 @@ func TestDlqCommands(t *testing.T) {
 		t.Fatalf("after the replay: %s", got)
 	}
 	check(2, "no new dead letter matches the filter", "dlq", "replay", "--id", "1,3", "--execute", "--reason", "again")
+	check(2, "refused: 2 matching dead letters are not new", "dlq", "replay", "--id", "1,3", "--execute", "--reason", "again")
 	check(0, "dry run: discard would act on 1 new dead letters", "dlq", "discard")
 	check(0, "1 matched, 1 done", "dlq", "discard", "--id", "2", "--execute", "--reason", "poison")
 	if got := statuses(t, pool); got != "1:replaying 2:discarded 3:replaying" {

@@ -43,7 +43,7 @@ func (o *Ops) heldKeySQL(where, tail string) string {
 	return `SELECT h.topic, h.partition, h.key, h.state, h.head_offset, h.held_since, h.updated_at,
 			(SELECT count(*) FROM ` + o.table("held_records") + ` r WHERE r.consumer_group = h.consumer_group AND r.topic = h.topic
 				AND r.partition = h.partition AND r.key_hash = h.key_hash AND r.key = h.key),
-			rt.attempt, ` + o.tierSQL("rt") + `, rt.due_at, rt.error_class, rt.error_message, d.id, d.error_class, d.status
+			rt.attempt, rt.tier, rt.due_at, rt.error_class, rt.error_message, d.id, d.error_class, d.status
 		FROM ` + o.table("held_keys") + ` h
 		LEFT JOIN ` + o.table("retries") + ` rt ON h.state = 'retrying' AND rt.consumer_group = h.consumer_group
 			AND rt.topic = h.topic AND rt.partition = h.partition AND rt."offset" = h.head_offset
@@ -51,9 +51,6 @@ func (o *Ops) heldKeySQL(where, tail string) string {
 			AND d.topic = h.topic AND d.partition = h.partition AND d."offset" = h.head_offset
 		WHERE h.consumer_group = $1 ` + where + ` ` + tail
 }
-
-// tierSQL is the retry tier of the record of a retries row (alias r).
-func (o *Ops) tierSQL(r string) string { return r + `.tier` }
 
 // scanHeldKeys reads the rows of heldKeySQL.
 func (o *Ops) scanHeldKeys(rows pgx.Rows) ([]HeldKey, error) {

@@ -138,6 +138,18 @@ func (o *Ops) outcomes(ctx context.Context, t *Task) error {
 
 // Task returns task id, with its outcomes so far.
 func (o *Ops) Task(ctx context.Context, id int64) (Task, error) {
+	t, err := o.taskRow(ctx, id)
+	if err != nil {
+		return t, err
+	}
+	if err := o.outcomes(ctx, &t); err != nil {
+		return t, fmt.Errorf("read outcomes of task %d: %w", id, err)
+	}
+	return t, nil
+}
+
+// taskRow returns task id without its outcomes (which cost a look at each record it replayed).
+func (o *Ops) taskRow(ctx context.Context, id int64) (Task, error) {
 	rows, err := o.pool.Query(ctx, `SELECT `+taskColumns+` FROM `+o.table("tasks")+` WHERE consumer_group = $1 AND id = $3`,
 		o.group, lease.Seconds(), id)
 	if err != nil {
@@ -149,9 +161,6 @@ func (o *Ops) Task(ctx context.Context, id int64) (Task, error) {
 	}
 	if len(ts) == 0 {
 		return Task{}, fmt.Errorf("task %d of group %s: %w", id, o.group, ErrNotFound)
-	}
-	if err := o.outcomes(ctx, &ts[0]); err != nil {
-		return ts[0], fmt.Errorf("read outcomes of task %d: %w", id, err)
 	}
 	return ts[0], nil
 }
@@ -256,7 +265,7 @@ func (o *Ops) RunTask(ctx context.Context, id int64, runner string, progress fun
 				break
 			}
 		}
-		if t2, rerr := o.Task(context.WithoutCancel(ctx), id); rerr == nil {
+		if t2, rerr := o.taskRow(context.WithoutCancel(ctx), id); rerr == nil {
 			t = t2
 		}
 		if err != nil {
@@ -269,7 +278,7 @@ func (o *Ops) RunTask(ctx context.Context, id int64, runner string, progress fun
 			progress(t)
 		}
 		if !more || t.Status != "running" {
-			return t, nil
+			return o.Task(context.WithoutCancel(ctx), id)
 		}
 		if t.Rate > 0 {
 			// Pace to the rate, heart-beating while waiting.
