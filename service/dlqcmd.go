@@ -8,6 +8,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -306,6 +307,9 @@ func dlqAct(ctx context.Context, c *opsCmd, act ops.Action, args []string) error
 		if err != nil {
 			return err
 		}
+		if act == ops.Replay {
+			p.Notes = append(p.Notes, c.unconsumed(p.Counts)...)
+		}
 		if *asJSON {
 			return c.json(p)
 		}
@@ -325,6 +329,21 @@ func dlqAct(ctx context.Context, c *opsCmd, act ops.Action, args []string) error
 	}
 	fmt.Fprintf(c.err, "task %d: %s %d dead letters (actor %s)\n", t.ID, act, t.Matched, t.Actor)
 	return runTask(ctx, c, t.ID, wait, *asJSON)
+}
+
+// unconsumed warns of the topics among counts that this service does not consume: a replayed
+// record waits for a processor of its topic to apply it.
+func (c *opsCmd) unconsumed(counts []ops.Count) []string {
+	var notes []string
+	seen := map[string]bool{}
+	for _, n := range counts {
+		if seen[n.Topic] || slices.Contains(c.env.KafkaTopics, n.Topic) {
+			continue
+		}
+		seen[n.Topic] = true
+		notes = append(notes, fmt.Sprintf("topic %s is not in this service's KAFKA_TOPICS: its replayed records wait until a processor of group %s that consumes it runs", n.Topic, c.ops.Group()))
+	}
+	return notes
 }
 
 func printPreview(c *opsCmd, p ops.Preview) {

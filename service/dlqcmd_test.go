@@ -96,6 +96,9 @@ func TestDlqCommands(t *testing.T) {
 	check(2, `status "bogus"`, "dlq", "list", "--status", "bogus")
 
 	check(0, "dry run: replay would act on 2 new dead letters; nothing changed", "dlq", "replay", "--class", "retryable")
+	t.Setenv("KAFKA_TOPICS", "payments")
+	check(0, "topic orders is not in this service's KAFKA_TOPICS", "dlq", "replay")
+	t.Setenv("KAFKA_TOPICS", "orders")
 	if got := statuses(t, pool); got != "1:new 2:new 3:new" {
 		t.Fatalf("after a dry run: %s", got)
 	}
