@@ -373,10 +373,17 @@ func (s *suite) measure(ctx context.Context) error {
 		return err
 	}
 
-	p = s.pick()
-	owned, err := s.ownedPartitions(ctx, p.cmd.Process.Pid)
-	if err != nil {
-		return err
+	// Kill a process that owns source partitions (one may own only retry tiers' partitions:
+	// its kill would measure nothing).
+	var owned map[int32]int64
+	for _, q := range s.procs {
+		o, err := s.ownedPartitions(ctx, q.cmd.Process.Pid)
+		if err != nil {
+			return err
+		}
+		if len(o) > len(owned) {
+			p, owned = q, o
+		}
 	}
 	killed := time.Now()
 	p.end(syscall.SIGKILL)
@@ -390,7 +397,7 @@ func (s *suite) measure(ctx context.Context) error {
 	}
 
 	s.pgProxy.Cut()
-	err = sleep(ctx, 3*time.Second)
+	err := sleep(ctx, 3*time.Second)
 	s.pgProxy.Restore()
 	if err != nil {
 		return err
