@@ -80,29 +80,29 @@ func (f Filter) where(args *[]any) string {
 // DeadLetter is a dead_letters row. Value and Headers are read by Show only; List gives
 // ValueSize.
 type DeadLetter struct {
-	ID              int64       `json:"id"`
-	Topic           string      `json:"topic"`
-	Partition       int32       `json:"partition"`
-	Offset          int64       `json:"offset"`
-	Key             []byte      `json:"key"`
-	Value           []byte      `json:"value,omitempty"`
-	ValueSize       int         `json:"value_size"`
-	Headers         []kgoHeader `json:"headers,omitempty"`
-	Timestamp       time.Time   `json:"timestamp"`
-	Class           string      `json:"error_class"`
-	Message         string      `json:"error_message"`
-	Attempts        int         `json:"attempts"`
-	FirstFailedAt   time.Time   `json:"first_failed_at"`
-	DeadLetteredAt  time.Time   `json:"dead_lettered_at"`
-	Status          string      `json:"status"`
-	StatusChangedAt time.Time   `json:"status_changed_at"`
-	Replays         int         `json:"replays"`
-	Events          []Event     `json:"events,omitempty"`
-	BlocksKey       bool        `json:"blocks_key"` // its key waits for it (ON_DEAD_LETTER=block)
+	ID              int64     `json:"id"`
+	Topic           string    `json:"topic"`
+	Partition       int32     `json:"partition"`
+	Offset          int64     `json:"offset"`
+	Key             []byte    `json:"key"`
+	Value           []byte    `json:"value,omitempty"`
+	ValueSize       int       `json:"value_size"`
+	Headers         []Header  `json:"headers,omitempty"`
+	Timestamp       time.Time `json:"timestamp"`
+	Class           string    `json:"error_class"`
+	Message         string    `json:"error_message"`
+	Attempts        int       `json:"attempts"`
+	FirstFailedAt   time.Time `json:"first_failed_at"`
+	DeadLetteredAt  time.Time `json:"dead_lettered_at"`
+	Status          string    `json:"status"`
+	StatusChangedAt time.Time `json:"status_changed_at"`
+	Replays         int       `json:"replays"`
+	Events          []Event   `json:"events,omitempty"`
+	BlocksKey       bool      `json:"blocks_key"` // its key waits for it (ON_DEAD_LETTER=block)
 }
 
-// kgoHeader is a record header.
-type kgoHeader struct {
+// Header is a record header.
+type Header struct {
 	Key   string `json:"key"`
 	Value []byte `json:"value"`
 }
@@ -216,7 +216,7 @@ func (o *Ops) Show(ctx context.Context, id int64) (DeadLetter, error) {
 		return dl, fmt.Errorf("dead letter %d: %w", id, err)
 	}
 	for _, h := range hs {
-		dl.Headers = append(dl.Headers, kgoHeader{Key: h.Key, Value: h.Value})
+		dl.Headers = append(dl.Headers, Header{Key: h.Key, Value: h.Value})
 	}
 	rows, err = o.pool.Query(ctx, `SELECT at, event, coalesce(task_id, 0), coalesce(attempt, 0), coalesce(error_class, ''), coalesce(error_message, '')
 		FROM `+o.table("dead_letter_events")+` WHERE dead_letter_id = $1 ORDER BY id`, id)
