@@ -278,7 +278,7 @@ func (m *metrics) setRetryStats(st retrytopics.Stats, tiers int) {
 	m.blockedKeys.Set(float64(st.BlockedKeys))
 	m.heldRecords.Set(float64(st.HeldRecords))
 	m.oldestHeld.Set(st.OldestHeld.Seconds())
-	m.deadLetterDB.Set(float64(st.DeadLettersDB))
+	m.deadLetterDB.Set(float64(st.DeadLetters["new"]))
 	for _, s := range retrytopics.DeadLetterStatuses {
 		m.deadLetters.WithLabelValues(s).Set(float64(st.DeadLetters[s]))
 	}

@@ -124,8 +124,8 @@ type Move struct {
 	Class         string
 	Message       string
 	FirstFailedAt time.Time
-	// DueAt is when the record may be tried again, and Tier the retry tier it goes to (ToTier
-	// only).
+	// DueAt is when the record may be tried again, and Tier (1 or more) the retry tier it goes
+	// to (ToTier only).
 	DueAt time.Time
 	Tier  int
 	// Block keeps the key held after a dead letter, until an operator releases it (DeadLetter
@@ -239,6 +239,9 @@ func (s *Store) Applied(ctx context.Context, tx pgx.Tx, r Rec, held bool) error 
 // ToTier records that a failed record goes to a retry tier (attempt m.Attempt+1 is next). Moving
 // a record on from a tier returns ErrStale if its retry state is not at m.Attempt.
 func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
+	if m.Tier < 1 {
+		return fmt.Errorf("send %s to a retry tier: tier %d", m.Origin, m.Tier)
+	}
 	next := m.Attempt + 1
 	switch m.From {
 	case FromSource, FromHeld:
@@ -249,13 +252,13 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message, dead_letter_id, tier)
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, nullif($11::bigint, 0), $12)`,
-			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage), m.DeadLetter, m.tier()); err != nil {
+			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage), m.DeadLetter, m.Tier); err != nil {
 			return fmt.Errorf("store retry state of %s: %w", m.Origin, err)
 		}
 	case FromTier:
 		tag, err := tx.Exec(ctx, `UPDATE `+s.retries+` SET attempt = $6, due_at = $7, error_class = $8, error_message = $9, tier = $10, updated_at = now()
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4 AND attempt = $5`,
-			s.group, m.Topic, m.Partition, m.Offset, m.Attempt, next, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage), m.tier())
+			s.group, m.Topic, m.Partition, m.Offset, m.Attempt, next, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage), m.Tier)
 		if err != nil {
 			return fmt.Errorf("update retry state of %s: %w", m.Origin, err)
 		}
@@ -281,15 +284,6 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 		}
 	}
 	return nil
-}
-
-// tier is the tier the move sends the record to: Tier, or for callers that leave it unset, the
-// tier its attempt implies (records that were never replayed).
-func (m Move) tier() int {
-	if m.Tier > 0 {
-		return m.Tier
-	}
-	return m.Attempt
 }
 
 // maxStoredMessage bounds the error messages stored in Postgres, in bytes.
@@ -530,12 +524,11 @@ func (s *Store) Unblock(ctx context.Context, db Execer, topic string, partition 
 
 // Stats describes the retry path of a group.
 type Stats struct {
-	HeldKeys      int
-	BlockedKeys   int
-	HeldRecords   int
-	OldestHeld    time.Duration // age of the oldest held record; 0 if none
-	Tiers         map[int]TierStats
-	DeadLettersDB int // dead_letters rows with status new
+	HeldKeys    int
+	BlockedKeys int
+	HeldRecords int
+	OldestHeld  time.Duration // age of the oldest held record; 0 if none
+	Tiers       map[int]TierStats
 	// DeadLetters counts dead_letters rows by status (see DeadLetterStatuses).
 	DeadLetters  map[string]int
 	TasksRunning int // replay and discard tasks not finished
@@ -560,26 +553,33 @@ type TierStats struct {
 func (s *Store) Stats(ctx context.Context, q Querier) (Stats, error) {
 	st := Stats{Tiers: map[int]TierStats{}, DeadLetters: map[string]int{}}
 	var oldest float64
-	var replaying, replayed, discarded int
 	err := q.QueryRow(ctx, `SELECT
 			(SELECT count(*) FROM `+s.heldKeys+` WHERE consumer_group = $1),
 			(SELECT count(*) FROM `+s.heldKeys+` WHERE consumer_group = $1 AND state = 'blocked'),
 			(SELECT count(*) FROM `+s.heldRecords+` WHERE consumer_group = $1),
 			(SELECT coalesce(extract(epoch FROM now() - min(held_at)), 0)::float8 FROM `+s.heldRecords+` WHERE consumer_group = $1),
-			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'new'),
-			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'replaying'),
-			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'replayed'),
-			(SELECT count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 AND status = 'discarded'),
+
 			(SELECT count(*) FROM `+s.tasks+` WHERE consumer_group = $1 AND status = 'running'),
 			(SELECT count(*) FROM `+s.tasks+` WHERE consumer_group = $1 AND status = 'running'
 				AND (heartbeat_at IS NULL OR heartbeat_at < now() - interval '15 seconds'))`, s.group).
-		Scan(&st.HeldKeys, &st.BlockedKeys, &st.HeldRecords, &oldest, &st.DeadLettersDB, &replaying, &replayed, &discarded, &st.TasksRunning, &st.TasksInterrupted)
+		Scan(&st.HeldKeys, &st.BlockedKeys, &st.HeldRecords, &oldest, &st.TasksRunning, &st.TasksInterrupted)
 	if err != nil {
 		return st, fmt.Errorf("read retry path stats: %w", err)
 	}
 	st.OldestHeld = time.Duration(oldest * float64(time.Second))
-	st.DeadLetters["new"], st.DeadLetters["replaying"], st.DeadLetters["replayed"], st.DeadLetters["discarded"] = st.DeadLettersDB, replaying, replayed, discarded
-	rows, err := q.Query(ctx, `SELECT tier, count(*), coalesce(extract(epoch FROM max(now() - due_at)), 0)::float8
+	rows, err := q.Query(ctx, `SELECT status, count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 GROUP BY status`, s.group)
+	if err != nil {
+		return st, fmt.Errorf("read dead letter stats: %w", err)
+	}
+	var status string
+	var count int
+	if _, err := pgx.ForEachRow(rows, []any{&status, &count}, func() error {
+		st.DeadLetters[status] = count
+		return nil
+	}); err != nil {
+		return st, fmt.Errorf("read dead letter stats: %w", err)
+	}
+	rows, err = q.Query(ctx, `SELECT tier, count(*), coalesce(extract(epoch FROM max(now() - due_at)), 0)::float8
 		FROM `+s.retries+` WHERE consumer_group = $1 GROUP BY tier`, s.group)
 	if err != nil {
 		return st, fmt.Errorf("read retry tier stats: %w", err)

@@ -52,7 +52,7 @@ func TestStoreKeyHandOver(t *testing.T) {
 	failedAt := time.Now().Add(-time.Minute)
 
 	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
-		return s.ToTier(ctx, tx, retrytopics.Move{Rec: head, Held: true, From: retrytopics.FromSource, Attempt: 1,
+		return s.ToTier(ctx, tx, retrytopics.Move{Rec: head, Held: true, From: retrytopics.FromSource, Attempt: 1, Tier: 1,
 			Class: "retryable", Message: "boom", FirstFailedAt: failedAt, DueAt: failedAt.Add(time.Second)})
 	})
 	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
@@ -107,7 +107,7 @@ func TestStoreKeyHandOver(t *testing.T) {
 func TestStoreBlockAndRelease(t *testing.T) {
 	s, pool := newStore(t)
 	head := retrytopics.Rec{Origin: retrytopics.Origin{Topic: "orders", Partition: 0, Offset: 5}, Key: []byte("k"), Value: []byte("v"), Timestamp: time.Now()}
-	move := retrytopics.Move{Rec: head, Held: true, From: retrytopics.FromSource, Attempt: 1, Class: "retryable", Message: "boom",
+	move := retrytopics.Move{Rec: head, Held: true, From: retrytopics.FromSource, Attempt: 1, Tier: 1, Class: "retryable", Message: "boom",
 		FirstFailedAt: time.Now(), DueAt: time.Now()}
 	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error { return s.ToTier(ctx, tx, move) })
 
@@ -122,7 +122,7 @@ func TestStoreBlockAndRelease(t *testing.T) {
 	dead.From, dead.Attempt, dead.Block = retrytopics.FromTier, 2, true
 	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error { return s.DeadLetter(ctx, tx, dead) })
 	st := stats(t, s, pool)
-	if st.HeldKeys != 1 || st.BlockedKeys != 1 || st.DeadLettersDB != 1 || len(st.Tiers) != 0 {
+	if st.HeldKeys != 1 || st.BlockedKeys != 1 || st.DeadLetters["new"] != 1 || len(st.Tiers) != 0 {
 		t.Errorf("stats after a blocking dead letter: %+v", st)
 	}
 	n, err := s.Unblock(context.Background(), pool, "orders", 0, nil)
@@ -149,7 +149,7 @@ func TestStoreTakesAnyRecordContent(t *testing.T) {
 	}
 	head := rec(1, math.MaxInt64, 10)
 	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
-		return s.ToTier(ctx, tx, retrytopics.Move{Rec: head, Held: true, From: retrytopics.FromSource, Attempt: 1,
+		return s.ToTier(ctx, tx, retrytopics.Move{Rec: head, Held: true, From: retrytopics.FromSource, Attempt: 1, Tier: 1,
 			Class: "retryable", Message: "bad payload \x00\xff\xfe", FirstFailedAt: time.Now(), DueAt: time.Now()})
 	})
 	held := []retrytopics.Rec{rec(2, math.MinInt64, 1000), rec(3, -1, 1000), rec(4, 0, 1000), rec(5, 1, 1000)}

@@ -105,6 +105,15 @@ func writeError(w http.ResponseWriter, status int, err error) {
 	writeJSON(w, status, map[string]string{"error": err.Error()})
 }
 
+// respond writes v, or err with the status it calls for.
+func respond(w http.ResponseWriter, v any, err error) {
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, v)
+}
+
 // fail writes err with the status it calls for.
 func fail(w http.ResponseWriter, err error) {
 	switch {
@@ -124,6 +133,9 @@ func fail(w http.ResponseWriter, err error) {
 func queryFilter(r *http.Request) (ops.Filter, error) {
 	q := r.URL.Query()
 	f := ops.Filter{Topic: q.Get("topic"), Class: q.Get("class"), Status: q.Get("status"), Error: q.Get("error")}
+	if q.Has("key") && q.Has("key_hex") {
+		return f, fmt.Errorf("%w: key and key_hex: give one of them", ops.ErrUsage)
+	}
 	if q.Has("key") {
 		f.Key, f.HasKey = []byte(q.Get("key")), true
 	}
@@ -180,11 +192,7 @@ func (a *api) list(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	dls, err := a.ops.List(r.Context(), f, n)
-	if err != nil {
-		fail(w, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, map[string]any{"dead_letters": dls})
+	respond(w, map[string]any{"dead_letters": dls}, err)
 }
 
 func (a *api) summary(w http.ResponseWriter, r *http.Request) {
@@ -194,11 +202,7 @@ func (a *api) summary(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	counts, err := a.ops.Summary(r.Context(), f)
-	if err != nil {
-		fail(w, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, map[string]any{"counts": counts})
+	respond(w, map[string]any{"counts": counts}, err)
 }
 
 func pathID(w http.ResponseWriter, r *http.Request) (int64, bool) {
@@ -216,11 +220,7 @@ func (a *api) show(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	d, err := a.ops.Show(r.Context(), id)
-	if err != nil {
-		fail(w, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, d)
+	respond(w, d, err)
 }
 
 // actRequest is the body of a replay or discard: without execute, a dry run.
@@ -258,7 +258,7 @@ func (a *api) act(act ops.Action) http.HandlerFunc {
 			return
 		}
 		if !req.Execute {
-			if req.Sample <= 0 {
+			if req.Sample <= 0 || req.Sample > 100 {
 				req.Sample = 5
 			}
 			p, err := a.ops.Preview(r.Context(), act, req.Filter, req.Sample)
@@ -285,8 +285,12 @@ func (a *api) run(id int64) {
 	go func() {
 		defer a.tasks.Done()
 		t, err := a.ops.RunTask(a.ctx, id, a.runner, nil)
-		if err != nil && a.ctx.Err() == nil {
-			a.log.Error("task failed; resume it when the cause is fixed", "task", id, "err", err)
+		if err != nil {
+			if a.ctx.Err() == nil {
+				a.log.Error("task failed; resume it when the cause is fixed", "task", id, "err", err)
+			} else {
+				a.log.Info("task interrupted by the shutdown; resume it on any replica", "task", id)
+			}
 			return
 		}
 		a.log.Info("task ended", "task", id, "status", t.Status, "done", t.Done, "matched", t.Matched)
@@ -311,11 +315,7 @@ func (a *api) purge(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	n, err := a.ops.Purge(r.Context(), older, req.Execute, ops.Actor{Name: actor(req.Actor), Reason: req.Reason})
-	if err != nil {
-		fail(w, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, map[string]any{"dry_run": !req.Execute, "rows": n})
+	respond(w, map[string]any{"dry_run": !req.Execute, "rows": n}, err)
 }
 
 func (a *api) taskList(w http.ResponseWriter, r *http.Request) {
@@ -325,11 +325,7 @@ func (a *api) taskList(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ts, err := a.ops.Tasks(r.Context(), n)
-	if err != nil {
-		fail(w, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, map[string]any{"tasks": ts})
+	respond(w, map[string]any{"tasks": ts}, err)
 }
 
 func (a *api) task(w http.ResponseWriter, r *http.Request) {
@@ -338,11 +334,7 @@ func (a *api) task(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	t, err := a.ops.Task(r.Context(), id)
-	if err != nil {
-		fail(w, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, t)
+	respond(w, t, err)
 }
 
 type cancelRequest struct {
@@ -360,11 +352,7 @@ func (a *api) cancel(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	t, err := a.ops.Cancel(r.Context(), id, ops.Actor{Name: actor(req.Actor), Reason: req.Reason})
-	if err != nil {
-		fail(w, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, t)
+	respond(w, t, err)
 }
 
 func (a *api) resume(w http.ResponseWriter, r *http.Request) {
@@ -396,9 +384,5 @@ func (a *api) audit(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	es, err := a.ops.Audit(r.Context(), n)
-	if err != nil {
-		fail(w, err)
-		return
-	}
-	writeJSON(w, http.StatusOK, map[string]any{"audit": es})
+	respond(w, map[string]any{"audit": es}, err)
 }

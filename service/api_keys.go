@@ -1,7 +1,6 @@
 package service
 
 import (
-	"context"
 	"encoding/hex"
 	"fmt"
 	"net/http"
@@ -36,11 +35,7 @@ func keysRoutes(a *api, e *env) keysAPI {
 				return
 			}
 			ks, err := a.ops.Keys(r.Context(), n)
-			if err != nil {
-				fail(w, err)
-				return
-			}
-			writeJSON(w, http.StatusOK, map[string]any{"keys": ks})
+			respond(w, map[string]any{"keys": ks}, err)
 		},
 		release: func(w http.ResponseWriter, r *http.Request) {
 			var req struct {
@@ -56,6 +51,10 @@ func keysRoutes(a *api, e *env) keysAPI {
 				return
 			}
 			key := []byte(req.Key)
+			if req.Key != "" && req.KeyHex != "" {
+				writeError(w, http.StatusBadRequest, fmt.Errorf("key and key_hex: give one of them"))
+				return
+			}
 			if req.KeyHex != "" {
 				var err error
 				if key, err = hex.DecodeString(req.KeyHex); err != nil {
@@ -97,16 +96,17 @@ func keysRoutes(a *api, e *env) keysAPI {
 			if q.Has("key") {
 				tq.Key = []byte(q.Get("key"))
 			}
-			ctx, cancel := context.WithCancel(r.Context())
-			defer cancel()
 			kc, kerr := c.kafka()
 			if kerr == nil {
 				defer kc.Close()
 			}
-			res, err := a.ops.Trace(ctx, tq, kc)
+			res, err := a.ops.Trace(r.Context(), tq, kc)
 			if err != nil {
 				fail(w, err)
 				return
+			}
+			if kerr != nil {
+				res.Notes = append(res.Notes, "Kafka was not read (the broker's retention and the key's records there are unknown): "+kerr.Error())
 			}
 			writeJSON(w, http.StatusOK, res)
 		},

@@ -151,6 +151,9 @@ func dlqList(ctx context.Context, c *opsCmd, args []string) error {
 	if err != nil {
 		return err
 	}
+	if *limit < 1 || *limit > 10000 {
+		return usagef("--limit %d: want 1 to 10000", *limit)
+	}
 	if *summary {
 		counts, err := c.ops.Summary(ctx, f)
 		if err != nil {
@@ -235,7 +238,7 @@ func dlqShow(ctx context.Context, c *opsCmd, args []string) error {
 	if d.BlocksKey {
 		fmt.Fprintln(w, "its key is blocked behind it (ON_DEAD_LETTER=block): replay it, or release the key with keys release")
 	}
-	fmt.Fprintf(w, "  error:      %s: %s\n", d.Class, safetext.Text(d.Message, 2000))
+	fmt.Fprintf(w, "  error:      %s: %s\n", d.Class, safetext.Text(oneLine(d.Message), 2000))
 	fmt.Fprintf(w, "  attempts:   %d (first failed %s, dead-lettered %s)\n", d.Attempts,
 		d.FirstFailedAt.UTC().Format(time.RFC3339), d.DeadLetteredAt.UTC().Format(time.RFC3339))
 	fmt.Fprintf(w, "  timestamp:  %s\n", d.Timestamp.Format(time.RFC3339Nano))
@@ -244,7 +247,7 @@ func dlqShow(ctx context.Context, c *opsCmd, args []string) error {
 	if len(d.Headers) > 0 {
 		fmt.Fprintln(w, "  headers:")
 		for _, h := range d.Headers {
-			fmt.Fprintf(w, "    %s: %s\n", safetext.Text(h.Key, 200), showBytes(h.Value))
+			fmt.Fprintf(w, "    %s: %s\n", safetext.Text(oneLine(h.Key), 200), showBytes(h.Value))
 		}
 	}
 	fmt.Fprintln(w, "  history:")
@@ -302,6 +305,9 @@ func dlqAct(ctx context.Context, c *opsCmd, act ops.Action, args []string) error
 	if err != nil {
 		return err
 	}
+	if *sample < 0 || *sample > 100 {
+		return usagef("--sample %d: want 0 to 100", *sample)
+	}
 	if !*execute {
 		p, err := c.ops.Preview(ctx, act, f, *sample)
 		if err != nil {
@@ -327,7 +333,7 @@ func dlqAct(ctx context.Context, c *opsCmd, act ops.Action, args []string) error
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(c.err, "task %d: %s %d dead letters (actor %s)\n", t.ID, act, t.Matched, t.Actor)
+	fmt.Fprintf(c.err, "task %d: %s %d dead letters (actor %s)\n", t.ID, act, t.Matched, safetext.Text(oneLine(t.Actor), 80))
 	return runTask(ctx, c, t.ID, wait, *asJSON)
 }
 
@@ -443,6 +449,9 @@ func dlqTasks(ctx context.Context, c *opsCmd, args []string) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
+	if *limit < 1 || *limit > 10000 {
+		return usagef("--limit %d: want 1 to 10000", *limit)
+	}
 	ts, err := c.ops.Tasks(ctx, *limit)
 	if err != nil {
 		return err
@@ -462,7 +471,7 @@ func dlqTasks(ctx context.Context, c *opsCmd, args []string) error {
 			status = "interrupted"
 		}
 		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", t.ID, t.Action, status, t.Matched, t.Done,
-			t.Applied, t.DeadAgain, t.Pending, t.Actor, t.CreatedAt.UTC().Format(time.RFC3339), safetext.Text(oneLine(t.Reason), 50))
+			t.Applied, t.DeadAgain, t.Pending, safetext.Text(oneLine(t.Actor), 40), t.CreatedAt.UTC().Format(time.RFC3339), safetext.Text(oneLine(t.Reason), 50))
 	}
 	return tw.Flush()
 }
@@ -542,26 +551,34 @@ func dlqPurge(ctx context.Context, c *opsCmd, args []string) error {
 }
 
 // showBytes writes b as text if it is printable UTF-8, otherwise as base64 with its size.
+// Values longer than maxShown bytes are cut (--json has them whole).
 func showBytes(b []byte) string {
+	const maxShown = 16 << 10
+	cut := ""
+	if len(b) > maxShown {
+		cut = fmt.Sprintf(" (%d bytes in all; --json for the whole)", len(b))
+	}
 	switch {
 	case b == nil:
 		return "(none)"
 	case printable(b):
-		return string(b)
+		return safetext.Truncate(string(b), maxShown) + cut
 	}
-	return fmt.Sprintf("(%d bytes, not text) base64:%s", len(b), base64.StdEncoding.EncodeToString(b))
+	return fmt.Sprintf("(%d bytes, not text) base64:%s%s", len(b), base64.StdEncoding.EncodeToString(b[:min(len(b), maxShown)]), cut)
 }
 
 // shortBytes is a key for a table cell (ops.KeyText), at most n bytes.
 func shortBytes(b []byte, n int) string { return safetext.Truncate(ops.KeyText(b), n) }
 
-// printable reports whether b is text to show as it is: valid UTF-8, printable or white space.
+// printable reports whether b is text to show as it is: valid UTF-8, printable characters,
+// newlines and tabs (no carriage returns or other control characters that would rewrite the
+// terminal).
 func printable(b []byte) bool {
 	if !utf8.Valid(b) {
 		return false
 	}
 	for _, r := range string(b) {
-		if !unicode.IsPrint(r) && !unicode.IsSpace(r) {
+		if !unicode.IsPrint(r) && r != '\n' && r != '\t' {
 			return false
 		}
 	}

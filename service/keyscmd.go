@@ -187,7 +187,7 @@ func keysRelease(ctx context.Context, c *opsCmd, args []string) error {
 		return c.json(rel)
 	}
 	w := c.out
-	fmt.Fprintf(w, "%s[%d] key %s: %s since %s, %d held records\n", rel.Topic, rel.Partition, rel.KeyText, rel.State,
+	fmt.Fprintf(w, "%s[%d] key %s: %s since %s, %d held records\n", rel.Topic, rel.Partition, keyCell(rel.Key), rel.State,
 		rel.Since.UTC().Format(time.RFC3339), rel.Held)
 	fmt.Fprintf(w, "  why: %s\n", rel.Why)
 	if rel.Reason != "blocked" {
@@ -288,7 +288,7 @@ func traceCmd(ctx context.Context, c *opsCmd, args []string) error {
 	}
 	if len(res.Records) == 0 {
 		fmt.Fprintf(c.err, "no record of key %s in %s: none in Postgres, none in the last %d records of each partition\n",
-			ops.KeyText(k), *topic, q.Scan)
+			keyCell(k), *topic, q.Scan)
 		return nil
 	}
 	printTrace(c, res.Records)

@@ -90,7 +90,7 @@ func TestKeysCmd(t *testing.T) {
 	key := []byte{0xff, 0x00}
 	move := func(off int64, key []byte) retrytopics.Move {
 		return retrytopics.Move{Rec: retrytopics.Rec{Origin: retrytopics.Origin{Topic: "orders", Partition: 1, Offset: off}, Key: key, Timestamp: time.Now()},
-			Held: true, From: retrytopics.FromSource, Attempt: 1, Class: "permanent", Message: "bad", FirstFailedAt: time.Now(),
+			Held: true, From: retrytopics.FromSource, Attempt: 1, Tier: 1, Class: "permanent", Message: "bad", FirstFailedAt: time.Now(),
 			DueAt: time.Date(2099, 1, 1, 0, 0, 0, 0, time.UTC), Block: true}
 	}
 	// Two transactions: the blocked key is held first.

@@ -2,7 +2,6 @@ package ops
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -304,8 +303,10 @@ func (o *Ops) Preview(ctx context.Context, act Action, f Filter, sample int) (Pr
 			p.NotNew += c.N
 		}
 	}
-	if p.Sample, err = o.List(ctx, nf, sample); err != nil {
-		return p, err
+	if sample > 0 {
+		if p.Sample, err = o.List(ctx, nf, sample); err != nil {
+			return p, err
+		}
 	}
 	if p.Sample == nil {
 		p.Sample = []DeadLetter{}
@@ -339,6 +340,3 @@ func (o *Ops) Preview(ctx context.Context, act Action, f Filter, sample int) (Pr
 	}
 	return p, nil
 }
-
-// errNoMatch is returned by StartTask when the filter matches no new dead letter.
-var errNoMatch = errors.New("no new dead letter matches the filter")

@@ -297,16 +297,20 @@ func heldNext(n int64) string {
 
 // KeyText returns a record key for people: the key itself if it is printable UTF-8 (and does not
 // start with "0x"), otherwise "0x" and its bytes in hex ("0x" alone for an empty key); "<null>"
-// for a nil key.
+// for a nil key. At most maxKeyText bytes: a longer key is cut, marked with "…" (Key has it
+// whole).
 func KeyText(key []byte) string {
 	switch {
 	case key == nil:
 		return "<null>"
 	case printableKey(key):
-		return string(key)
+		return safetext.Truncate(string(key), maxKeyText)
 	}
-	return "0x" + hex.EncodeToString(key)
+	return safetext.Truncate("0x"+hex.EncodeToString(key[:min(len(key), maxKeyText)]), maxKeyText)
 }
+
+// maxKeyText bounds KeyText.
+const maxKeyText = 1024
 
 // printableKey reports whether key shows as itself: non-empty printable UTF-8 that cannot be
 // mistaken for a hex key.
@@ -327,5 +331,8 @@ func timeText(t time.Time) string { return t.UTC().Format(time.RFC3339) }
 
 // errorText formats an error class and message for a description: one line, bounded.
 func errorText(class, msg string) string {
-	return class + ": " + safetext.Truncate(strings.Join(strings.Fields(msg), " "), 200)
+	return class + ": " + safetext.Truncate(oneLine(msg), 200)
 }
+
+// oneLine puts s on one line, its runs of white space (newlines too) made single spaces.
+func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }

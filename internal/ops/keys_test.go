@@ -71,7 +71,7 @@ func rec(topic string, partition int32, offset int64, key string) retrytopics.Re
 func (e *keysEnv) toTier(r retrytopics.Rec, due time.Time) {
 	e.t.Helper()
 	e.tx(func(ctx context.Context, tx pgx.Tx) error {
-		return e.store.ToTier(ctx, tx, retrytopics.Move{Rec: r, Held: true, From: retrytopics.FromSource, Attempt: 1,
+		return e.store.ToTier(ctx, tx, retrytopics.Move{Rec: r, Held: true, From: retrytopics.FromSource, Attempt: 1, Tier: 1,
 			Class: "retryable", Message: "boom\nagain", FirstFailedAt: time.Now().Add(-time.Minute), DueAt: due})
 	})
 }
@@ -81,7 +81,7 @@ func (e *keysEnv) toTier(r retrytopics.Rec, due time.Time) {
 func (e *keysEnv) deadLetter(r retrytopics.Rec, held, block bool) int64 {
 	e.t.Helper()
 	e.tx(func(ctx context.Context, tx pgx.Tx) error {
-		return e.store.DeadLetter(ctx, tx, retrytopics.Move{Rec: r, Held: held, From: retrytopics.FromSource, Attempt: 1,
+		return e.store.DeadLetter(ctx, tx, retrytopics.Move{Rec: r, Held: held, From: retrytopics.FromSource, Attempt: 1, Tier: 1,
 			Class: "permanent", Message: "bad", FirstFailedAt: time.Now(), Block: block})
 	})
 	return scalar[int64](e, `SELECT id FROM kafkapg.dead_letters WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4`,

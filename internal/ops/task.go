@@ -43,9 +43,6 @@ type Task struct {
 	Pending   int64 `json:"pending"`
 }
 
-// Settled says whether the task finished and every record it replayed settled.
-func (t Task) Settled() bool { return t.Status != "running" && t.Pending == 0 }
-
 // lease is how long a runner may go without a heartbeat before its task counts as interrupted.
 const lease = 15 * time.Second
 
@@ -261,6 +258,10 @@ func (o *Ops) RunTask(ctx context.Context, id int64, runner string, progress fun
 			if err == nil || !transient(err) || ctx.Err() != nil {
 				break
 			}
+			if failures+1 == maxChunkFailures {
+				err = fmt.Errorf("task %d: %d tries of its next chunk failed, the last with: %w (the task keeps its place: resume it)", id, maxChunkFailures, err)
+				break
+			}
 			if !backoff.Sleep(ctx, nil, chunkBackoff.Delay(failures+1)) {
 				break
 			}
@@ -346,7 +347,10 @@ func (o *Ops) runChunk(ctx context.Context, t Task, runner string, n int) (acted
 			t.ID, next, len(done))
 		return err
 	})
-	return acted, more, err
+	if err != nil {
+		return 0, false, err // rolled back
+	}
+	return acted, more, nil
 }
 
 // transient reports whether a chunk's failure may pass by retrying it: a deadlock or
@@ -386,6 +390,10 @@ func (o *Ops) Purge(ctx context.Context, olderThan time.Duration, execute bool, 
 	})
 	return n, err
 }
+
+// maxChunkFailures bounds the tries of a chunk that keeps failing transiently (Postgres down):
+// the runner then gives up, and the task waits to be resumed.
+const maxChunkFailures = 10
 
 // chunkBackoff spaces the retries of a chunk that failed transiently.
 var chunkBackoff = backoff.Policy{Base: 100 * time.Millisecond, Max: 5 * time.Second}

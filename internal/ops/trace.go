@@ -15,6 +15,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/internal/safetext"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
@@ -141,7 +142,7 @@ func (o *Ops) Trace(ctx context.Context, q TraceQuery, kc *kgo.Client) (TraceRes
 	default:
 		bounds, err = topicBounds(kctx, kc, q.Topic)
 		if err != nil {
-			res.Notes = append(res.Notes, fmt.Sprintf("the offsets of %s could not be read from Kafka (%v): the broker's retention is not checked", q.Topic, err))
+			res.Notes = append(res.Notes, fmt.Sprintf("the offsets of %s could not be read from Kafka (%s): the broker's retention is not checked", q.Topic, safetext.Text(err.Error(), 300)))
 		}
 	}
 
@@ -250,7 +251,7 @@ func scanTopic(ctx context.Context, kc *kgo.Client, topic string, ranges map[int
 		kgo.FetchMaxWait(200*time.Millisecond))
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {
-		return nil, []string{fmt.Sprintf("%s could not be read: %v", topic, err)}
+		return nil, []string{fmt.Sprintf("%s could not be read: %s", topic, safetext.Text(err.Error(), 300))}
 	}
 	defer cl.Close()
 	idle := 0
@@ -264,17 +265,23 @@ func scanTopic(ctx context.Context, kc *kgo.Client, topic string, ranges map[int
 				return
 			}
 			if _, ok := pending[p]; ok && t == topic {
-				notes = append(notes, fmt.Sprintf("%s[%d] could not be read to its end: %v", topic, p, err))
+				notes = append(notes, fmt.Sprintf("%s[%d] could not be read to its end: %s", topic, p, safetext.Text(err.Error(), 300)))
 				delete(pending, p)
 			}
 		})
 		fs.EachRecord(func(r *kgo.Record) {
 			end, ok := pending[r.Partition]
+			if ok && r.Offset >= end-1 {
+				// The end of the range (its last offset may hold no record: a transaction
+				// marker, or compacted away).
+				delete(pending, r.Partition)
+			}
 			if !ok || r.Offset >= end {
 				return
 			}
 			got = true
 			if key == nil || (r.Key != nil && string(r.Key) == string(key)) {
+				r.Value, r.Headers = nil, nil // only its coordinates, key and time are told
 				recs = append(recs, r)
 			}
 			if r.Offset >= end-1 {
@@ -373,7 +380,6 @@ type traceRetry struct {
 	attempt                   int
 	firstFailed, due, updated time.Time
 	class, message            string
-	deadLetter                int64
 	tier                      int
 }
 
@@ -394,7 +400,6 @@ type traceDead struct {
 	attempts                            int
 	firstFailed, deadLettered, statusAt time.Time
 	events                              []TraceStep
-	replayAttempt                       int // the attempt its latest replay was queued as; 0 if none
 }
 
 type traceCopy struct {
@@ -448,10 +453,10 @@ func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigi
 				[]any{o.group, topic, parts}, []any{&org.partition, &pos.next, &pos.updatedAt},
 				func() error { f.positions[org.partition] = pos; pos = tracePosition{}; return nil }},
 			{"retry states", `SELECT partition, "offset", key, attempt, first_failed_at, due_at, updated_at, error_class, error_message,
-					coalesce(dead_letter_id, 0), tier
+					tier
 				FROM ` + o.table("retries") + ` WHERE consumer_group = $1 AND topic = $2 ` + in,
 				[]any{o.group, topic, parts, offs},
-				[]any{&org.partition, &org.offset, &rt.key, &rt.attempt, &rt.firstFailed, &rt.due, &rt.updated, &rt.class, &rt.message, &rt.deadLetter, &rt.tier},
+				[]any{&org.partition, &org.offset, &rt.key, &rt.attempt, &rt.firstFailed, &rt.due, &rt.updated, &rt.class, &rt.message, &rt.tier},
 				func() error { f.retries[org] = rt; rt = traceRetry{}; return nil }},
 			{"held records", `SELECT partition, "offset", key, keyless, "timestamp", held_at, attempt, coalesce(dead_letter_id, 0)
 				FROM ` + o.table("held_records") + ` WHERE consumer_group = $1 AND topic = $2 ` + in,
@@ -551,9 +556,6 @@ func (o *Ops) traceEvents(ctx context.Context, tx pgx.Tx, f *traceFacts) error {
 		}
 		d := f.dead[byID[id]]
 		d.events = append(d.events, TraceStep{At: at, What: what})
-		if event == "replay_queued" {
-			d.replayAttempt = attempt
-		}
 		f.dead[byID[id]] = d
 		return nil
 	})
@@ -679,7 +681,7 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Rec
 		}
 	}
 	for _, r := range f.releases[org] {
-		step(r.at, "its key was released by %s (%s): %s", r.actor, r.why, r.reason)
+		step(r.at, "its key was released by %s (%s): %s", safetext.Text(oneLine(r.actor), 80), r.why, safetext.Text(oneLine(r.reason), 200))
 	}
 
 	// Where it is now.

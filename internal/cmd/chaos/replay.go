@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"os/exec"
+	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -13,6 +16,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/localrun"
+	"github.com/kafkapg/kafkapg/internal/ops"
 )
 
 // replayReport is what the replay phase did.
@@ -127,21 +131,24 @@ func (s *suite) replay(ctx context.Context, items []ledger.Item) (replayReport, 
 		}
 		if status == "running" {
 			rep.resumed = true
+			// Until the lease is over, resume says the task is busy; any other failure is one.
+			var failed error
 			err := localrun.WaitFor(ctx, time.Minute, func() error {
-				resume, err := s.command("processor", "replay.log", env, "dlq", "resume", fmt.Sprint(id), "--wait", "0")
-				if err != nil {
-					return err
-				}
-				err = resume.Run()
-				var exit *exec.ExitError
-				if errors.As(err, &exit) && exit.ExitCode() == 2 {
-					return fmt.Errorf("task %d still leased to its killed runner", id) // ErrTaskBusy: try again
+				cmd := exec.CommandContext(ctx, filepath.Join(s.bin, "processor"), "dlq", "resume", fmt.Sprint(id), "--wait", "0")
+				cmd.Env = append(os.Environ(), env...)
+				out, err := cmd.CombinedOutput()
+				s.appendLog("replay.log", out)
+				if err != nil && strings.Contains(string(out), ops.ErrTaskBusy.Error()) {
+					return fmt.Errorf("task %d still leased to its killed runner", id)
 				}
 				if err != nil {
-					return fmt.Errorf("dlq resume %d failed (%v); see replay.log", id, err)
+					failed = fmt.Errorf("dlq resume %d failed (%v); see replay.log", id, err)
 				}
 				return nil
 			})
+			if failed != nil {
+				err = failed
+			}
 			if err != nil {
 				return rep, err
 			}
@@ -223,4 +230,14 @@ func (s *suite) replay(ctx context.Context, items []ledger.Item) (replayReport, 
 		return rep, err
 	}
 	return rep, errors.Join(errs...)
+}
+
+// appendLog appends out to the work directory's log file name.
+func (s *suite) appendLog(name string, out []byte) {
+	f, err := os.OpenFile(filepath.Join(s.work, name), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	f.Write(out)
 }
