@@ -72,9 +72,12 @@ func (w *worker) handleAll(recs []*Record) error {
 
 func (w *worker) handleOnce(recs []*Record) error {
 	var out outcome
+	var live []*Record
 	err := w.transact(recs, nil, func(ctx context.Context, tx pgx.Tx) error {
 		out = outcome{}
-		live, index, err := w.admit(ctx, tx, recs, &out)
+		var index []int
+		var err error
+		live, index, err = w.admit(ctx, tx, recs, &out)
 		if err != nil {
 			return own(err)
 		}
@@ -98,6 +101,7 @@ func (w *worker) handleOnce(recs []*Record) error {
 		return nil
 	}, true)
 	if err == nil {
+		out.applied -= w.p.committed(w.source, live)
 		w.applied.Add(float64(out.applied))
 		if out.replayed > 0 {
 			w.p.metrics.replayed.WithLabelValues(w.source, "applied").Add(float64(out.replayed))

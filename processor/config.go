@@ -70,6 +70,12 @@ type TopicPolicy struct {
 	OnDeadLetter OnDeadLetter
 	// MaxRecordBytes replaces Config.MaxRecordBytes.
 	MaxRecordBytes int
+	// IdempotencyKey, if not nil, deduplicates the topic's records by business event: a record
+	// whose key was applied before (within Config.IdempotencyRetention) is not given to the
+	// handler; its offset advances and it is counted as a duplicate. The key is recorded in the
+	// transaction that applies the record, so it is recorded if and only if the record's effects
+	// are. See KeyFromHeader, KeyFromJSON.
+	IdempotencyKey IdempotencyKey
 }
 
 // Config configures a Processor. Zero fields take the defaults their comments give. The service
@@ -80,8 +86,12 @@ type Config struct {
 	// Group is the Kafka consumer group id. It also scopes the offsets stored in Postgres.
 	// Required.
 	Group string
-	// Topics to consume. Required.
+	// Topics to consume. Required, unless RelayOnly.
 	Topics []string
+	// RelayOnly runs the processor as the outbox relay of Group alone: it consumes nothing (Topics
+	// must be empty) and publishes what transactions emitted into Group's outbox
+	// (sink.Outbox), for an application that writes events from its own transactions.
+	RelayOnly bool
 	// Handler applies records. If it also implements BatchHandler, HandleBatch is used; if it
 	// implements ErrorClassifier, it classifies its errors. Required, unless every topic has
 	// its own in TopicPolicies.
@@ -200,6 +210,24 @@ type Config struct {
 	BreakerProbeInterval time.Duration
 	BreakerProbeMax      time.Duration
 
+	// IdempotencyRetention is how long the idempotency keys of applied records are kept
+	// (TopicPolicy.IdempotencyKey): a copy of a record arriving later than that after it is
+	// applied again. Keys are pruned in the background in small batches. Defaults to 7 days.
+	IdempotencyRetention time.Duration
+
+	// OutboxPollInterval is how often the outbox relay looks for records it was not woken for
+	// (written by another process without LISTEN/NOTIFY reaching it, or left by a crashed one).
+	// Defaults to 1s.
+	OutboxPollInterval time.Duration
+	// OutboxListenDisabled stops the relay from LISTENing for the commits of sink.Outbox.Emit
+	// (behind PgBouncer in transaction mode, which does not pass notifications on): it then
+	// finds records emitted by other processes on its polls. A processor's own emits wake its
+	// relay in any case.
+	OutboxListenDisabled bool
+	// OutboxRetention keeps published outbox rows that long (for inspection) instead of deleting
+	// them when Kafka acknowledges them. Zero deletes them at once.
+	OutboxRetention time.Duration
+
 	// InstanceName labels this process in the offsets table's owner column and in logs. Defaults
 	// to hostname:pid.
 	InstanceName string
@@ -286,6 +314,12 @@ func (c *Config) withDefaults() *Config {
 	if out.BreakerProbeMax == 0 {
 		out.BreakerProbeMax = max(30*time.Second, out.BreakerProbeInterval)
 	}
+	if out.IdempotencyRetention == 0 {
+		out.IdempotencyRetention = 7 * 24 * time.Hour
+	}
+	if out.OutboxPollInterval == 0 {
+		out.OutboxPollInterval = time.Second
+	}
 	if out.InstanceName == "" {
 		host, _ := os.Hostname()
 		out.InstanceName = fmt.Sprintf("%s:%d", host, os.Getpid())
@@ -317,6 +351,7 @@ type policy struct {
 	localAttempts  int
 	onDeadLetter   OnDeadLetter
 	maxRecordBytes int
+	idempotencyKey IdempotencyKey
 }
 
 // policy returns topic's policy, c's defaults applied.
@@ -328,6 +363,7 @@ func (c *Config) policy(topic string) *policy {
 		localAttempts:  cmp.Or(tp.LocalAttempts, c.LocalAttempts),
 		onDeadLetter:   cmp.Or(tp.OnDeadLetter, c.OnDeadLetter),
 		maxRecordBytes: cmp.Or(tp.MaxRecordBytes, c.MaxRecordBytes),
+		idempotencyKey: tp.IdempotencyKey,
 	}
 	if tp.RetryTiers != nil {
 		p.tiers = tp.RetryTiers
@@ -378,8 +414,20 @@ func (c *Config) validate() error {
 	if c.Group == "" {
 		bad("Group", "required")
 	}
-	if len(c.Topics) == 0 {
-		bad("Topics", "required")
+	switch {
+	case len(c.Topics) == 0 && !c.RelayOnly:
+		bad("Topics", "required (or set RelayOnly to run the outbox relay alone)")
+	case len(c.Topics) > 0 && c.RelayOnly:
+		bad("Topics", "must be empty with RelayOnly: a relay alone consumes nothing")
+	}
+	if c.IdempotencyRetention < 0 {
+		bad("IdempotencyRetention", "must not be negative, got %v", c.IdempotencyRetention)
+	}
+	if c.OutboxPollInterval < 0 {
+		bad("OutboxPollInterval", "must not be negative, got %v", c.OutboxPollInterval)
+	}
+	if c.OutboxRetention < 0 {
+		bad("OutboxRetention", "must not be negative, got %v", c.OutboxRetention)
 	}
 	seen := map[string]bool{}
 	for _, t := range c.Topics {
@@ -398,7 +446,7 @@ func (c *Config) validate() error {
 			bad("TopicPolicies", "has a policy for %q, which is not one of Topics %q", t, c.Topics)
 		}
 	}
-	if len(c.Topics) == 0 && c.Handler == nil {
+	if len(c.Topics) == 0 && c.Handler == nil && !c.RelayOnly {
 		bad("Handler", "required")
 	}
 	for _, t := range c.Topics {

@@ -96,6 +96,21 @@ func (p *Processor) heartbeatInterval() time.Duration {
 }
 
 func (p *Processor) newClient() (*kgo.Client, error) {
+	if p.cfg.RelayOnly {
+		opts := []kgo.Opt{
+			kgo.SeedBrokers(p.cfg.Brokers...),
+			kgo.ClientID("kafkapg"),
+			kgo.RecordPartitioner(sink.Partitioner()),
+			kgo.WithLogger(kslog.New(p.cfg.Logger.With("component", "kafka"))),
+			kgo.WithHooks(p.kprom),
+			kgo.WithContext(p.clientCtx),
+		}
+		cl, err := kgo.NewClient(append(opts, p.cfg.KafkaOptions...)...)
+		if err != nil {
+			return nil, fmt.Errorf("processor: kafka client: %w", err)
+		}
+		return cl, nil
+	}
 	opts := []kgo.Opt{
 		kgo.SeedBrokers(p.cfg.Brokers...),
 		kgo.ClientID("kafkapg"),

@@ -2,6 +2,7 @@ package processor
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"runtime/debug"
@@ -42,6 +43,33 @@ type Record struct {
 	firstFailed time.Time // zero until its first failure
 	tier        int       // the retry tier it was consumed from; 0 from its source topic or held
 	deadLetter  int64     // its dead_letters row, when a replay brought it back
+	duplicate   bool      // its idempotency key was applied before: not given to the handler
+	proc        *Processor
+	emits       int // events it emitted in the current handler call (Emit)
+}
+
+// Emit writes events into tx, the transaction the record is being handled in: they are published
+// to Kafka if, and once, tx commits (see sink.Outbox.Emit for the order and locking). An event
+// without an ID gets one derived from the record's source coordinates (group, topic, partition,
+// offset) and its position among the record's emits, so that the same emit has the same id
+// (header sink.HeaderMessageID) after a retry, a replay or a crash between publishing and
+// acknowledging: a consumer that deduplicates on it (KeyFromHeader(sink.HeaderMessageID))
+// applies each event once. Call it only from the Handle (or HandleBatch) call the record was
+// given to.
+func (r *Record) Emit(ctx context.Context, tx pgx.Tx, events ...sink.Event) error {
+	if r.proc == nil {
+		return errors.New("processor: Record.Emit called on a record that is not being handled by a processor")
+	}
+	if r.proc.captured != nil { // processortest
+		*r.proc.captured = append(*r.proc.captured, events...)
+		r.emits += len(events)
+		return nil
+	}
+	if err := r.proc.outbox.EmitFrom(ctx, tx, r.Topic, r.Partition, r.Offset, r.emits, events...); err != nil {
+		return err
+	}
+	r.emits += len(events)
+	return nil
 }
 
 // size is what Config.MaxRecordBytes bounds: key, value and headers.
@@ -102,13 +130,36 @@ func (f HandlerFunc) Handle(ctx context.Context, tx pgx.Tx, rec *Record) error {
 // MaxRecordBytes fails, permanently, without reaching the handler. A handler that returns nil
 // but left tx unusable (a statement of its failed, or its connection closed) fails: nothing of
 // kafkapg's own may run in that transaction, and it could not commit.
+//
+// Records whose idempotency key was applied before (TopicPolicy.IdempotencyKey) are marked
+// duplicate and not given to the handler; the RecordError of a failure indexes recs all the same.
 func (p *Processor) handle(ctx context.Context, tx pgx.Tx, source string, recs []*Record) error {
 	pol := p.policy(source)
 	for i, r := range recs {
+		r.duplicate = false
 		if n := r.size(); n > pol.maxRecordBytes {
 			return &RecordError{Index: i, Err: Permanent(fmt.Errorf("%w: key, value and headers are %d bytes, more than MaxRecordBytes (%d)",
 				ErrRecordTooLarge, n, pol.maxRecordBytes))}
 		}
+	}
+	if pol.idempotencyKey == nil {
+		return p.handleLive(ctx, tx, pol, recs)
+	}
+	live, index, err := p.dedupe(ctx, tx, source, pol.idempotencyKey, recs)
+	if err != nil || len(live) == 0 {
+		return err
+	}
+	err = p.handleLive(ctx, tx, pol, live)
+	if k, cause := failedRecord(err, len(live)); k >= 0 && index != nil {
+		return &RecordError{Index: index[k], Err: cause}
+	}
+	return err
+}
+
+// handleLive runs the handler over recs, none of them a duplicate.
+func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs []*Record) error {
+	for _, r := range recs {
+		r.proc, r.emits = p, 0 // the handler's emits count from 0 on every try: the same ids
 	}
 	start := time.Now()
 	defer func() { p.metrics.handlerDuration.Observe(time.Since(start).Seconds()) }()

@@ -213,7 +213,7 @@ func (d *heldApplier) applyHeld(k retrytopics.Key, limit int) (int, *Record, err
 		return 0, first, err
 	}
 	if len(recs) > 0 {
-		d.p.metrics.applied.WithLabelValues(k.Topic).Add(float64(len(recs)))
+		d.p.metrics.applied.WithLabelValues(k.Topic).Add(float64(len(recs) - d.p.committed(k.Topic, recs)))
 		replayed := 0
 		for _, r := range recs {
 			if r.deadLetter != 0 {

@@ -59,6 +59,10 @@ type metrics struct {
 	outboxWaiting prometheus.Gauge
 	outboxAside   prometheus.Gauge
 	outboxOldest  prometheus.Gauge
+	// Idempotency keys and emitted records.
+	publishWait prometheus.Histogram
+	dupKeys     *prometheus.CounterVec
+	keysPruned  prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -80,6 +84,19 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "outbox_published_total",
 			Help: "Outbox records published to Kafka and acknowledged, by destination topic.",
 		}, []string{"topic"}),
+		publishWait: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: ns, Name: "outbox_publish_seconds",
+			Help:    "Time from an outbox record's write (its transaction's commit, near enough) to Kafka's acknowledgement of it.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
+		}),
+		dupKeys: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: ns, Name: "duplicate_keys_skipped_total",
+			Help: "Records not given to the handler because a record with the same idempotency key was applied before (within the key retention), by source topic.",
+		}, []string{"topic"}),
+		keysPruned: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: ns, Name: "idempotency_keys_pruned_total",
+			Help: "Idempotency keys deleted because they were older than the retention.",
+		}),
 		infraRetries: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "infrastructure_retries_total",
 			Help: "Transactions retried in place because Postgres (or another dependency) failed.",
@@ -220,7 +237,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.recordsHeld, m.duplicates, m.replayed, m.deadLetters, m.tasks, m.interrupted, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors, m.stuckKeys,
-		m.outboxWaiting, m.outboxAside, m.outboxOldest} {
+		m.outboxWaiting, m.outboxAside, m.outboxOldest, m.publishWait, m.dupKeys, m.keysPruned} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -239,6 +256,7 @@ func (m *metrics) initLabels(t string, group string, tiers int) {
 	m.consumed.WithLabelValues(t)
 	m.recordsHeld.WithLabelValues(t)
 	m.duplicates.WithLabelValues(t)
+	m.dupKeys.WithLabelValues(t)
 	m.replayed.WithLabelValues(t, "applied")
 	m.replayed.WithLabelValues(t, "dead_lettered")
 	for _, c := range classes {

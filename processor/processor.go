@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kadm"
@@ -27,21 +28,25 @@ import (
 // Processor consumes topics in a consumer group and applies each record through a Handler,
 // exactly once in effect. See the package documentation.
 type Processor struct {
-	cfg         *Config
-	pool        *pgxpool.Pool
-	log         *slog.Logger
-	metrics     *metrics
-	kprom       *kprom.Metrics
-	store       *offsets.Store
-	sink        *sink.Sink
-	policies    map[string]*policy // by source topic
-	backoff     backoff.Policy
-	retry       *retrytopics.Store
-	tierOf      map[string]tierRef // retry-tier topic -> its source topic and tier
-	heldApplier *heldApplier
-	breaker     *breaker
-	buf         *buffer      // fetched records in memory, across partitions
-	nWorkers    atomic.Int32 // len(workers), read without the lock
+	cfg          *Config
+	pool         *pgxpool.Pool
+	log          *slog.Logger
+	metrics      *metrics
+	kprom        *kprom.Metrics
+	store        *offsets.Store
+	sink         *sink.Sink
+	outbox       *sink.Outbox       // where Record.Emit writes
+	captured     *[]sink.Event      // processortest: what Record.Emit was given, instead of the outbox
+	dedupeSQL    string             // records idempotency keys, returning the new ones
+	pruneKeysSQL string             // deletes idempotency keys past their retention
+	policies     map[string]*policy // by source topic
+	backoff      backoff.Policy
+	retry        *retrytopics.Store
+	tierOf       map[string]tierRef // retry-tier topic -> its source topic and tier
+	heldApplier  *heldApplier
+	breaker      *breaker
+	buf          *buffer      // fetched records in memory, across partitions
+	nWorkers     atomic.Int32 // len(workers), read without the lock
 
 	client atomic.Pointer[kgo.Client]
 	// clientCtx is the Kafka client's context; cutClient ends everything the client waits for
@@ -123,6 +128,16 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 		probeMin:   c.BreakerProbeInterval,
 		probeMax:   c.BreakerProbeMax,
 	}, p.log.With("component", "breaker"), m)
+	p.outbox, err = sink.NewOutbox(sink.OutboxConfig{Schema: c.Schema, Group: c.Group})
+	if err != nil {
+		return nil, fmt.Errorf("processor: %w", err)
+	}
+	keys := pgx.Identifier{c.Schema, "idempotency_keys"}.Sanitize()
+	p.dedupeSQL = `INSERT INTO ` + keys + ` (consumer_group, topic, key_hash, partition, "offset")
+		SELECT $1, $2, k, p, o FROM unnest($3::bytea[], $4::int4[], $5::int8[]) AS u(k, p, o)
+		ON CONFLICT DO NOTHING RETURNING key_hash`
+	p.pruneKeysSQL = `DELETE FROM ` + keys + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + keys + `
+		WHERE consumer_group = $1 AND applied_at < now() - $2::interval LIMIT 1000 FOR UPDATE SKIP LOCKED))`
 	p.sink = sink.New(pool, p.store, sink.Config{
 		Schema:        c.Schema,
 		TxIdleTimeout: c.TxIdleTimeout,
@@ -176,8 +191,14 @@ func (p *Processor) Run(ctx context.Context) error {
 		BackoffBase:   p.cfg.BackoffBase,
 		BackoffMax:    p.cfg.BackoffMax,
 		TxIdleTimeout: p.cfg.TxIdleTimeout,
-		Published:     func(topic string) { p.metrics.published.WithLabelValues(topic).Inc() },
-		Refused:       p.refused,
+		Interval:      p.cfg.OutboxPollInterval,
+		Retention:     p.cfg.OutboxRetention,
+		Listen:        p.listenConfig(),
+		Published: func(m sink.Message, waited time.Duration) {
+			p.metrics.published.WithLabelValues(m.Topic).Inc()
+			p.metrics.publishWait.Observe(waited.Seconds())
+		},
+		Refused: p.refused,
 	})
 	p.relay.Store(relay)
 	relayCtx, stopRelay := context.WithCancel(context.WithoutCancel(ctx))
@@ -187,10 +208,23 @@ func (p *Processor) Run(ctx context.Context) error {
 		relay.Run(relayCtx)
 	}()
 	defer stopRelay()
-	go p.heldApplier.run()
 	statsCtx, stopStats := context.WithCancel(ctx)
 	defer stopStats()
 	go p.refreshStats(statsCtx)
+	if p.cfg.RelayOnly {
+		p.joined.Store(true) // there is no group to join: ready once the relay runs
+		p.log.Info("outbox relay started (relay only: nothing is consumed)", "instance", p.cfg.InstanceName)
+		<-ctx.Done()
+		p.shutdownRelay(ctx, cl, stopRelay, relayDone)
+		return nil
+	}
+	go p.heldApplier.run()
+	for _, pol := range p.policies {
+		if pol.idempotencyKey != nil {
+			go p.pruneKeys(statsCtx)
+			break
+		}
+	}
 
 	if p.cfg.GroupProtocol != GroupProtocolClassic {
 		p.setGroupTimeouts(ctx, cl)
@@ -302,6 +336,35 @@ func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Re
 	}
 	p.cutClient()
 	p.log.Info("processor stopped", "took", time.Since(begun).Round(time.Millisecond))
+}
+
+// shutdownRelay is the shutdown of a relay alone (Config.RelayOnly): it stops the relay,
+// publishes what is left within ShutdownTimeout and closes the client.
+func (p *Processor) shutdownRelay(ctx context.Context, cl *kgo.Client, stopRelay func(), relayDone <-chan struct{}) {
+	begun := time.Now()
+	p.lameDuck.Store(true)
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.cfg.ShutdownTimeout)
+	defer cancel()
+	stopRelay()
+	select {
+	case <-relayDone:
+	case <-sctx.Done():
+	}
+	if n, err := p.relay.Load().Flush(sctx); err != nil {
+		p.log.Warn("outbox not fully published at shutdown; the next relay will publish the rest", "published", n, "err", err)
+	}
+	cl.Close()
+	p.cutClient()
+	p.log.Info("outbox relay stopped", "took", time.Since(begun).Round(time.Millisecond))
+}
+
+// listenConfig is the connection the relay LISTENs on: one like the pool's, unless
+// OutboxListenDisabled.
+func (p *Processor) listenConfig() *pgx.ConnConfig {
+	if p.cfg.OutboxListenDisabled {
+		return nil
+	}
+	return p.pool.Config().ConnConfig.Copy()
 }
 
 func deadlineOf(ctx context.Context) time.Time {

@@ -45,8 +45,17 @@ type RelayConfig struct {
 	// sooner, ends it. Defaults to four fifths of TxIdleTimeout, so that a slow broker ends the
 	// batch before Postgres ends its transaction.
 	PublishTimeout time.Duration
-	// Published, if not nil, is called with the topic of every record published and acknowledged.
-	Published func(topic string)
+	// Published, if not nil, is called for every record published and acknowledged, with how long
+	// it waited since it was written (about the time from its commit to Kafka's acknowledgement).
+	Published func(m Message, waited time.Duration)
+	// Listen, if not nil, is a connection configuration (a direct one: not through PgBouncer in
+	// transaction mode, which does not pass notifications on) on which the relay LISTENs for the
+	// commits of Outbox.Emit, in any process, to publish their records at once. Without it, or
+	// while it is down, the relay finds them on its next poll (Interval).
+	Listen *pgx.ConnConfig
+	// Retention, if positive, keeps published rows (published_at set) for that long instead of
+	// deleting them at once; they are pruned in the background, in small batches.
+	Retention time.Duration
 	// Refused, if not nil, is called inside the relay's transaction for a message Kafka refuses
 	// for good (too large, invalid; see isRefusal), published alone: it may write what the
 	// message's fate means for its writer, and return a message to publish in its place (nil:
@@ -68,12 +77,17 @@ type Relay struct {
 	pool      *pgxpool.Pool
 	client    *kgo.Client
 	notify    chan struct{}
+	laneClass int32
+	payload   string
 	idleSQL   string
+	lanesSQL  string
 	selectSQL string
+	doneSQL   string
 	deleteSQL string
 	insertSQL string
 	asideSQL  string
 	statsSQL  string
+	pruneSQL  string
 }
 
 // NewRelay returns a Relay publishing through client.
@@ -104,21 +118,42 @@ func NewRelay(pool *pgxpool.Pool, client *kgo.Client, cfg RelayConfig) *Relay {
 		cfg.PublishTimeout = cfg.TxIdleTimeout * 4 / 5
 	}
 	t := pgx.Identifier{cfg.Schema, "outbox"}.Sanitize()
-	return &Relay{
-		cfg:     cfg,
-		pool:    pool,
-		client:  client,
-		notify:  make(chan struct{}, 1),
-		idleSQL: fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", max(cfg.TxIdleTimeout.Milliseconds(), 1)),
-		selectSQL: `SELECT id, topic, partition, key, value, header_keys, header_values FROM ` + t + `
-			WHERE consumer_group = $1 AND refused_at IS NULL ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED`,
+	r := &Relay{
+		cfg:       cfg,
+		pool:      pool,
+		client:    client,
+		notify:    make(chan struct{}, 1),
+		laneClass: laneLockClass(cfg.Schema, cfg.Group),
+		payload:   notifyPayload(cfg.Schema, cfg.Group),
+		idleSQL:   fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", max(cfg.TxIdleTimeout.Milliseconds(), 1)),
+		// The lanes with rows waiting that no other relay holds, locked until this transaction
+		// ends. The rows are read by a later statement, whose snapshot is taken after the locks:
+		// it sees what the lane's previous relay published as published.
+		lanesSQL: fmt.Sprintf(`WITH waiting AS MATERIALIZED (
+			SELECT l FROM generate_series(0, %d) AS l
+			WHERE EXISTS (SELECT 1 FROM `+t+` o WHERE o.consumer_group = $1 AND o.lane = l AND o.published_at IS NULL AND o.refused_at IS NULL))
+			SELECT l::int2 FROM waiting WHERE pg_try_advisory_xact_lock($2::int4, l)`, Lanes-1),
+		// Each lane's first rows in id order, then the first of those overall: a prefix of every
+		// lane, without sorting a whole backlog.
+		selectSQL: `SELECT id, topic, coalesce(partition, -1), key, value, header_keys, header_values, created_at FROM unnest($2::int2[]) AS l,
+			LATERAL (SELECT * FROM ` + t + ` o WHERE o.consumer_group = $1 AND o.lane = l AND o.published_at IS NULL AND o.refused_at IS NULL
+				ORDER BY o.id LIMIT $3) AS o
+			ORDER BY id LIMIT $3`,
 		deleteSQL: `DELETE FROM ` + t + ` WHERE id = ANY($1)`,
-		insertSQL: `INSERT INTO ` + t + ` (consumer_group, topic, partition, key, value, header_keys, header_values) VALUES ($1, $2, $3, $4, $5, $6, $7)`,
-		asideSQL:  `UPDATE ` + t + ` SET refused_at = now(), refused_error = $2 WHERE id = $1`,
+		insertSQL: `INSERT INTO ` + t + ` (consumer_group, topic, partition, lane, key, value, header_keys, header_values, created_at)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, clock_timestamp())`,
+		asideSQL: `UPDATE ` + t + ` SET refused_at = now(), refused_error = $2 WHERE id = $1`,
 		statsSQL: `SELECT count(*) FILTER (WHERE refused_at IS NULL), count(*) FILTER (WHERE refused_at IS NOT NULL),
 			coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE refused_at IS NULL)), 0)::float8
-			FROM ` + t + ` WHERE consumer_group = $1`,
+			FROM ` + t + ` WHERE consumer_group = $1 AND published_at IS NULL`,
+		pruneSQL: `DELETE FROM ` + t + ` WHERE id IN (SELECT id FROM ` + t + `
+			WHERE consumer_group = $1 AND published_at < now() - $2::interval LIMIT 1000 FOR UPDATE SKIP LOCKED)`,
 	}
+	r.doneSQL = r.deleteSQL
+	if cfg.Retention > 0 {
+		r.doneSQL = `UPDATE ` + t + ` SET published_at = now() WHERE id = ANY($1)`
+	}
+	return r
 }
 
 // Backlog describes the group's outbox: rows waiting to be published, rows set aside, and how
@@ -149,8 +184,14 @@ func (r *Relay) Notify() {
 
 // Run publishes outbox rows until ctx is done. It returns nil when ctx is done.
 func (r *Relay) Run(ctx context.Context) error {
+	if r.cfg.Listen != nil {
+		listenCtx, stop := context.WithCancel(ctx)
+		defer stop()
+		go r.listen(listenCtx)
+	}
 	tick := time.NewTicker(r.cfg.Interval)
 	defer tick.Stop()
+	var pruned time.Time
 	failures := 0
 	for {
 		if _, err := r.Flush(ctx); err != nil {
@@ -171,11 +212,78 @@ func (r *Relay) Run(ctx context.Context) error {
 			r.cfg.Logger.Info("outbox publishing recovered", "after_failures", failures)
 			failures = 0
 		}
+		if r.cfg.Retention > 0 && time.Since(pruned) >= pruneInterval {
+			pruned = time.Now()
+			if n, err := r.Prune(ctx); err != nil && ctx.Err() == nil {
+				r.cfg.Logger.Warn("cannot prune published outbox rows; will try again", "err", err, "pruned", n)
+			}
+		}
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-r.notify:
 		case <-tick.C:
+		}
+	}
+}
+
+// pruneInterval is how often Run prunes published rows past RelayConfig.Retention.
+const pruneInterval = time.Minute
+
+// Prune deletes the group's published rows older than RelayConfig.Retention, a thousand per
+// statement, and returns how many it deleted.
+func (r *Relay) Prune(ctx context.Context) (int64, error) {
+	var total int64
+	for ctx.Err() == nil {
+		tag, err := r.pool.Exec(ctx, r.pruneSQL, r.cfg.Group, r.cfg.Retention)
+		if err != nil {
+			return total, fmt.Errorf("outbox: prune: %w", err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < 1000 {
+			return total, nil
+		}
+	}
+	return total, ctx.Err()
+}
+
+// listen keeps a connection LISTENing for the commits of Outbox.Emit, and wakes the relay on
+// each of its outbox, until ctx is done. It reconnects with backoff when the connection fails.
+func (r *Relay) listen(ctx context.Context) {
+	for failures := 0; ctx.Err() == nil; {
+		err := r.listenOnce(ctx, func() { failures = 0 })
+		if ctx.Err() != nil {
+			return
+		}
+		failures++
+		d := backoff.Policy{Base: r.cfg.BackoffBase, Max: r.cfg.BackoffMax}.Delay(failures)
+		if failures == 1 || failures%10 == 0 {
+			r.cfg.Logger.Warn("outbox LISTEN connection failed; polling meanwhile", "err", err, "retry_in", d, "poll_interval", r.cfg.Interval)
+		}
+		if !backoff.Sleep(ctx, nil, d) {
+			return
+		}
+	}
+}
+
+func (r *Relay) listenOnce(ctx context.Context, listening func()) error {
+	conn, err := pgx.ConnectConfig(ctx, r.cfg.Listen.Copy())
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
+		return err
+	}
+	listening()
+	r.Notify() // what committed while it was not listening
+	for {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			return err
+		}
+		if n.Payload == r.payload {
+			r.Notify()
 		}
 	}
 }
@@ -197,10 +305,11 @@ func (r *Relay) Flush(ctx context.Context) (int, error) {
 
 // row is an outbox row being published.
 type row struct {
-	id  int64
-	msg Message
-	rec *kgo.Record
-	err error // its produce result
+	id      int64
+	msg     Message
+	created time.Time
+	rec     *kgo.Record
+	err     error // its produce result
 }
 
 // publishBatch publishes one batch of rows in one transaction. full says the batch was as large as
@@ -218,10 +327,11 @@ func (r *Relay) publishBatch(parent context.Context) (n int, full bool, err erro
 		return 0, false, fmt.Errorf("outbox: begin: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
-	if _, err := tx.Exec(ctx, r.idleSQL); err != nil {
-		return 0, false, fmt.Errorf("outbox: %w", err)
+	lanes, err := r.lanes(ctx, tx)
+	if err != nil || len(lanes) == 0 {
+		return 0, false, err
 	}
-	rows, full, err := r.read(ctx, tx)
+	rows, full, err := r.read(ctx, tx, lanes)
 	if err != nil || len(rows) == 0 {
 		return 0, false, err
 	}
@@ -261,10 +371,11 @@ func (r *Relay) publishBatch(parent context.Context) (n int, full bool, err erro
 			}
 		}
 	}
+	acked := time.Now()
 	// Acknowledged by Kafka. If we die before this commit, the rows are published again later
 	// (at least once).
 	if len(done) > 0 {
-		if _, err := tx.Exec(ctx, r.deleteSQL, done); err != nil {
+		if _, err := tx.Exec(ctx, r.doneSQL, done); err != nil {
 			return 0, false, fmt.Errorf("outbox: delete published rows: %w", err)
 		}
 	}
@@ -274,7 +385,7 @@ func (r *Relay) publishBatch(parent context.Context) (n int, full bool, err erro
 	if r.cfg.Published != nil {
 		for _, rw := range rows {
 			if rw.err == nil {
-				r.cfg.Published(rw.msg.Topic)
+				r.cfg.Published(rw.msg, acked.Sub(rw.created))
 			}
 		}
 	}
@@ -284,11 +395,30 @@ func (r *Relay) publishBatch(parent context.Context) (n int, full bool, err erro
 	return len(done), full, nil
 }
 
-// read locks and reads up to BatchSize rows, and BatchBytes of their contents (at least one row).
-// A row that cannot be read back into a record (edited by hand) is set aside. full says the limit
-// was reached.
-func (r *Relay) read(ctx context.Context, tx pgx.Tx) ([]*row, bool, error) {
-	rs, err := tx.Query(ctx, r.selectSQL, r.cfg.Group, r.cfg.BatchSize)
+// lanes sets the transaction's idle timeout and locks, for the transaction, the lanes that have
+// rows waiting and that no other relay holds. One relay at a time publishes a lane, in id order:
+// that keeps the records of a key in the order they were written (see Outbox.Emit). A relay takes
+// every lane it can; another relay takes over a lane when the transaction that held it ends.
+func (r *Relay) lanes(ctx context.Context, tx pgx.Tx) ([]int16, error) {
+	b := &pgx.Batch{}
+	b.Queue(r.idleSQL)
+	var lanes []int16
+	b.Queue(r.lanesSQL, r.cfg.Group, r.laneClass).Query(func(rows pgx.Rows) error {
+		var err error
+		lanes, err = pgx.CollectRows(rows, pgx.RowTo[int16])
+		return err
+	})
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return nil, fmt.Errorf("outbox: lock lanes: %w", err)
+	}
+	return lanes, nil
+}
+
+// read reads up to BatchSize rows of lanes, and BatchBytes of their contents (at least one row),
+// a prefix of each lane in id order. A row that cannot be read back into a record (edited by
+// hand) is set aside. full says the limit was reached.
+func (r *Relay) read(ctx context.Context, tx pgx.Tx, lanes []int16) ([]*row, bool, error) {
+	rs, err := tx.Query(ctx, r.selectSQL, r.cfg.Group, lanes, r.cfg.BatchSize)
 	if err != nil {
 		return nil, false, fmt.Errorf("outbox: select: %w", err)
 	}
@@ -301,7 +431,7 @@ func (r *Relay) read(ctx context.Context, tx pgx.Tx) ([]*row, bool, error) {
 		seen++
 		rw := &row{}
 		var keys, vals [][]byte
-		if err := rs.Scan(&rw.id, &rw.msg.Topic, &rw.msg.Partition, &rw.msg.Key, &rw.msg.Value, &keys, &vals); err != nil {
+		if err := rs.Scan(&rw.id, &rw.msg.Topic, &rw.msg.Partition, &rw.msg.Key, &rw.msg.Value, &keys, &vals, &rw.created); err != nil {
 			return nil, false, fmt.Errorf("outbox: scan: %w", err)
 		}
 		var err error
@@ -312,7 +442,7 @@ func (r *Relay) read(ctx context.Context, tx pgx.Tx) ([]*row, bool, error) {
 		rw.rec = &kgo.Record{Topic: rw.msg.Topic, Partition: rw.msg.Partition, Key: rw.msg.Key, Value: rw.msg.Value, Headers: rw.msg.Headers}
 		out = append(out, rw)
 		if bytes += rw.msg.size(); bytes >= r.cfg.BatchBytes {
-			break // the rows read no further stay locked until commit, unpublished: the next batch takes them
+			break // the rows read no further stay unpublished, in their lanes' order: the next batch takes them
 		}
 	}
 	full := seen == r.cfg.BatchSize || bytes >= r.cfg.BatchBytes
@@ -342,7 +472,7 @@ func (r *Relay) refused(ctx context.Context, tx pgx.Tx, rw *row) error {
 		if err == nil {
 			if next != nil {
 				keys, vals := SplitHeaders(next.Headers)
-				if _, err := tx.Exec(ctx, r.insertSQL, r.cfg.Group, next.Topic, next.Partition, next.Key, next.Value, keys, vals); err != nil {
+				if _, err := tx.Exec(ctx, r.insertSQL, r.cfg.Group, next.Topic, next.partition(), lane(next.Topic, next.Key), next.Key, next.Value, keys, vals); err != nil {
 					return fmt.Errorf("outbox: store the replacement of refused row %d: %w", rw.id, err)
 				}
 			}

@@ -33,7 +33,7 @@ func TestRelayPublishesAndDeletes(t *testing.T) {
 	}
 	published := 0
 	relay := sink.NewRelay(pool, k.Client(t), sink.RelayConfig{Schema: "kafkapg", Group: "g", BatchSize: 2,
-		Published: func(string) { published++ }})
+		Published: func(sink.Message, time.Duration) { published++ }})
 	n, err := relay.Flush(ctx)
 	if err != nil || n != 3 || published != 3 {
 		t.Fatalf("Flush = %d, %v (published %d); want 3", n, err, published)
@@ -192,10 +192,14 @@ func TestRelayTransactionIsIdleBounded(t *testing.T) {
 		frozen.Flush(ctx)
 	}()
 	t.Cleanup(func() { cutOff.Restore(); <-frozenDone })
-	testenv.Eventually(t, 10*time.Second, func() error { // the frozen relay holds the row
-		_, err := pool.Exec(ctx, `SELECT 1 FROM kafkapg.outbox FOR UPDATE NOWAIT`)
-		if err == nil {
-			return errors.New("the row is not locked yet")
+	testenv.Eventually(t, 10*time.Second, func() error { // the frozen relay holds the row's lane
+		var locked int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted
+			AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`).Scan(&locked); err != nil {
+			return err
+		}
+		if locked == 0 {
+			return errors.New("the lane is not locked yet")
 		}
 		return nil
 	})

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -17,8 +18,8 @@ import (
 // Message is a record to publish to Kafka once the transaction that stored it commits.
 type Message struct {
 	Topic string
-	// Partition is the partition to publish to, modulo the topic's partition count (see
-	// Partitioner).
+	// Partition is the partition to publish to, modulo the topic's partition count; a negative
+	// one publishes by key, as Kafka's own producers do (see Partitioner).
 	Partition int32
 	Key       []byte
 	Value     []byte
@@ -34,12 +35,29 @@ func (m Message) size() int {
 	return n
 }
 
+// partition is the message's partition as the outbox stores it: NULL for "by key".
+func (m Message) partition() *int32 {
+	if m.Partition < 0 {
+		return nil
+	}
+	return &m.Partition
+}
+
 // Partitioner is the kgo partitioner a Relay's client must use: it publishes each message to its
-// Partition modulo the topic's partition count.
+// Partition modulo the topic's partition count, and a message with a negative Partition (an Event)
+// where Kafka's default partitioner would: murmur2 of the key, or any partition without a key.
 func Partitioner() kgo.Partitioner {
-	return kgo.BasicConsistentPartitioner(func(string) func(*kgo.Record, int) int {
+	return kgo.BasicConsistentPartitioner(func(topic string) func(*kgo.Record, int) int {
+		byKey := kgo.StickyKeyPartitioner(nil).ForTopic(topic)
+		var next atomic.Uint32
 		return func(r *kgo.Record, n int) int {
-			return int(uint32(r.Partition) % uint32(n))
+			switch {
+			case r.Partition >= 0:
+				return int(uint32(r.Partition) % uint32(n))
+			case r.Key != nil:
+				return byKey.Partition(r, n)
+			}
+			return int(next.Add(1) % uint32(n))
 		}
 	})
 }
@@ -108,7 +126,7 @@ func New(pool *pgxpool.Pool, store *offsets.Store, cfg Config) *Sink {
 		pool:    pool,
 		offsets: store,
 		outboxSQL: `INSERT INTO ` + pgx.Identifier{cfg.Schema, "outbox"}.Sanitize() +
-			` (consumer_group, topic, partition, key, value, header_keys, header_values) VALUES ($1, $2, $3, $4, $5, $6, $7)`,
+			` (consumer_group, topic, partition, lane, key, value, header_keys, header_values, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, clock_timestamp())`,
 		written: cfg.Written,
 	}
 	if ms := cfg.TxIdleTimeout.Milliseconds(); ms > 0 {
@@ -145,7 +163,7 @@ func (s *Sink) apply(ctx context.Context, pos *offsets.Position, next int64, app
 	}
 	for _, m := range msgs {
 		keys, vals := SplitHeaders(m.Headers)
-		b.Queue(s.outboxSQL, s.offsets.Group(), m.Topic, m.Partition, m.Key, m.Value, keys, vals)
+		b.Queue(s.outboxSQL, s.offsets.Group(), m.Topic, m.partition(), lane(m.Topic, m.Key), m.Key, m.Value, keys, vals)
 	}
 
 	br := s.pool.SendBatch(ctx, b)

@@ -1,0 +1,211 @@
+package processor
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// IdempotencyKey returns the idempotency key of a record: the identity of the business event it
+// carries, the same in every copy a producer sent (TopicPolicy.IdempotencyKey). A nil key with a
+// nil error says the record has none: it is handled without deduplication. An error fails the
+// record permanently (it is dead-lettered, with the error): a record that should carry a key and
+// does not is malformed.
+type IdempotencyKey func(rec *Record) ([]byte, error)
+
+// ErrNoIdempotencyKey is the error (permanent) of a record KeyFromHeader or KeyFromJSON finds no
+// key in.
+var ErrNoIdempotencyKey = errors.New("no idempotency key")
+
+// KeyFromHeader takes the idempotency key from the record's header name (the last one, if it has
+// several). A record without it, or with an empty one, fails with ErrNoIdempotencyKey.
+// KeyFromHeader(sink.HeaderMessageID) deduplicates what a kafkapg outbox emitted.
+func KeyFromHeader(name string) IdempotencyKey {
+	return func(rec *Record) ([]byte, error) {
+		for i := len(rec.Headers) - 1; i >= 0; i-- {
+			if h := rec.Headers[i]; h.Key == name && len(h.Value) > 0 {
+				return h.Value, nil
+			}
+		}
+		return nil, fmt.Errorf("%w: the record has no header %q (or it is empty)", ErrNoIdempotencyKey, name)
+	}
+}
+
+// KeyFromJSON takes the idempotency key from a field of the record's value, a JSON object; path
+// names nested fields with dots ("order.id"). A string field's key is its text, any other value's
+// its JSON. A value that is not a JSON object, or lacks the field (or has it null or ""), fails
+// with ErrNoIdempotencyKey.
+func KeyFromJSON(path string) IdempotencyKey {
+	fields := strings.Split(path, ".")
+	return func(rec *Record) ([]byte, error) {
+		raw := json.RawMessage(rec.Value)
+		for _, f := range fields {
+			var obj map[string]json.RawMessage
+			if err := json.Unmarshal(raw, &obj); err != nil || obj == nil {
+				return nil, fmt.Errorf("%w: field %q: the value is not a JSON object where %q should be", ErrNoIdempotencyKey, path, f)
+			}
+			v, ok := obj[f]
+			if !ok {
+				return nil, fmt.Errorf("%w: the value has no field %q", ErrNoIdempotencyKey, path)
+			}
+			raw = v
+		}
+		var s string
+		if err := json.Unmarshal(raw, &s); err == nil {
+			if s == "" {
+				return nil, fmt.Errorf("%w: field %q is empty", ErrNoIdempotencyKey, path)
+			}
+			return []byte(s), nil
+		}
+		if string(raw) == "null" {
+			return nil, fmt.Errorf("%w: field %q is null", ErrNoIdempotencyKey, path)
+		}
+		return raw, nil
+	}
+}
+
+// dedupe records, in tx, the idempotency keys of recs (all of source) that were not applied
+// before, and marks the others duplicate: they are not given to the handler. Within recs, the
+// first record with a key wins. It returns the records to handle and, for each, its index in recs
+// (nil when all are). A record whose key cannot be taken fails alone: a *RecordError naming it.
+//
+// A key inserted by a concurrent transaction (a copy of the record in another partition) makes
+// this one wait on the key's unique index until that one ends: it is then a duplicate if that
+// transaction committed, and the key is this record's if it rolled back.
+func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key IdempotencyKey, recs []*Record) ([]*Record, []int, error) {
+	type keyed struct {
+		hash [32]byte
+		i    int
+	}
+	var ks []keyed
+	first := map[[32]byte]int{}
+	for i, r := range recs {
+		r.duplicate = false
+		k, err := p.idempotencyKey(key, r)
+		if err != nil {
+			return nil, nil, &RecordError{Index: i, Err: Permanent(err)}
+		}
+		if k == nil {
+			continue
+		}
+		h := sha256.Sum256(k)
+		if _, ok := first[h]; ok {
+			r.duplicate = true
+			continue
+		}
+		first[h] = i
+		ks = append(ks, keyed{h, i})
+	}
+	if len(ks) > 0 {
+		hashes := make([][]byte, len(ks))
+		parts := make([]int32, len(ks))
+		offs := make([]int64, len(ks))
+		for j, k := range ks {
+			hashes[j], parts[j], offs[j] = k.hash[:], recs[k.i].Partition, recs[k.i].Offset
+		}
+		rows, err := tx.Query(ctx, p.dedupeSQL, p.cfg.Group, source, hashes, parts, offs)
+		if err != nil {
+			return nil, nil, own(fmt.Errorf("record idempotency keys: %w", err))
+		}
+		fresh, err := pgx.CollectRows(rows, pgx.RowTo[[]byte])
+		if err != nil {
+			return nil, nil, own(fmt.Errorf("record idempotency keys: %w", err))
+		}
+		isFresh := make(map[[32]byte]bool, len(fresh))
+		for _, h := range fresh {
+			isFresh[[32]byte(h)] = true
+		}
+		for _, k := range ks {
+			recs[k.i].duplicate = !isFresh[k.hash]
+		}
+	}
+	live := make([]*Record, 0, len(recs))
+	var index []int
+	for i, r := range recs {
+		if r.duplicate {
+			if index == nil {
+				index = make([]int, 0, len(recs))
+				for j := range i {
+					index = append(index, j)
+				}
+			}
+			continue
+		}
+		live = append(live, r)
+		if index != nil {
+			index = append(index, i)
+		}
+	}
+	return live, index, nil
+}
+
+// idempotencyKey runs key over r, turning a panic into an error.
+func (p *Processor) idempotencyKey(key IdempotencyKey, r *Record) (k []byte, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = fmt.Errorf("%w: the idempotency key function panicked: %v", ErrNoIdempotencyKey, v)
+		}
+	}()
+	return key(r)
+}
+
+// committed is told that recs, handled in a transaction, committed: it counts the ones skipped as
+// duplicates, logging each at debug level, and returns how many there were; and it wakes the
+// relay if any of the others emitted events.
+func (p *Processor) committed(source string, recs []*Record) int {
+	n := 0
+	emitted := false
+	for _, r := range recs {
+		emitted = emitted || (r.emits > 0 && !r.duplicate)
+		if r.duplicate {
+			n++
+			p.log.Debug("record skipped: its idempotency key was applied before", "topic", r.Topic, "partition", r.Partition, "offset", r.Offset,
+				"key_hash", keyHash(r.Key))
+		}
+	}
+	if n > 0 {
+		p.metrics.dupKeys.WithLabelValues(source).Add(float64(n))
+	}
+	if emitted {
+		if r := p.relay.Load(); r != nil {
+			r.Notify()
+		}
+	}
+	return n
+}
+
+// pruneKeys deletes the group's idempotency keys older than Config.IdempotencyRetention, a
+// thousand per statement, every minute (or every tenth of the retention, if shorter), until ctx
+// is done. Statements skip rows another replica's pruning holds; the pipeline's inserts of new
+// keys never wait for them.
+func (p *Processor) pruneKeys(ctx context.Context) {
+	every := min(time.Minute, max(p.cfg.IdempotencyRetention/10, time.Second))
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		for ctx.Err() == nil {
+			tag, err := p.pool.Exec(ctx, p.pruneKeysSQL, p.cfg.Group, p.cfg.IdempotencyRetention)
+			if err != nil {
+				if ctx.Err() == nil {
+					p.log.Warn("cannot prune idempotency keys; will try again", "err", err)
+				}
+				break
+			}
+			p.metrics.keysPruned.Add(float64(tag.RowsAffected()))
+			if tag.RowsAffected() < 1000 {
+				break
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
