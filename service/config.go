@@ -35,7 +35,7 @@ type env struct {
 	kafkaSecurityEnv
 	KafkaBrokers          []string      `envconfig:"KAFKA_BROKERS" required:"true" field:"Brokers"`
 	KafkaGroupID          string        `envconfig:"KAFKA_GROUP_ID" required:"true" field:"Group"`
-	KafkaTopics           []string      `envconfig:"KAFKA_TOPICS" required:"true" field:"Topics"`
+	KafkaTopics           []string      `envconfig:"KAFKA_TOPICS" field:"Topics"`
 	KafkaStartOffset      string        `envconfig:"KAFKA_START_OFFSET" default:"earliest" field:"StartOffset"`
 	KafkaGroupProtocol    string        `envconfig:"KAFKA_GROUP_PROTOCOL" default:"auto" field:"GroupProtocol"`
 	KafkaSessionTimeout   time.Duration `envconfig:"KAFKA_SESSION_TIMEOUT" default:"45s" field:"SessionTimeout"`
@@ -64,6 +64,11 @@ type env struct {
 	BreakerProbeMax      time.Duration `envconfig:"BREAKER_PROBE_MAX" default:"30s" field:"BreakerProbeMax"`
 	DBTxIdleTimeout      time.Duration `envconfig:"DB_TX_IDLE_TIMEOUT" default:"30s" field:"TxIdleTimeout"`
 	StallTimeout         time.Duration `envconfig:"STALL_TIMEOUT" default:"2m" field:"StallTimeout"`
+	IdempotencyRetention time.Duration `envconfig:"IDEMPOTENCY_RETENTION" default:"168h" field:"IdempotencyRetention"`
+	RelayOnly            bool          `envconfig:"RELAY_ONLY" default:"false" field:"RelayOnly"`
+	OutboxPollInterval   time.Duration `envconfig:"OUTBOX_POLL_INTERVAL" default:"1s" field:"OutboxPollInterval"`
+	OutboxListen         bool          `envconfig:"OUTBOX_LISTEN" default:"true" field:"OutboxListenDisabled"`
+	OutboxRetention      time.Duration `envconfig:"OUTBOX_RETENTION" default:"0s" field:"OutboxRetention"`
 	LogLevel             string        `envconfig:"LOG_LEVEL" default:"info"`
 	LogFormat            string        `envconfig:"LOG_FORMAT" default:"json"`
 
@@ -89,6 +94,8 @@ func (w *batchWait) Decode(value string) error {
 // topicPolicy is a topic's TOPIC_<topic>_* variables (see topicSettings).
 type topicPolicy struct {
 	handler string
+	// idempotencyKeySet says TOPIC_<topic>_IDEMPOTENCY_KEY was set: it overrides the handler's.
+	idempotencyKeySet bool
 	policy  processor.TopicPolicy
 	vars    map[string]string // processor.TopicPolicy field -> the variable that set it
 }
@@ -101,6 +108,7 @@ var topicSettings = []struct{ name, field string }{
 	{"RETRY_LOCAL_ATTEMPTS", "LocalAttempts"},
 	{"ON_DEAD_LETTER", "OnDeadLetter"},
 	{"MAX_RECORD_BYTES", "MaxRecordBytes"},
+	{"IDEMPOTENCY_KEY", "IdempotencyKey"},
 }
 
 // topicPrefix starts every per-topic variable.
@@ -225,8 +233,11 @@ func (e *env) validate(hs *registry) error {
 	if strings.TrimSpace(e.KafkaGroupID) == "" {
 		errs = append(errs, errors.New("KAFKA_GROUP_ID is required"))
 	}
-	if len(e.KafkaTopics) == 0 {
-		errs = append(errs, errors.New("KAFKA_TOPICS is required"))
+	switch {
+	case len(e.KafkaTopics) == 0 && !e.RelayOnly:
+		errs = append(errs, errors.New("KAFKA_TOPICS is required (or RELAY_ONLY=true to run the outbox relay alone)"))
+	case len(e.KafkaTopics) > 0 && e.RelayOnly:
+		errs = append(errs, errors.New("KAFKA_TOPICS must be empty with RELAY_ONLY=true: a relay alone consumes nothing"))
 	}
 	if t := e.OperatorToken; t != "" && len(strings.TrimSpace(t)) < 16 {
 		errs = append(errs, errors.New("OPERATOR_TOKEN must be at least 16 characters (it guards replays of records): generate one, e.g. openssl rand -hex 32"))
@@ -248,6 +259,11 @@ func (e *env) validate(hs *registry) error {
 	positive("SHUTDOWN_TIMEOUT", e.ShutdownTimeout)
 	positive("DB_TX_IDLE_TIMEOUT", e.DBTxIdleTimeout)
 	positive("STALL_TIMEOUT", e.StallTimeout)
+	positive("IDEMPOTENCY_RETENTION", e.IdempotencyRetention)
+	positive("OUTBOX_POLL_INTERVAL", e.OutboxPollInterval)
+	if e.OutboxRetention < 0 {
+		errs = append(errs, fmt.Errorf("OUTBOX_RETENTION must not be negative, got %v (0 deletes published rows at once)", e.OutboxRetention))
+	}
 	positive("BREAKER_WINDOW", e.BreakerWindow)
 	positive("BREAKER_PROBE_INTERVAL", e.BreakerProbeInterval)
 	positive("BREAKER_PROBE_MAX", e.BreakerProbeMax)
@@ -286,7 +302,7 @@ func (e *env) validate(hs *registry) error {
 	topics, err := topicEnv(e.KafkaTopics, hs)
 	errs = append(errs, err)
 	e.topics = topics
-	if e.Handler == "" {
+	if e.Handler == "" && !e.RelayOnly {
 		var without []string
 		for _, t := range e.KafkaTopics {
 			if e.topics[t].handler == "" {
@@ -417,8 +433,31 @@ func (tp *topicPolicy) set(setting, value string, hs *registry) error {
 		}
 	case "ON_DEAD_LETTER":
 		tp.policy.OnDeadLetter = processor.OnDeadLetter(value)
+	case "IDEMPOTENCY_KEY":
+		key, err := parseIdempotencyKey(value)
+		if err != nil {
+			return err
+		}
+		tp.policy.IdempotencyKey = key
+		tp.idempotencyKeySet = true
 	}
 	return nil
+}
+
+// parseIdempotencyKey parses TOPIC_<topic>_IDEMPOTENCY_KEY: header:<name>, json:<field.path>, or
+// none (no key, even if the topic's handler has one).
+func parseIdempotencyKey(value string) (processor.IdempotencyKey, error) {
+	value = strings.TrimSpace(value)
+	kind, arg, _ := strings.Cut(value, ":")
+	switch {
+	case value == "none":
+		return nil, nil
+	case kind == "header" && arg != "":
+		return processor.KeyFromHeader(arg), nil
+	case kind == "json" && arg != "" && !slices.Contains(strings.Split(arg, "."), ""):
+		return processor.KeyFromJSON(arg), nil
+	}
+	return nil, errors.New("must be header:<name>, json:<field> (dots for nested fields: json:order.id) or none")
 }
 
 // rename rewrites the processor's configuration errors to name the variables that set the fields
@@ -517,6 +556,11 @@ func (e *env) processorConfig(hs *registry, log *slog.Logger, reg prometheus.Reg
 		BreakerProbeMax:      e.BreakerProbeMax,
 		TxIdleTimeout:        e.DBTxIdleTimeout,
 		StallTimeout:         e.StallTimeout,
+		IdempotencyRetention: e.IdempotencyRetention,
+		RelayOnly:            e.RelayOnly,
+		OutboxPollInterval:   e.OutboxPollInterval,
+		OutboxListenDisabled: !e.OutboxListen,
+		OutboxRetention:      e.OutboxRetention,
 		KafkaOptions:         e.kafkaOpts,
 		Logger:               log,
 		Registerer:           reg,
@@ -524,10 +568,18 @@ func (e *env) processorConfig(hs *registry, log *slog.Logger, reg prometheus.Reg
 	if h := hs.get(e.Handler); h != nil {
 		c.Handler = h.Handler
 	}
-	for _, t := range slices.Sorted(maps.Keys(e.topics)) {
-		tp := e.topics[t]
+	for _, t := range e.KafkaTopics {
+		tp, ok := e.topics[t]
 		if h := hs.get(tp.handler); h != nil {
 			tp.policy.Handler = h.Handler
+		}
+		// The topic's handler's idempotency key, unless the environment sets one.
+		if h := hs.get(cmp.Or(tp.handler, e.Handler)); h != nil && h.IdempotencyKey != nil && !tp.idempotencyKeySet {
+			tp.policy.IdempotencyKey = h.IdempotencyKey
+			ok = true
+		}
+		if !ok {
+			continue
 		}
 		if c.TopicPolicies == nil {
 			c.TopicPolicies = map[string]processor.TopicPolicy{}

@@ -64,6 +64,9 @@ type Handler struct {
 	// name: replicas that start together run it one after the other, so it can be a plain
 	// CREATE TABLE IF NOT EXISTS (which two sessions running at once can fail).
 	Setup func(ctx context.Context, tx pgx.Tx) error
+	// IdempotencyKey, if set, deduplicates the records of every topic this handler handles (see
+	// processor.TopicPolicy.IdempotencyKey), unless TOPIC_<topic>_IDEMPOTENCY_KEY says otherwise.
+	IdempotencyKey processor.IdempotencyKey
 }
 
 // SetupSQL returns a Handler.Setup that runs sql, which may hold several statements.

@@ -29,6 +29,9 @@ type Item struct {
 	Event Event // zero for KindMalformed
 	Key   []byte
 	Value []byte
+	// Copy marks a second send of an event by its producer (Duplicate): the same key and value as
+	// the original, at a later offset.
+	Copy bool
 }
 
 // Dead reports whether the item must end in the dead-letter topic when records get maxAttempt

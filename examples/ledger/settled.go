@@ -34,7 +34,7 @@ func ReadProgress(ctx context.Context, db Querier, schema, group string) (Progre
 	var p Progress
 	err := db.QueryRow(ctx, `SELECT (SELECT count(*) FROM ledger_entries),
 		(SELECT count(*) FROM `+table("dead_letters")+` WHERE consumer_group = $1),
-		(SELECT count(*) FROM `+table("outbox")+` WHERE consumer_group = $1),
+		(SELECT count(*) FROM `+table("outbox")+` WHERE consumer_group = $1 AND published_at IS NULL),
 		(SELECT count(*) FROM `+table("retries")+` WHERE consumer_group = $1),
 		(SELECT count(*) FROM `+table("held_keys")+` WHERE consumer_group = $1),
 		(SELECT count(*) FROM `+table("held_records")+` WHERE consumer_group = $1)`, group).
@@ -46,12 +46,14 @@ func ReadProgress(ctx context.Context, db Querier, schema, group string) (Progre
 }
 
 // Expect returns how many of items must end applied and dead-lettered, given the delivery
-// attempts records get.
+// attempts records get. A Copy of an event is dead-lettered as its original is (its original was
+// never applied, so its idempotency key does not stop it), and otherwise skipped as a duplicate.
 func Expect(items []Item, maxAttempt int) (applied, dead int) {
 	for _, it := range items {
-		if it.Dead(maxAttempt) {
+		switch {
+		case it.Dead(maxAttempt):
 			dead++
-		} else {
+		case !it.Copy:
 			applied++
 		}
 	}

@@ -1,0 +1,231 @@
+package processor_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/processor"
+)
+
+// TestChainIsExactlyOnceEndToEnd is the two-stage pipeline: stage 1 applies ledger events and
+// emits a posting per event through the outbox; its producer sent a tenth of the events twice;
+// stage 2 inserts the postings into a table without a unique constraint. Stage 1 deduplicates on
+// the event id, stage 2 on the message id. Both stages run two processors; one of each is stopped
+// and replaced midway (a rebalance), and stage 1's relay then publishes a quarter of its postings
+// a second time, as a relay that died between Kafka's acknowledgement and its delete would.
+// Every event must be posted exactly once, each account's postings in seq order.
+func TestChainIsExactlyOnceEndToEnd(t *testing.T) {
+	t.Parallel()
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		h := newHarness(t, k, 4)
+		ctx := context.Background()
+		if _, err := h.Pool.Exec(ctx, ledger.ChainSchema); err != nil {
+			t.Fatal(err)
+		}
+		postings := k.CreateTopic(t, 3)
+		originals := ledger.Generate(ledger.GenConfig{Events: 600, Accounts: 12, FlakyPerMille: 60, PoisonPerMille: 15, Seed: 13, Prefix: "c"})
+		items := ledger.Duplicate(originals, 100, 7)
+
+		stageOne := func() *processor.Config {
+			cfg := h.Config(ledger.Forward{Topic: postings})
+			cfg.RetryTiers = []time.Duration{50 * time.Millisecond}
+			cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: ledger.StageOneKey}}
+			cfg.OutboxRetention = time.Hour // published postings are kept: the test publishes some again
+			cfg.OutboxPollInterval = 100 * time.Millisecond
+			return cfg
+		}
+		stageTwo := func() *processor.Config {
+			cfg := h.Config(ledger.Post{})
+			cfg.Group = h.Group + "-post"
+			cfg.Topics = []string{postings}
+			cfg.TopicPolicies = map[string]processor.TopicPolicy{postings: {IdempotencyKey: ledger.StageTwoKey}}
+			return cfg
+		}
+		one := []*running{h.Start(stageOne()), h.Start(stageOne())}
+		two := []*running{h.Start(stageTwo()), h.Start(stageTwo())}
+
+		h.Produce(items[:len(items)/2])
+		h.WaitApplied(len(originals)/5, 30*time.Second)
+		one[0].Stop(t) // its partitions move to the other; a new member joins
+		two[0].Stop(t)
+		one[0], two[0] = h.Start(stageOne()), h.Start(stageTwo())
+		h.Produce(items[len(items)/2:])
+		h.WaitSettled(items, 2, 60*time.Second)
+
+		// The relay died after Kafka acknowledged a quarter of the postings and before it
+		// marked them published: they are published again.
+		tag, err := h.Pool.Exec(ctx, `UPDATE kafkapg.outbox SET published_at = NULL WHERE consumer_group = $1 AND topic = $2 AND id % 4 = 0`, h.Group, postings)
+		if err != nil {
+			t.Fatal(err)
+		}
+		republished := int(tag.RowsAffected())
+
+		skipped := func(rs []*running) float64 {
+			n := 0.0
+			for _, r := range rs {
+				n += r.Counter("kafkapg_duplicate_keys_skipped_total")
+			}
+			return n
+		}
+		// Stage 2 is done when it has consumed every posting published.
+		testenv.Eventually(t, 60*time.Second, func() error {
+			n := len(k.ReadAll(t, postings))
+			if n < copiesWant(items)+republished {
+				return fmt.Errorf("%d postings published, want %d", n, copiesWant(items)+republished)
+			}
+			var consumed int
+			if err := h.Pool.QueryRow(ctx, `SELECT coalesce(sum(next_offset), 0) FROM kafkapg.offsets WHERE consumer_group = $1`, h.Group+"-post").Scan(&consumed); err != nil {
+				return err
+			}
+			if consumed < n {
+				return fmt.Errorf("stage 2 consumed %d of %d postings", consumed, n)
+			}
+			return nil
+		})
+		posted, err := ledger.VerifyChain(ctx, h.Pool, items, 2)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := skipped(two); got != float64(republished) {
+			t.Errorf("stage 2 skipped %v duplicates, want %d (the republished postings)", got, republished)
+		}
+		h.Verify(originals, 2, true)
+		// A copy of an applied event reaching the handler would fail its primary key and be
+		// dead-lettered: stage 1's dead letters are exactly the dead events and their copies.
+		if _, dead := ledger.Expect(items, 2); h.Progress().DeadRows != dead {
+			t.Errorf("stage 1 has %d dead_letters rows, want %d: copies of applied events reached the handler", h.Progress().DeadRows, dead)
+		}
+		var keys int
+		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.idempotency_keys WHERE consumer_group = $1`, h.Group).Scan(&keys); err != nil {
+			t.Fatal(err)
+		}
+		if want := posted; keys != want {
+			t.Errorf("stage 1 recorded %d idempotency keys, want one per applied event (%d)", keys, want)
+		}
+		t.Logf("%d events (%d sent twice), %d posted once each; %d postings published twice, all skipped by stage 2", len(originals), len(items)-len(originals), posted, republished)
+	})
+}
+
+// copiesWant is the number of postings stage 1 emits: one per event it applies.
+func copiesWant(items []ledger.Item) int {
+	n, _ := ledger.Expect(items, 2)
+	return n
+}
+
+// TestIdempotencyKeys: a copy of an applied record is skipped, counted, and advances the offset;
+// a record without its key is dead-lettered with an error that says so; a replayed dead letter
+// whose key was never applied is applied, and one whose copy was applied meanwhile is skipped;
+// after the retention, keys are pruned and a late copy is applied again.
+func TestIdempotencyKeys(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	ctx := context.Background()
+	cfg := h.Config(ledger.Handler{})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader("idem")}}
+	cfg.IdempotencyRetention = 6 * time.Second
+	r := h.Start(cfg)
+
+	rec := func(id string, idem string) *kgo.Record {
+		v := fmt.Appendf(nil, `{"event_id":%q,"account":"a","amount":1,"seq":1}`, id)
+		out := &kgo.Record{Topic: h.Topic, Key: []byte("a"), Value: v}
+		if idem != "" {
+			out.Headers = []kgo.RecordHeader{{Key: "idem", Value: []byte(idem)}}
+		}
+		return out
+	}
+	// e1 applied; its copy (another event id: a plain INSERT would apply it) skipped; no key:
+	// dead-lettered.
+	k.Produce(t, rec("e1", "K1"), rec("e1-copy", "K1"), rec("e2", ""), rec("e3", "K3"))
+	testenv.Eventually(t, 20*time.Second, func() error {
+		if n := h.Applied(); n != 2 {
+			return fmt.Errorf("%d applied, want e1 and e3", n)
+		}
+		if r.Counter("kafkapg_duplicate_keys_skipped_total") != 1 {
+			return errors.New("the copy is not counted as a duplicate yet")
+		}
+		return nil
+	})
+	var class, msg string
+	if err := h.Pool.QueryRow(ctx, `SELECT error_class, error_message FROM kafkapg.dead_letters WHERE consumer_group = $1`, h.Group).Scan(&class, &msg); err != nil {
+		t.Fatal(err)
+	}
+	if class != "permanent" || !strings.Contains(msg, `no header "idem"`) {
+		t.Errorf("dead letter %s: %q; want permanent, naming the missing header", class, msg)
+	}
+	var next int64
+	if err := h.Pool.QueryRow(ctx, `SELECT next_offset FROM kafkapg.offsets WHERE consumer_group = $1`, h.Group).Scan(&next); err != nil || next != 4 {
+		t.Fatalf("next_offset %d (%v), want 4: the duplicate advances the offset", next, err)
+	}
+
+	// Replays. f1 and g1 fail their only delivery (no tiers) and are dead-lettered; a fixed copy
+	// of g1 (another event id, the same key) is applied meanwhile. Replayed, f1 was never
+	// applied, so its key does not stop it: it is applied; g1's key was applied by its copy: it
+	// is skipped as a duplicate, and its dead letter counts as replayed.
+	flaky := func(id, idem string) *kgo.Record {
+		r := rec(id, idem)
+		r.Value = fmt.Appendf(nil, `{"event_id":%q,"account":"a","amount":1,"seq":1,"fail_attempts":1}`, id)
+		return r
+	}
+	k.Produce(t, flaky("f1", "KF"), flaky("g1", "KG"), rec("g1-fixed", "KG"))
+	h.WaitApplied(3, 20*time.Second)
+	o := ops.New(h.Pool, "kafkapg", h.Group)
+	task, err := o.StartTask(ctx, ops.Replay, ops.Filter{Status: "new", Error: "simulated"}, ops.Actor{Name: "tester", Reason: "dependency fixed"}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if task, err = o.RunTask(ctx, task.ID, "test", nil); err != nil || task.Done != 2 {
+		t.Fatalf("RunTask = %+v, %v; want 2 queued", task, err)
+	}
+	testenv.Eventually(t, 20*time.Second, func() error {
+		var replayed int
+		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.dead_letters WHERE consumer_group = $1 AND status = 'replayed'`, h.Group).Scan(&replayed); err != nil {
+			return err
+		}
+		if replayed != 2 {
+			return fmt.Errorf("%d dead letters replayed, want 2", replayed)
+		}
+		return nil
+	})
+	var entries []string
+	rows, _ := h.Pool.Query(ctx, `SELECT event_id FROM ledger_entries ORDER BY applied_order`)
+	entries, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"e1", "e3", "g1-fixed", "f1"}; !slices.Equal(entries, want) {
+		t.Fatalf("applied %q, want %q (g1 skipped when replayed: its copy was applied)", entries, want)
+	}
+	if got := r.Counter("kafkapg_duplicate_keys_skipped_total"); got != 2 {
+		t.Errorf("kafkapg_duplicate_keys_skipped_total = %v, want 2 (e1's copy, replayed g1)", got)
+	}
+
+	// After the retention the keys are pruned, and a late copy is applied again.
+	testenv.Eventually(t, 30*time.Second, func() error {
+		var n int
+		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.idempotency_keys WHERE consumer_group = $1`, h.Group).Scan(&n); err != nil {
+			return err
+		}
+		if n > 0 {
+			return fmt.Errorf("%d keys not pruned yet", n)
+		}
+		return nil
+	})
+	k.Produce(t, rec("e1-late", "K1"))
+	h.WaitApplied(5, 20*time.Second)
+	if got := r.Counter("kafkapg_idempotency_keys_pruned_total"); got < 4 {
+		t.Errorf("kafkapg_idempotency_keys_pruned_total = %v, want at least 4 (K1, K3, KF, KG)", got)
+	}
+}
+
