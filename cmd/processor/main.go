@@ -5,6 +5,9 @@
 //
 //	HANDLER=ledger           the demo's ledger of accounts and transfers
 //	HANDLER=ledger-careless  the same ledger written carelessly (for the fault-injection suite)
+//	HANDLER=ledger-forward   stage 1 of a chain: the ledger, emitting a posting per event to
+//	                         <topic>.postings through the outbox, deduplicated on event_id
+//	HANDLER=ledger-post      stage 2: the postings, deduplicated on their message id
 package main
 
 import (
@@ -16,5 +19,7 @@ func main() {
 	service.Main(
 		service.Handler{Name: "ledger", Handler: ledger.Handler{}, Setup: service.SetupSQL(ledger.Schema)},
 		service.Handler{Name: "ledger-careless", Handler: ledger.Careless{}, Setup: service.SetupSQL(ledger.CarelessSchema)},
+		service.Handler{Name: "ledger-forward", Handler: ledger.Forward{}, Setup: service.SetupSQL(ledger.Schema), IdempotencyKey: ledger.StageOneKey},
+		service.Handler{Name: "ledger-post", Handler: ledger.Post{}, Setup: service.SetupSQL(ledger.ChainSchema), IdempotencyKey: ledger.StageTwoKey},
 	)
 }

@@ -53,8 +53,12 @@ var (
 // Forward is stage 1: Handler, plus a Posting emitted to Topic, keyed by account, for every
 // applied event.
 type Forward struct {
+	// Topic receives the postings. Defaults to the event's topic followed by ".postings".
 	Topic string
 }
+
+// PostingsTopic is where Forward{} emits the postings of the events of topic.
+func PostingsTopic(topic string) string { return topic + ".postings" }
 
 var _ processor.BatchHandler = Forward{}
 
@@ -74,7 +78,11 @@ func (f Forward) HandleBatch(ctx context.Context, tx pgx.Tx, recs []*processor.R
 			return err // Handler has applied it: cannot happen
 		}
 		v, _ := json.Marshal(Posting{EventID: ev.EventID, Account: ev.Account, Amount: ev.Amount, Seq: ev.Seq})
-		if err := rec.Emit(ctx, tx, sink.Event{Topic: f.Topic, Key: []byte(ev.Account), Value: v}); err != nil {
+		topic := f.Topic
+		if topic == "" {
+			topic = PostingsTopic(rec.Topic)
+		}
+		if err := rec.Emit(ctx, tx, sink.Event{Topic: topic, Key: []byte(ev.Account), Value: v}); err != nil {
 			return err
 		}
 	}
