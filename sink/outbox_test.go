@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/testenv"
@@ -350,4 +351,64 @@ func TestDerivedIDIsStable(t *testing.T) {
 	if len(a) != 36 || a[14] != '5' {
 		t.Fatalf("id %q is not a version 5 UUID", a)
 	}
+}
+
+// TestRelayParksARecordForAMissingTopic: a record for a topic that does not exist (and that the
+// client may not create) is retried for MissingTopicGrace, then set aside with the reason;
+// records for other topics, emitted before and after it, are published meanwhile.
+func TestRelayParksARecordForAMissingTopic(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Migrated(t)
+	k := testenv.NewKfake(t)
+	topic := k.CreateTopic(t, 1)
+	ctx := context.Background()
+	out := newOutbox(t, "g")
+	for _, e := range []sink.Event{
+		{Topic: topic, Key: []byte("k"), Value: []byte("before")},
+		{Topic: "no-such-topic", Key: []byte("k"), Value: []byte("lost?")},
+		{Topic: topic, Key: []byte("k"), Value: []byte("after")},
+	} {
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return out.Emit(ctx, tx, e) }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	relay := sink.NewRelay(pool, k.Client(t, kgo.RecordPartitioner(sink.Partitioner())), sink.RelayConfig{Schema: "kafkapg", Group: "g",
+		MissingTopicGrace: 2 * time.Second})
+	began := time.Now()
+	if n, err := relay.Flush(ctx); n != 2 || !errors.Is(err, kerr.UnknownTopicOrPartition) {
+		t.Fatalf("Flush = %d, %v; want the two records of the existing topic, and the third kept for a retry", n, err)
+	}
+	t.Logf("first flush done after %v", time.Since(began))
+	time.Sleep(2 * time.Second)
+	if n, err := relay.Flush(ctx); n != 0 || err != nil {
+		t.Fatalf("Flush after the grace = %d, %v; want the record set aside", n, err)
+	}
+	t.Logf("second flush done after %v", time.Since(began))
+	var why string
+	if err := pool.QueryRow(ctx, `SELECT refused_error FROM kafkapg.outbox WHERE topic = 'no-such-topic' AND refused_at IS NOT NULL`).Scan(&why); err != nil {
+		t.Fatalf("the record for the missing topic is not set aside: %v", err)
+	}
+	if !strings.Contains(why, "UNKNOWN_TOPIC_OR_PARTITION") {
+		t.Errorf("set aside with %q; want the broker's reason", why)
+	}
+
+	// A topic created within the grace gets its records (once the client's metadata cache, up to
+	// 5s old, sees it).
+	relay = sink.NewRelay(pool, k.Client(t, kgo.RecordPartitioner(sink.Partitioner())), sink.RelayConfig{Schema: "kafkapg", Group: "g"})
+	late := k.TopicName(t) + "_late"
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		return out.Emit(ctx, tx, sink.Event{Topic: late, Key: []byte("k"), Value: []byte("waited")})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := relay.Flush(ctx); n != 0 || err == nil {
+		t.Fatalf("Flush = %d, %v; want the record kept for a retry", n, err)
+	}
+	k.CreateTopicNamed(t, late, 1)
+	testenv.Eventually(t, 20*time.Second, func() error {
+		if n, err := relay.Flush(ctx); n != 1 || err != nil {
+			return fmt.Errorf("Flush once the topic exists = %d, %v; want the record published", n, err)
+		}
+		return nil
+	})
 }

@@ -5,10 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -53,6 +56,10 @@ type RelayConfig struct {
 	// commits of Outbox.Emit, in any process, to publish their records at once. Without it, or
 	// while it is down, the relay finds them on its next poll (Interval).
 	Listen *pgx.ConnConfig
+	// MissingTopicGrace is how long a row whose topic does not exist (and that the client may
+	// not create) is retried, counting from its write, before it is handled as refused for good:
+	// long enough for a topic being created at the same time to appear. Defaults to 1m.
+	MissingTopicGrace time.Duration
 	// Retention, if positive, keeps published rows (published_at set) for that long instead of
 	// deleting them at once; they are pruned in the background, in small batches.
 	Retention time.Duration
@@ -88,6 +95,10 @@ type Relay struct {
 	asideSQL  string
 	statsSQL  string
 	pruneSQL  string
+
+	mu     sync.Mutex
+	known  map[string]bool // topics found to exist (see checkTopics)
+	warned map[string]bool // topics found missing, and logged
 }
 
 // NewRelay returns a Relay publishing through client.
@@ -114,6 +125,9 @@ func NewRelay(pool *pgxpool.Pool, client *kgo.Client, cfg RelayConfig) *Relay {
 	if cfg.TxIdleTimeout <= 0 {
 		cfg.TxIdleTimeout = 30 * time.Second
 	}
+	if cfg.MissingTopicGrace <= 0 {
+		cfg.MissingTopicGrace = time.Minute
+	}
 	if cfg.PublishTimeout <= 0 {
 		cfg.PublishTimeout = cfg.TxIdleTimeout * 4 / 5
 	}
@@ -125,6 +139,8 @@ func NewRelay(pool *pgxpool.Pool, client *kgo.Client, cfg RelayConfig) *Relay {
 		notify:    make(chan struct{}, 1),
 		laneClass: laneLockClass(cfg.Schema, cfg.Group),
 		payload:   notifyPayload(cfg.Schema, cfg.Group),
+		known:     map[string]bool{},
+		warned:    map[string]bool{},
 		idleSQL:   fmt.Sprintf("SET LOCAL idle_in_transaction_session_timeout = %d", max(cfg.TxIdleTimeout.Milliseconds(), 1)),
 		// The lanes with rows waiting that no other relay holds, locked until this transaction
 		// ends. The rows are read by a later statement, whose snapshot is taken after the locks:
@@ -336,14 +352,23 @@ func (r *Relay) publishBatch(parent context.Context) (n int, full bool, err erro
 		return 0, false, err
 	}
 
-	recs := make([]*kgo.Record, len(rows))
+	// Rows of a topic that does not exist are not produced (see checkTopics).
+	stillMissing := r.checkTopics(ctx, rows)
+	recs := make([]*kgo.Record, 0, len(rows))
 	byRec := make(map[*kgo.Record]*row, len(rows))
-	for i, rw := range rows {
-		recs[i] = rw.rec
+	for _, rw := range rows {
+		if why, ok := stillMissing[rw.msg.Topic]; ok {
+			rw.err = why
+			continue
+		}
+		recs = append(recs, rw.rec)
 		byRec[rw.rec] = rw
 	}
 	for _, res := range r.client.ProduceSync(ctx, recs...) {
 		byRec[res.Record].err = res.Err
+		if errors.Is(res.Err, kerr.UnknownTopicOrPartition) {
+			r.setMissing(res.Record.Topic)
+		}
 	}
 	// Kafka fails every record buffered for a partition when it refuses one batch of it: publish
 	// the refused ones again, one at a time, to tell the guilty from the innocent.
@@ -360,7 +385,7 @@ func (r *Relay) publishBatch(parent context.Context) (n int, full bool, err erro
 		switch {
 		case rw.err == nil:
 			done = append(done, rw.id)
-		case isRefusal(rw.err):
+		case isRefusal(rw.err) || (errors.Is(rw.err, kerr.UnknownTopicOrPartition) && time.Since(rw.created) > r.cfg.MissingTopicGrace):
 			if err := r.refused(ctx, tx, rw); err != nil {
 				return 0, false, err
 			}
@@ -393,6 +418,56 @@ func (r *Relay) publishBatch(parent context.Context) (n int, full bool, err erro
 		return len(done), false, fmt.Errorf("%d of %d records not published (will retry): %w", failedRows, len(rows), failed)
 	}
 	return len(done), full, nil
+}
+
+// setMissing notes that topic does not exist (it was deleted): its rows are not produced until
+// checkTopics finds it again.
+func (r *Relay) setMissing(topic string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	delete(r.known, topic)
+}
+
+// checkTopics asks the broker, in one metadata request, whether the topics of rows not known to
+// exist exist, and returns, for each that does not, the error its rows fail with (they are not
+// produced: a produce to a missing topic waits out franz-go's metadata retries, for tens of
+// seconds, holding up the batch).
+func (r *Relay) checkTopics(ctx context.Context, rows []*row) map[string]error {
+	r.mu.Lock()
+	var topics []string
+	for _, rw := range rows {
+		if !r.known[rw.msg.Topic] && !slices.Contains(topics, rw.msg.Topic) {
+			topics = append(topics, rw.msg.Topic)
+		}
+	}
+	r.mu.Unlock()
+	if len(topics) == 0 {
+		return nil
+	}
+	out := map[string]error{}
+	details, err := kadm.NewClient(r.client).ListTopics(ctx, topics...)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, t := range topics {
+		switch d, ok := details[t]; {
+		case err != nil:
+			out[t] = fmt.Errorf("cannot ask the broker whether topic %s exists: %w", t, err)
+		case !ok || d.Err != nil:
+			out[t] = fmt.Errorf("%w: topic %s does not exist", kerr.UnknownTopicOrPartition, t)
+			if !r.warned[t] {
+				r.cfg.Logger.Warn("outbox records are for a topic that does not exist; they wait for it, and are set aside after the grace",
+					"topic", t, "grace", r.cfg.MissingTopicGrace)
+				r.warned[t] = true
+			}
+		default:
+			r.known[t] = true
+			if r.warned[t] {
+				r.cfg.Logger.Info("a topic that was missing exists now; its outbox records are published", "topic", t)
+				delete(r.warned, t)
+			}
+		}
+	}
+	return out
 }
 
 // lanes sets the transaction's idle timeout and locks, for the transaction, the lanes that have
