@@ -228,4 +228,3 @@ func TestIdempotencyKeys(t *testing.T) {
 		t.Errorf("kafkapg_idempotency_keys_pruned_total = %v, want at least 4 (K1, K3, KF, KG)", got)
 	}
 }
-

@@ -96,8 +96,8 @@ type topicPolicy struct {
 	handler string
 	// idempotencyKeySet says TOPIC_<topic>_IDEMPOTENCY_KEY was set: it overrides the handler's.
 	idempotencyKeySet bool
-	policy  processor.TopicPolicy
-	vars    map[string]string // processor.TopicPolicy field -> the variable that set it
+	policy            processor.TopicPolicy
+	vars              map[string]string // processor.TopicPolicy field -> the variable that set it
 }
 
 // topicSettings are the per-topic variables, TOPIC_<topic>_<setting>, and the TopicPolicy field
