@@ -35,6 +35,12 @@
 //     never are), whatever bytes they carry.
 //   - Memory stays within Config.MaxBufferedBytes for fetched records, across all partitions,
 //     whatever the backlog.
+//   - What a handler emits with Record.Emit is published to Kafka if and only if its transaction
+//     commits, a key's records in commit order, each with a message id that is the same however
+//     often the record is handled (see package sink). On a topic with an idempotency key
+//     (TopicPolicy.IdempotencyKey), a record whose key was applied before, within
+//     Config.IdempotencyRetention, is skipped: the key is recorded in the transaction that
+//     applies the record.
 //
 // # What it does not guarantee
 //
@@ -54,7 +60,8 @@
 // (buffer.go); batch.go: a batch's pipeline — admitted (tier records due, held behind their key,
 // duplicates skipped), applied in one transaction, a failing record isolated; transact.go: the
 // transaction, retried in place while the failure is the infrastructure's; handler.go: the
-// Handler and how it is called; error.go: error markers and classification; route.go: where a
+// Handler and how it is called, and Record.Emit; idempotency.go: idempotency keys, duplicates
+// skipped and keys pruned; error.go: error markers and classification; route.go: where a
 // failed record goes — local retries, the circuit breaker (breaker.go), a retry tier (tier.go),
 // the DLQ; held.go: the held records of keys that are ready again; refused.go: records Kafka
 // refuses for good; stall.go, stats.go, lag.go, metrics.go: what an operator sees;

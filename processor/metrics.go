@@ -214,7 +214,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"reason"}),
 		outboxWaiting: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "outbox_records",
-			Help: "Retry and dead-letter records committed and not yet published to Kafka (group-wide, from Postgres).",
+			Help: "Outbox records (retry and dead-letter records, and records handlers emitted) committed and not yet published to Kafka (group-wide, from Postgres).",
 		}),
 		outboxAside: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "outbox_set_aside_records",

@@ -122,6 +122,9 @@ func TestLoadEnvDefaults(t *testing.T) {
 		BreakerProbeMax:       30 * time.Second,
 		DBTxIdleTimeout:       30 * time.Second,
 		StallTimeout:          2 * time.Minute,
+		IdempotencyRetention:  7 * 24 * time.Hour,
+		OutboxPollInterval:    time.Second,
+		OutboxListen:          true,
 		KafkaGroupProtocol:    "auto",
 		MaxBufferedBytes:      64 << 20,
 		LogLevel:              "info",
@@ -240,7 +243,7 @@ func TestLoadEnvErrors(t *testing.T) {
 		{name: "dead-letter policy unknown", vars: with("ON_DEAD_LETTER", "drop"), want: []string{`ON_DEAD_LETTER must be "skip" or "block", got "drop"`}},
 		{name: "topic creation not a boolean", vars: with("KAFKA_CREATE_TOPICS", "maybe"), want: []string{"KAFKA_CREATE_TOPICS", `"maybe"`, "boolean"}},
 		{name: "max record bytes zero", vars: with("MAX_RECORD_BYTES", "0"), want: []string{"MAX_RECORD_BYTES must be at least 1"}},
-		{name: "unknown handler", vars: with("HANDLER", "nope"), want: []string{`HANDLER="nope"`, "not a handler of this binary (it has: ledger, ledger-careless)"}},
+		{name: "unknown handler", vars: with("HANDLER", "nope"), want: []string{`HANDLER="nope"`, "not a handler of this binary (it has: ledger, ledger-careless, ledger-keyed)"}},
 		{name: "start offset middle", vars: with("KAFKA_START_OFFSET", "middle"), want: []string{`KAFKA_START_OFFSET must be "earliest" or "latest", got "middle"`}},
 		{name: "backoff max below base", vars: with("RETRY_BACKOFF_BASE", "2s", "RETRY_BACKOFF_MAX", "1s"), want: []string{"RETRY_BACKOFF_MAX 1s is less than RETRY_BACKOFF_BASE (2s)"}},
 		{name: "backoff base above default max", vars: with("RETRY_BACKOFF_BASE", "10s"), want: []string{"RETRY_BACKOFF_MAX 5s is less than RETRY_BACKOFF_BASE (10s)"}},
@@ -291,6 +294,16 @@ func TestLoadEnvErrors(t *testing.T) {
 			want: []string{`TOPIC_ORDERS_MAX_RECORD_BYTES="1MiB": not an integer`}},
 		{name: "per-topic dead-letter policy unknown", vars: with("TOPIC_ORDERS_ON_DEAD_LETTER", "drop"),
 			want: []string{`TOPIC_ORDERS_ON_DEAD_LETTER must be "skip" or "block", got "drop"`}},
+		{name: "per-topic idempotency key garbled", vars: with("TOPIC_ORDERS_IDEMPOTENCY_KEY", "field:id"),
+			want: []string{`TOPIC_ORDERS_IDEMPOTENCY_KEY="field:id": must be header:<name>, json:<field>`}},
+		{name: "per-topic idempotency key with an empty JSON field", vars: with("TOPIC_ORDERS_IDEMPOTENCY_KEY", "json:order..id"),
+			want: []string{`TOPIC_ORDERS_IDEMPOTENCY_KEY="json:order..id": must be`}},
+		{name: "idempotency retention zero", vars: with("IDEMPOTENCY_RETENTION", "0s"), want: []string{"IDEMPOTENCY_RETENTION must be positive"}},
+		{name: "outbox retention negative", vars: with("OUTBOX_RETENTION", "-1s"), want: []string{"OUTBOX_RETENTION must not be negative"}},
+		{name: "relay only with topics", vars: with("RELAY_ONLY", "true"),
+			want: []string{"KAFKA_TOPICS must be empty with RELAY_ONLY=true"}},
+		{name: "no topics and not relay only", vars: with("KAFKA_TOPICS", ""),
+			want: []string{"KAFKA_TOPICS is required (or RELAY_ONLY=true"}},
 		{name: "two topics with one variable name", vars: with("KAFKA_TOPICS", "a.b,a-b"),
 			want: []string{`KAFKA_TOPICS: topics "a.b" and "a-b" have the same name in per-topic variables (TOPIC_A_B_*)`}},
 		{name: "problems the processor finds are reported with the environment's", vars: with("BATCH_MAX_WAIT", "0", "TOPIC_ORDERS_ON_DEAD_LETTER", "drop", "RETRY_BACKOFF_BASE", "2s", "RETRY_BACKOFF_MAX", "1s"),
@@ -463,6 +476,28 @@ func TestProcessorConfig(t *testing.T) {
 			}
 			return ""
 		}},
+		{"idempotency keys: the environment's, else the handler's", with("KAFKA_TOPICS", "orders,postings,refunds", "HANDLER", "ledger-keyed",
+			"TOPIC_ORDERS_IDEMPOTENCY_KEY", "json:order.id", "TOPIC_REFUNDS_IDEMPOTENCY_KEY", "none"), func(c *processor.Config) string {
+			rec := &processor.Record{Value: []byte(`{"order":{"id":"o-7"},"event_id":"e-1"}`)}
+			key := func(topic string) string {
+				f := c.TopicPolicies[topic].IdempotencyKey
+				if f == nil {
+					return "none"
+				}
+				k, err := f(rec)
+				return fmt.Sprintf("%s%v", k, err)
+			}
+			if got := key("orders") + " " + key("postings") + " " + key("refunds"); got != "o-7<nil> e-1<nil> none" {
+				return fmt.Sprintf("keys %s, want o-7 (TOPIC_ORDERS_IDEMPOTENCY_KEY), e-1 (the handler's), none", got)
+			}
+			return ""
+		}},
+		{"RELAY_ONLY needs no topics and no handler", with("KAFKA_TOPICS", "", "RELAY_ONLY", "true", "HANDLER", ""), func(c *processor.Config) string {
+			if !c.RelayOnly || len(c.Topics) != 0 {
+				return fmt.Sprintf("RelayOnly %v, Topics %q", c.RelayOnly, c.Topics)
+			}
+			return ""
+		}},
 		{"BATCH_MAX_WAIT=none applies at once", with("BATCH_MAX_WAIT", "none"), func(c *processor.Config) string {
 			if c.BatchMaxWait != processor.NoBatchWait {
 				return fmt.Sprintf("BatchMaxWait = %v, want NoBatchWait", c.BatchMaxWait)
@@ -497,6 +532,7 @@ func TestProcessorConfig(t *testing.T) {
 
 // builtinHandlers are cmd/processor's handlers.
 var builtinHandlers = []Handler{
+	{Name: "ledger-keyed", Handler: ledger.Handler{}, IdempotencyKey: processor.KeyFromJSON("event_id")},
 	{Name: "ledger", Handler: ledger.Handler{}, Setup: SetupSQL(ledger.Schema)},
 	{Name: "ledger-careless", Handler: ledger.Careless{}, Setup: SetupSQL(ledger.CarelessSchema)},
 }
