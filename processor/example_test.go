@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/sink"
 )
 
 // A processor in a program of your own: migrate kafkapg's tables, create the handler's, and run
@@ -86,4 +87,37 @@ func ExampleBatchHandler() {
 	_, ok := h.(processor.BatchHandler)
 	fmt.Println("batch handler:", ok)
 	// Output: batch handler: true
+}
+
+// A handler that applies a payment and tells the next service, in one transaction: the
+// PaymentSettled event reaches Kafka if and only if the payment's effects commit, with a
+// message id that is the same however often the record is handled. The topic deduplicates
+// payments its producer sent twice by their payment_id.
+func ExampleRecord_Emit() {
+	handler := processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+		var p struct {
+			PaymentID string `json:"payment_id"`
+			Account   string `json:"account"`
+			Amount    int64  `json:"amount"`
+		}
+		if err := json.Unmarshal(rec.Value, &p); err != nil {
+			return processor.Permanent(err)
+		}
+		if _, err := tx.Exec(ctx, `UPDATE accounts SET balance = balance + $2 WHERE id = $1`, p.Account, p.Amount); err != nil {
+			return err
+		}
+		settled, _ := json.Marshal(map[string]any{"payment_id": p.PaymentID, "account": p.Account})
+		return rec.Emit(ctx, tx, sink.Event{Topic: "payments.settled", Key: []byte(p.Account), Value: settled})
+	})
+	cfg := &processor.Config{
+		Brokers: []string{"localhost:9092"},
+		Group:   "payments",
+		Topics:  []string{"payments"},
+		Handler: handler,
+		TopicPolicies: map[string]processor.TopicPolicy{
+			"payments": {IdempotencyKey: processor.KeyFromJSON("payment_id")},
+		},
+	}
+	fmt.Println(cfg.Validate())
+	// Output: <nil>
 }
