@@ -3,6 +3,7 @@ package processor
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -94,7 +95,7 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 		if k == nil {
 			continue
 		}
-		h := sha256.Sum256(k)
+		h := p.keyHash(source, k)
 		if _, ok := first[h]; ok {
 			r.duplicate = true
 			continue
@@ -143,6 +144,20 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 		}
 	}
 	return live, index, nil
+}
+
+// keyHash is the idempotency_keys row of key, a key of a record of source: the SHA-256 of the
+// group, the topic and the key, each of the first two preceded by its length.
+func (p *Processor) keyHash(source string, key []byte) [32]byte {
+	h := sha256.New()
+	for _, s := range []string{p.cfg.Group, source} {
+		h.Write(binary.AppendUvarint(nil, uint64(len(s))))
+		h.Write([]byte(s))
+	}
+	h.Write(key)
+	var out [32]byte
+	h.Sum(out[:0])
+	return out
 }
 
 // idempotencyKey runs key over r, turning a panic into an error.

@@ -128,16 +128,18 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 		probeMin:   c.BreakerProbeInterval,
 		probeMax:   c.BreakerProbeMax,
 	}, p.log.With("component", "breaker"), m)
-	p.outbox, err = sink.NewOutbox(sink.OutboxConfig{Schema: c.Schema, Group: c.Group})
+	// No NOTIFY: after a commit that emitted, the processor wakes its own relay (committed), and
+	// NOTIFY would serialize the commits of every partition's batches.
+	p.outbox, err = sink.NewOutbox(sink.OutboxConfig{Schema: c.Schema, Group: c.Group, NoNotify: true})
 	if err != nil {
 		return nil, fmt.Errorf("processor: %w", err)
 	}
 	keys := pgx.Identifier{c.Schema, "idempotency_keys"}.Sanitize()
-	p.dedupeSQL = `INSERT INTO ` + keys + ` (consumer_group, topic, key_hash, partition, "offset")
-		SELECT $1, $2, k, p, o FROM unnest($3::bytea[], $4::int4[], $5::int8[]) AS u(k, p, o)
+	p.dedupeSQL = `INSERT INTO ` + keys + ` (key_hash, consumer_group, topic, partition, "offset")
+		SELECT k, $1, $2, p, o FROM unnest($3::bytea[], $4::int4[], $5::int8[]) AS u(k, p, o)
 		ON CONFLICT DO NOTHING RETURNING key_hash`
 	p.pruneKeysSQL = `DELETE FROM ` + keys + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + keys + `
-		WHERE consumer_group = $1 AND applied_at < now() - $2::interval LIMIT 1000 FOR UPDATE SKIP LOCKED))`
+		WHERE applied_at < now() - $2::interval AND consumer_group = $1 ORDER BY applied_at LIMIT 1000 FOR UPDATE SKIP LOCKED))`
 	p.sink = sink.New(pool, p.store, sink.Config{
 		Schema:        c.Schema,
 		TxIdleTimeout: c.TxIdleTimeout,

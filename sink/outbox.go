@@ -87,12 +87,19 @@ type OutboxConfig struct {
 	// relay publishes its consumer group's; a service without source topics runs a relay alone).
 	// Required.
 	Group string
+	// NoNotify leaves out the NOTIFY that wakes the relays (LISTENing, RelayConfig.Listen) when an
+	// emitting transaction commits. Postgres serializes the commits of notifying transactions (one
+	// database-wide lock, held through the commit's flush), which caps them at about a thousand
+	// to a few thousand per second, whatever else runs; without it, the relay finds the records
+	// on its poll (RelayConfig.Interval) unless something else wakes it (Relay.Notify after the
+	// commit, in the same process: what a processor does for Record.Emit).
+	NoNotify bool
 }
 
 // Outbox writes events into the caller's transaction. It is safe for concurrent use.
 type Outbox struct {
 	group     string
-	payload   string
+	payload   string // "" with NoNotify
 	insertSQL string
 }
 
@@ -104,9 +111,13 @@ func NewOutbox(cfg OutboxConfig) (*Outbox, error) {
 	case cfg.Group == "":
 		return nil, errors.New("sink: OutboxConfig.Group is required")
 	}
+	payload := notifyPayload(cfg.Schema, cfg.Group)
+	if cfg.NoNotify {
+		payload = ""
+	}
 	return &Outbox{
 		group:   cfg.Group,
-		payload: notifyPayload(cfg.Schema, cfg.Group),
+		payload: payload,
 		insertSQL: `INSERT INTO ` + pgx.Identifier{cfg.Schema, "outbox"}.Sanitize() +
 			` (consumer_group, topic, partition, lane, key, value, header_keys, header_values, created_at)
 			VALUES ($1, $2, NULL, $3, $4, $5, $6, $7, clock_timestamp())`,
@@ -114,7 +125,8 @@ func NewOutbox(cfg OutboxConfig) (*Outbox, error) {
 }
 
 // Emit writes events into tx: they are published to Kafka if tx commits, and exactly when it
-// does (the relay is woken by LISTEN/NOTIFY after the commit, or finds them on its next poll).
+// does (the relay is woken by LISTEN/NOTIFY after the commit, or finds them on its next poll; see
+// OutboxConfig.NoNotify for what NOTIFY costs).
 // Events of the same topic and key reach Kafka in the order their transactions committed; within
 // one transaction, in the order they were emitted. Publication is at least once: each record
 // carries its id (Event.ID, a random UUID if empty) in the HeaderMessageID header, for its
@@ -188,7 +200,9 @@ func (o *Outbox) emit(ctx context.Context, tx pgx.Tx, ids []string, events []Eve
 		}
 		b.Queue(o.insertSQL, o.group, e.Topic, ln, e.Key, e.Value, keys, vals)
 	}
-	b.Queue(`SELECT pg_notify($1, $2)`, notifyChannel, o.payload)
+	if o.payload != "" {
+		b.Queue(`SELECT pg_notify($1, $2)`, notifyChannel, o.payload)
+	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("sink: emit %d events: %w", len(events), err)
 	}

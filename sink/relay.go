@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -96,6 +97,8 @@ type Relay struct {
 	statsSQL  string
 	pruneSQL  string
 
+	contended atomic.Bool // the last pass found rows in lanes another relay held
+
 	mu     sync.Mutex
 	known  map[string]bool // topics found to exist (see checkTopics)
 	warned map[string]bool // topics found missing, and logged
@@ -148,7 +151,7 @@ func NewRelay(pool *pgxpool.Pool, client *kgo.Client, cfg RelayConfig) *Relay {
 		lanesSQL: fmt.Sprintf(`WITH waiting AS MATERIALIZED (
 			SELECT l FROM generate_series(0, %d) AS l
 			WHERE EXISTS (SELECT 1 FROM `+t+` o WHERE o.consumer_group = $1 AND o.lane = l AND o.published_at IS NULL AND o.refused_at IS NULL))
-			SELECT l::int2 FROM waiting WHERE pg_try_advisory_xact_lock($2::int4, l)`, Lanes-1),
+			SELECT l::int2, pg_try_advisory_xact_lock($2::int4, l) FROM waiting`, Lanes-1),
 		// Each lane's first rows in id order, then the first of those overall: a prefix of every
 		// lane, without sorting a whole backlog.
 		selectSQL: `SELECT id, topic, coalesce(partition, -1), key, value, header_keys, header_values, created_at FROM unnest($2::int2[]) AS l,
@@ -202,8 +205,10 @@ func (r *Relay) Notify() {
 func (r *Relay) Run(ctx context.Context) error {
 	if r.cfg.Listen != nil {
 		listenCtx, stop := context.WithCancel(ctx)
+		var listening sync.WaitGroup
+		listening.Go(func() { r.listen(listenCtx) })
+		defer listening.Wait()
 		defer stop()
-		go r.listen(listenCtx)
 	}
 	tick := time.NewTicker(r.cfg.Interval)
 	defer tick.Stop()
@@ -234,14 +239,22 @@ func (r *Relay) Run(ctx context.Context) error {
 				r.cfg.Logger.Warn("cannot prune published outbox rows; will try again", "err", err, "pruned", n)
 			}
 		}
+		var soon <-chan time.Time
+		if r.contended.Load() {
+			soon = time.After(min(contendedRetry, r.cfg.Interval))
+		}
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-r.notify:
 		case <-tick.C:
+		case <-soon:
 		}
 	}
 }
+
+// contendedRetry is how soon Run looks again when it found rows in lanes another relay held.
+const contendedRetry = 20 * time.Millisecond
 
 // pruneInterval is how often Run prunes published rows past RelayConfig.Retention.
 const pruneInterval = time.Minute
@@ -478,14 +491,26 @@ func (r *Relay) lanes(ctx context.Context, tx pgx.Tx) ([]int16, error) {
 	b := &pgx.Batch{}
 	b.Queue(r.idleSQL)
 	var lanes []int16
+	held := false
 	b.Queue(r.lanesSQL, r.cfg.Group, r.laneClass).Query(func(rows pgx.Rows) error {
-		var err error
-		lanes, err = pgx.CollectRows(rows, pgx.RowTo[int16])
+		var lane int16
+		var locked bool
+		_, err := pgx.ForEachRow(rows, []any{&lane, &locked}, func() error {
+			if locked {
+				lanes = append(lanes, lane)
+			} else {
+				held = true
+			}
+			return nil
+		})
 		return err
 	})
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, fmt.Errorf("outbox: lock lanes: %w", err)
 	}
+	// Rows waited in lanes another relay held: it may not have been woken for them (they were
+	// written in this process, which wakes only its own relay). Look again soon.
+	r.contended.Store(held)
 	return lanes, nil
 }
 

@@ -178,14 +178,21 @@ func TestRelayTransactionIsIdleBounded(t *testing.T) {
 	k := testenv.NewKfake(t)
 	topic := k.CreateTopic(t, 1)
 	ctx := context.Background()
-	if err := s.Apply(ctx, pos, 1, nil, []sink.Message{{Topic: topic, Key: []byte("k"), Value: []byte("v")}}); err != nil {
-		t.Fatal(err)
-	}
 	cutOff := testenv.NewNetFault()
 	frozenClient := k.Client(t, kgo.Dialer(cutOff.Dial))
-	cutOff.Cut()
 	frozen := sink.NewRelay(pool, frozenClient, sink.RelayConfig{Schema: "kafkapg", Group: "g",
 		TxIdleTimeout: time.Second, PublishTimeout: time.Minute})
+	// A first record, published while the network is up: the relay knows the topic exists.
+	if err := s.Apply(ctx, pos, 1, nil, []sink.Message{{Topic: topic, Key: []byte("k"), Value: []byte("v0")}}); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := frozen.Flush(ctx); n != 1 || err != nil {
+		t.Fatalf("Flush = %d, %v", n, err)
+	}
+	if err := s.Apply(ctx, pos.Advanced(1), 2, nil, []sink.Message{{Topic: topic, Key: []byte("k"), Value: []byte("v")}}); err != nil {
+		t.Fatal(err)
+	}
+	cutOff.Cut()
 	frozenDone := make(chan struct{})
 	go func() {
 		defer close(frozenDone)

@@ -349,7 +349,7 @@ func (o *Ops) outboxOriginsSQL() string {
 	return `SELECT o.id, o.topic, o.key, o.created_at, o.refused_at, o.refused_error,
 			` + hdr(retrytopics.HeaderOriginalPartition) + ` AS p, ` + hdr(retrytopics.HeaderOriginalOffset) + ` AS off
 		FROM ` + o.table("outbox") + ` o
-		WHERE o.consumer_group = $1 AND ` + hdr(retrytopics.HeaderOriginalTopic) + ` = $2::bytea`
+		WHERE o.consumer_group = $1 AND o.published_at IS NULL AND ` + hdr(retrytopics.HeaderOriginalTopic) + ` = $2::bytea`
 }
 
 // parseOrigin reads the partition and offset headers of a copy.

@@ -18,16 +18,17 @@ CREATE INDEX outbox_waiting_idx ON outbox (consumer_group, lane, id) WHERE publi
 CREATE INDEX outbox_published_idx ON outbox (consumer_group, published_at) WHERE published_at IS NOT NULL;
 
 -- An idempotency key applied: a record of the same group and source topic carrying the same key
--- is not given to the handler again. key_hash is the key's SHA-256 (keys of any size and bytes
--- cost 32 bytes); partition and offset name the record that applied it. Rows older than the
--- configured retention are pruned in small batches.
+-- is not given to the handler again. key_hash is the SHA-256 of the group, the topic and the key
+-- (processor.keyHash): keys of any size and bytes cost 32 bytes, and the primary key, which every
+-- record with a key inserts into, holds nothing else. partition and offset name the record that
+-- applied it. Rows older than the configured retention are pruned in small batches, oldest first
+-- (applied_at grows with inserts: its index is appended to, cheaply).
 CREATE TABLE idempotency_keys (
+    key_hash       bytea       PRIMARY KEY,
     consumer_group text        NOT NULL,
     topic          text        NOT NULL,
-    key_hash       bytea       NOT NULL,
     partition      integer     NOT NULL,
     "offset"       bigint      NOT NULL,
-    applied_at     timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (consumer_group, topic, key_hash)
+    applied_at     timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX idempotency_keys_applied_idx ON idempotency_keys (consumer_group, applied_at);
+CREATE INDEX idempotency_keys_applied_idx ON idempotency_keys (applied_at);
