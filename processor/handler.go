@@ -45,30 +45,52 @@ type Record struct {
 	deadLetter  int64     // its dead_letters row, when a replay brought it back
 	duplicate   bool      // its idempotency key was applied before: not given to the handler
 	proc        *Processor
-	emits       int // events it emitted in the current handler call (Emit)
+	emits       int          // events it emitted in the current handler call (Emit)
+	pending     []sink.Event // those events, written when the handler returns
 }
 
 // Emit writes events into tx, the transaction the record is being handled in: they are published
-// to Kafka if, and once, tx commits (see sink.Outbox.Emit for the order and locking). An event
-// without an ID gets one derived from the record's source coordinates (group, topic, partition,
-// offset) and its position among the record's emits, so that the same emit has the same id
-// (header sink.HeaderMessageID) after a retry, a replay or a crash between publishing and
-// acknowledging: a consumer that deduplicates on it (KeyFromHeader(sink.HeaderMessageID))
-// applies each event once. Call it only from the Handle (or HandleBatch) call the record was
-// given to.
+// to Kafka if, and once, tx commits (see sink.Outbox.Emit for the order and locking). The events
+// of a batch are written together, in one round trip, when the handler returns nil; an event
+// without a Topic is refused at once. An event without an ID gets one derived from the record's
+// source coordinates (group, topic, partition, offset) and its position among the record's
+// emits, so that the same emit has the same id (header sink.HeaderMessageID) after a retry, a
+// replay or a crash between publishing and acknowledging: a consumer that deduplicates on it
+// (KeyFromHeader(sink.HeaderMessageID)) applies each event once. Call it only from the Handle (or
+// HandleBatch) call the record was given to.
 func (r *Record) Emit(ctx context.Context, tx pgx.Tx, events ...sink.Event) error {
 	if r.proc == nil {
 		return errors.New("processor: Record.Emit called on a record that is not being handled by a processor")
 	}
-	if r.proc.captured != nil { // processortest
-		*r.proc.captured = append(*r.proc.captured, events...)
-		r.emits += len(events)
+	for i, e := range events {
+		if e.Topic == "" {
+			return fmt.Errorf("processor: Record.Emit: event %d has no Topic", i)
+		}
+		if e.ID == "" {
+			e.ID = sink.DerivedID(r.proc.cfg.Group, r.Topic, r.Partition, r.Offset, r.emits)
+		}
+		r.pending = append(r.pending, e)
+		r.emits++
+	}
+	return nil
+}
+
+// writeEmits writes what the handler emitted for recs (Record.Emit) into tx, in one round trip.
+func (p *Processor) writeEmits(ctx context.Context, tx pgx.Tx, recs []*Record) error {
+	var all []sink.Event
+	for _, r := range recs {
+		all = append(all, r.pending...)
+	}
+	if len(all) == 0 {
 		return nil
 	}
-	if err := r.proc.outbox.EmitFrom(ctx, tx, r.Topic, r.Partition, r.Offset, r.emits, events...); err != nil {
-		return err
+	if p.captured != nil { // processortest
+		*p.captured = append(*p.captured, all...)
+		return nil
 	}
-	r.emits += len(events)
+	if err := p.outbox.Emit(ctx, tx, all...); err != nil {
+		return own(err) // kafkapg's statements: retried in place (a deadlock waits, quietly)
+	}
 	return nil
 }
 
@@ -159,19 +181,26 @@ func (p *Processor) handle(ctx context.Context, tx pgx.Tx, source string, recs [
 // handleLive runs the handler over recs, none of them a duplicate.
 func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs []*Record) error {
 	for _, r := range recs {
-		r.proc, r.emits = p, 0 // the handler's emits count from 0 on every try: the same ids
+		// The handler's emits count from 0 on every try: the same ids.
+		r.proc, r.emits, r.pending = p, 0, r.pending[:0]
 	}
 	start := time.Now()
-	defer func() { p.metrics.handlerDuration.Observe(time.Since(start).Seconds()) }()
 	if pol.batch != nil {
-		return p.call(recs, func() error { return usable(tx, pol.batch.HandleBatch(ctx, tx, recs)) })
+		err := p.call(recs, func() error { return usable(tx, pol.batch.HandleBatch(ctx, tx, recs)) })
+		p.metrics.handlerDuration.Observe(time.Since(start).Seconds())
+		if err != nil {
+			return err
+		}
+		return p.writeEmits(ctx, tx, recs)
 	}
 	for i, r := range recs {
 		if err := p.call(recs[i:i+1], func() error { return usable(tx, pol.handler.Handle(ctx, tx, r)) }); err != nil {
+			p.metrics.handlerDuration.Observe(time.Since(start).Seconds())
 			return &RecordError{Index: i, Err: err}
 		}
 	}
-	return nil
+	p.metrics.handlerDuration.Observe(time.Since(start).Seconds())
+	return p.writeEmits(ctx, tx, recs)
 }
 
 // usable returns err, the handler's return, or, if it is nil, why tx cannot go on: the handler's

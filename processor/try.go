@@ -15,15 +15,16 @@ import (
 )
 
 func init() {
-	handlertest.Try = func(ctx context.Context, tx pgx.Tx, h any, recs any) (int, int, error) {
-		i, class, err := try(ctx, tx, h.(Handler), recs.([]*Record))
-		return i, int(class), err
+	handlertest.Try = func(ctx context.Context, tx pgx.Tx, h any, recs any) (int, int, any, error) {
+		var emitted []sink.Event
+		i, class, err := try(ctx, tx, h.(Handler), recs.([]*Record), &emitted)
+		return i, int(class), emitted, err
 	}
 }
 
 // try runs h over recs in tx the way a partition's batch runs (handle), for package
 // processortest, and says how the processor would take the outcome.
-func try(ctx context.Context, tx pgx.Tx, h Handler, recs []*Record) (index int, class ErrorClass, err error) {
+func try(ctx context.Context, tx pgx.Tx, h Handler, recs []*Record, emitted *[]sink.Event) (index int, class ErrorClass, err error) {
 	c := (&Config{Topics: []string{"test"}, Handler: h}).withDefaults()
 	m, merr := newMetrics(prometheus.NewRegistry())
 	if merr != nil {
@@ -31,7 +32,7 @@ func try(ctx context.Context, tx pgx.Tx, h Handler, recs []*Record) (index int, 
 	}
 	// Record.Emit's events are kept aside: the test's database need not have kafkapg's tables.
 	p := &Processor{cfg: c, log: slog.New(slog.DiscardHandler), metrics: m, policies: map[string]*policy{"test": c.policy("test")},
-		captured: new([]sink.Event)}
+		captured: emitted}
 	err = p.handle(ctx, tx, "test", recs)
 	if err == nil {
 		return -1, 0, nil

@@ -31,9 +31,9 @@ type Event struct {
 	// Headers of the record. A header named HeaderMessageID is replaced by the record's id.
 	Headers []kgo.RecordHeader
 	// ID is sent as the HeaderMessageID header. Outbox.Emit fills an empty ID with a random UUID;
-	// processor.Record.Emit with one derived from the record being handled, so that the same
-	// emit has the same id however often the record is handled. Set it yourself to derive it from
-	// the business event (an order id and the event's type).
+	// processor.Record.Emit with one derived from the record being handled (DerivedID), so that
+	// the same emit has the same id however often the record is handled. Set it yourself to
+	// derive it from the business event (an order id and the event's type).
 	ID string
 }
 
@@ -142,22 +142,6 @@ func (o *Outbox) Emit(ctx context.Context, tx pgx.Tx, events ...Event) error {
 		ids[i] = e.ID
 		if ids[i] == "" {
 			ids[i] = randomID()
-		}
-	}
-	return o.emit(ctx, tx, ids, events)
-}
-
-// EmitFrom is Emit for events emitted while applying a record consumed by group from topic,
-// partition and offset: an event without an ID gets one derived from those coordinates and its
-// position (first, the number of events the record emitted before) among the record's emits, so
-// the same emit has the same id after a retry or a replay. It is what processor.Record.Emit
-// calls.
-func (o *Outbox) EmitFrom(ctx context.Context, tx pgx.Tx, topic string, partition int32, offset int64, first int, events ...Event) error {
-	ids := make([]string, len(events))
-	for i, e := range events {
-		ids[i] = e.ID
-		if ids[i] == "" {
-			ids[i] = DerivedID(o.group, topic, partition, offset, first+i)
 		}
 	}
 	return o.emit(ctx, tx, ids, events)

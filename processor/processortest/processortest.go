@@ -26,6 +26,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/internal/handlertest"
 	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/sink"
 )
 
 // Result is how a run of a handler ended, as the processor sees it.
@@ -42,6 +43,9 @@ type Result struct {
 	// record's (a batch handler's error without processor.RecordFailed: the processor then
 	// bisects the batch to find it).
 	Index int
+	// Emitted are the events the handler emitted (Record.Emit), with their ids, in order: what
+	// the processor would write to the outbox in the same transaction. Nil after a failure.
+	Emitted []sink.Event
 }
 
 // Applied reports whether the records would be applied.
@@ -83,8 +87,12 @@ func RunInTx(ctx context.Context, tx pgx.Tx, h processor.Handler, recs ...*proce
 	if len(recs) == 0 {
 		return Result{Index: -1}
 	}
-	i, class, err := handlertest.Try(ctx, tx, h, recs)
-	return Result{Err: err, Class: processor.ErrorClass(class), Index: i}
+	i, class, emitted, err := handlertest.Try(ctx, tx, h, recs)
+	res := Result{Err: err, Class: processor.ErrorClass(class), Index: i}
+	if err == nil {
+		res.Emitted = emitted.([]sink.Event)
+	}
+	return res
 }
 
 // NewRecord returns a record of topic with key and value, as first delivered: partition 0,

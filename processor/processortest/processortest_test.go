@@ -141,3 +141,29 @@ func TestRunInTxShowsTheEffects(t *testing.T) {
 		t.Fatalf("amount = %d (%v), want 5", amount, err)
 	}
 }
+
+// TestRunShowsTheEmittedEvents: what a handler emits is in the result, with the ids the processor
+// would give them (the same on every run), and nothing after a failure.
+func TestRunShowsTheEmittedEvents(t *testing.T) {
+	pool, _ := testenv.Postgres(t)
+	forward := processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, r *processor.Record) error {
+		if string(r.Value) == "bad" {
+			_ = r.Emit(ctx, tx, sink.Event{Topic: "out", Value: []byte("never")})
+			return processor.Permanent(errors.New("bad"))
+		}
+		return r.Emit(ctx, tx, sink.Event{Topic: "out", Key: r.Key, Value: r.Value}, sink.Event{Topic: "audit", Value: r.Value})
+	})
+	rec := processortest.NewRecord("in", "k", "v")
+	rec.Offset = 7
+	res := processortest.Run(t, pool, forward, rec)
+	if !res.Applied() || len(res.Emitted) != 2 || res.Emitted[0].Topic != "out" || res.Emitted[1].Topic != "audit" {
+		t.Fatalf("%v, emitted %+v; want two events", res, res.Emitted)
+	}
+	again := processortest.Run(t, pool, forward, rec)
+	if again.Emitted[0].ID != res.Emitted[0].ID || res.Emitted[0].ID == res.Emitted[1].ID || len(res.Emitted[0].ID) != 36 {
+		t.Fatalf("ids %q then %q: want stable, distinct UUIDs", []string{res.Emitted[0].ID, res.Emitted[1].ID}, again.Emitted[0].ID)
+	}
+	if res := processortest.Run(t, pool, forward, processortest.NewRecord("in", "k", "bad")); res.Applied() || res.Emitted != nil {
+		t.Fatalf("%v, emitted %+v; want a failure and nothing emitted", res, res.Emitted)
+	}
+}
