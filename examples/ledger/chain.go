@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"slices"
 
@@ -128,11 +129,19 @@ func Duplicate(items []Item, perMille int, seed uint64) []Item {
 // VerifyChain checks stage 2's table against items (some of them Copies), given how many
 // delivery attempts stage 1's records got: every event stage 1 must apply was posted exactly
 // once (a copy or a republished posting never twice) and no other; each account's postings were
-// applied in seq order. It returns every violation it finds (at most 20 listed), joined.
+// applied in seq order. It returns the violations it finds (at most five of each kind listed),
+// joined.
 func VerifyChain(ctx context.Context, db Querier, items []Item, maxAttempt int) (posted int, err error) {
+	return VerifyChainWith(ctx, db, items, maxAttempt, VerifyOptions{})
+}
+
+// VerifyChainWith is VerifyChain with options. Recovered events (dead-lettered, then applied by
+// a replay, which emitted their postings) must be posted exactly once too, and are left out of
+// the order check; ExternalFailures has no bearing on stage 2, which records no attempts.
+func VerifyChainWith(ctx context.Context, db Querier, items []Item, maxAttempt int, opts VerifyOptions) (posted int, err error) {
 	want := map[string]bool{}
 	for _, it := range items {
-		if it.Kind != KindMalformed && !it.Dead(maxAttempt) {
+		if it.Kind != KindMalformed && (!it.Dead(maxAttempt) || opts.Recovered[it.Event.EventID]) {
 			want[it.Event.EventID] = true
 		}
 	}
@@ -148,33 +157,52 @@ func VerifyChain(ctx context.Context, db Querier, items []Item, maxAttempt int) 
 	if err != nil {
 		return 0, fmt.Errorf("read ledger_postings: %w", err)
 	}
+	// Each kind of violation is counted, and five of it listed, so that a flood of one kind does
+	// not hide another.
 	var errs []error
-	bad := func(format string, args ...any) {
-		if len(errs) < 20 {
-			errs = append(errs, fmt.Errorf(format, args...))
+	var totals []func()
+	kind := func(what string) func(format string, args ...any) {
+		n := 0
+		totals = append(totals, func() {
+			if n > 5 {
+				errs = append(errs, fmt.Errorf("... %d %s in all", n, what))
+			}
+		})
+		return func(format string, args ...any) {
+			if n++; n <= 5 {
+				errs = append(errs, fmt.Errorf(format, args...))
+			}
 		}
 	}
+	unexpected, order, twice, never := kind("postings of events that must not be applied"), kind("postings out of order"),
+		kind("events posted more than once"), kind("events never posted")
 	count := map[string]int{}
 	last := map[string]int64{}
 	for _, r := range got {
 		count[r.ID]++
 		if !want[r.ID] {
-			bad("posting %s: its event must not be applied", r.ID)
+			unexpected("posting %s: its event must not be applied", r.ID)
+		}
+		if opts.Recovered[r.ID] {
+			continue // posted when it was replayed, after its account's later events
 		}
 		if r.Seq < last[r.Account] {
-			bad("account %s: posting of seq %d applied after seq %d", r.Account, r.Seq, last[r.Account])
+			order("account %s: posting of seq %d applied after seq %d", r.Account, r.Seq, last[r.Account])
 		}
 		last[r.Account] = r.Seq
 	}
-	for id, n := range count {
-		if n > 1 {
-			bad("event %s posted %d times", id, n)
+	for _, id := range slices.Sorted(maps.Keys(count)) {
+		if n := count[id]; n > 1 {
+			twice("event %s posted %d times", id, n)
 		}
 	}
-	for id := range want {
+	for _, id := range slices.Sorted(maps.Keys(want)) {
 		if count[id] == 0 {
-			bad("event %s never posted", id)
+			never("event %s never posted", id)
 		}
+	}
+	for _, total := range totals {
+		total()
 	}
 	return len(got), errors.Join(errs...)
 }

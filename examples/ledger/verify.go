@@ -169,13 +169,18 @@ func VerifyWith(ctx context.Context, db Querier, items []Item, maxAttempt int, o
 
 // CheckDeadLetters checks the records read from the dead-letter topic against items: every item
 // that must be dead-lettered is there with its original key and value and parseable kafkapg
-// headers, and nothing else is. Publication is at least once, so a record may appear more than
-// once only if allowDuplicates (tests that kill processes); it returns how many duplicates it saw.
+// headers (an event sent twice, Copy, twice), and nothing else is. Publication is at least once,
+// so a record may appear more often only if allowDuplicates (tests that kill processes); it
+// returns how many duplicates it saw.
 func CheckDeadLetters(items []Item, dlq []*kgo.Record, maxAttempt int, allowDuplicates bool) (dups int, err error) {
 	byValue := map[string]Item{}
+	want := map[string]int{}       // dead-lettered records by value: an event and its Copies each die
 	oversized := map[string]Item{} // by key and size: their DLQ copies carry no value
 	for _, it := range items {
 		byValue[string(it.Value)] = it
+		if it.Dead(maxAttempt) {
+			want[string(it.Value)]++
+		}
 		if it.Oversized() {
 			oversized[fmt.Sprintf("%s/%d", it.Key, len(it.Value))] = it
 		}
@@ -212,7 +217,7 @@ func CheckDeadLetters(items []Item, dlq []*kgo.Record, maxAttempt int, allowDupl
 			add("dead letter of %s: headers: %v", short(r.Value), err)
 		}
 		seen[string(r.Value)]++
-		if seen[string(r.Value)] == 2 {
+		if seen[string(r.Value)] > want[string(r.Value)] {
 			dups++
 			if !allowDuplicates {
 				add("record %s dead-lettered more than once", short(r.Value))
@@ -220,11 +225,11 @@ func CheckDeadLetters(items []Item, dlq []*kgo.Record, maxAttempt int, allowDupl
 		}
 	}
 	missing := 0
-	for _, it := range items {
-		if it.Dead(maxAttempt) && seen[string(it.Value)] == 0 {
+	for v, n := range want {
+		if seen[v] < n {
 			missing++
 			if missing <= 5 {
-				add("%s record %s was not dead-lettered", it.Kind, short(it.Value))
+				add("%s record %s was not dead-lettered (%d of %d copies)", byValue[v].Kind, short([]byte(v)), seen[v], n)
 			}
 		}
 	}
@@ -238,8 +243,8 @@ func CheckDeadLetters(items []Item, dlq []*kgo.Record, maxAttempt int, allowDupl
 }
 
 // CheckDeadLetterRows checks kafkapg's dead_letters table (in schema, for group) against items:
-// exactly one row for every item that must be dead-lettered, with attempts between 1 and
-// maxAttempt and an error class, and no other row. It returns how many rows it checked.
+// exactly one row for every item that must be dead-lettered (an event sent twice, Copy: one row
+// each), with attempts between 1 and maxAttempt and an error class, and no other row. It returns how many rows it checked.
 func CheckDeadLetterRows(ctx context.Context, db Querier, schema, group string, items []Item, maxAttempt int) (int, error) {
 	rows, err := db.Query(ctx, `SELECT value, attempts, error_class FROM `+pgx.Identifier{schema, "dead_letters"}.Sanitize()+
 		` WHERE consumer_group = $1`, group)
@@ -268,15 +273,21 @@ func CheckDeadLetterRows(ctx context.Context, db Querier, schema, group string, 
 	if err != nil {
 		return total, fmt.Errorf("read dead_letters: %w", err)
 	}
+	want := map[string]int{}
+	kind := map[string]Kind{}
 	for _, it := range items {
-		n := got[string(it.Value)]
-		delete(got, string(it.Value))
-		switch {
-		case it.Dead(maxAttempt) && n != 1:
-			add("%s record %s has %d dead_letters rows, want 1", it.Kind, short(it.Value), n)
-		case !it.Dead(maxAttempt) && n != 0:
-			add("%s record %s has %d dead_letters rows, want none", it.Kind, short(it.Value), n)
+		kind[string(it.Value)] = it.Kind
+		if it.Dead(maxAttempt) {
+			want[string(it.Value)]++
+		} else {
+			want[string(it.Value)] += 0
 		}
+	}
+	for v, n := range want {
+		if got[v] != n {
+			add("%s record %s has %d dead_letters rows, want %d", kind[v], short([]byte(v)), got[v], n)
+		}
+		delete(got, v)
 	}
 	for v := range got {
 		add("dead_letters row %s matches no produced record", short([]byte(v)))

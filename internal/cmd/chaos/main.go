@@ -8,6 +8,13 @@
 // account's events were applied in produce order, that the dead letters are exactly the expected
 // ones, and that balances add up. It prints one summary line, with the recovery times it measured.
 //
+// With -handler ledger-forward it runs a chain of two services instead: stage 1 applies the
+// ledger events (a tenth of them sent twice by the producer) and emits a posting per applied event
+// through the outbox; stage 2 (HANDLER=ledger-post, a group of its own) inserts the postings into
+// a table without a unique constraint. The faults hit both stages, one more (relay-ack-lost) makes
+// stage 1's relays publish postings again, and every applied event must then have been posted
+// exactly once, each account's postings in order.
+//
 // It needs DATABASE_URL (make chaos starts a throwaway Postgres) and the processor and devbroker
 // binaries next to it (make build). With KAFKA_BROKERS set it uses that broker instead of starting
 // the dev broker; broker cuts then need the broker's second listener for the suite
@@ -28,6 +35,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/localrun"
 )
 
@@ -35,16 +43,18 @@ func main() {
 	var c config
 	flag.DurationVar(&c.duration, "duration", time.Minute, "how long to inject faults while events flow")
 	flag.Uint64Var(&c.seed, "seed", 0, "random seed (0: pick one and print it)")
-	flag.IntVar(&c.procs, "procs", 3, "processor processes")
+	flag.IntVar(&c.procs, "procs", 3, "processor processes (stage 1's, in a chain)")
 	flag.IntVar(&c.partitions, "partitions", 6, "partitions of the ledger topic")
 	flag.IntVar(&c.events, "events", 20000, "ledger events to produce")
 	flag.DurationVar(&c.settle, "settle", 4*time.Minute, "how long to wait, after the faults stop, for every event to be applied or dead-lettered")
 	flag.BoolVar(&c.keep, "keep", false, "keep the work directory (logs) even if the run passes")
-	flag.StringVar(&c.handler, "handler", "ledger", "the processors' HANDLER: ledger, or ledger-careless (no unique constraint, binary errors, own timeouts, swallowed errors)")
+	flag.StringVar(&c.handler, "handler", "ledger", "the processors' HANDLER: ledger, ledger-careless (no unique constraint, binary errors, own timeouts, swallowed errors),"+
+		" or ledger-forward (a chain: stage 1 forwards a posting per event to stage 2, HANDLER=ledger-post; a tenth of the events sent twice)")
+	flag.IntVar(&c.postProcs, "post-procs", 2, "stage 2 processes (HANDLER=ledger-post), with -handler ledger-forward")
 	flag.StringVar(&c.protocol, "group-protocol", "auto", "the processors' KAFKA_GROUP_PROTOCOL: auto (the consumer protocol where the broker offers it) or classic")
 	flag.Parse()
-	if c.handler != "ledger" && c.handler != "ledger-careless" {
-		fmt.Fprintf(os.Stderr, "chaos: -handler must be ledger or ledger-careless, got %q\n", c.handler)
+	if c.handler != "ledger" && c.handler != "ledger-careless" && c.handler != chainHandler {
+		fmt.Fprintf(os.Stderr, "chaos: -handler must be ledger, ledger-careless or %s, got %q\n", chainHandler, c.handler)
 		os.Exit(2)
 	}
 	if c.protocol != "auto" && c.protocol != "classic" {
@@ -72,7 +82,11 @@ type config struct {
 	keep       bool
 	handler    string
 	protocol   string
+	postProcs  int // stage 2's, in a chain
 }
+
+// chain reports whether the run is a chain of two stages.
+func (c config) chain() bool { return c.handler == chainHandler }
 
 const (
 	group  = "chaos"
@@ -101,8 +115,12 @@ func run(ctx context.Context, c config) error {
 	}
 	s := &suite{cfg: c, rng: rand.New(rand.NewPCG(c.seed, c.seed^0x5851f42d4c957f2d)), bin: bin, work: work}
 	defer s.close()
-	fmt.Printf("chaos: seed %d, %d processes (HANDLER=%s, KAFKA_GROUP_PROTOCOL=%s), %d events, faults for %v; logs in %s\n",
-		c.seed, c.procs, c.handler, c.protocol, c.events, c.duration, work)
+	procs := fmt.Sprintf("%d processes (HANDLER=%s", c.procs, c.handler)
+	if c.chain() {
+		procs = fmt.Sprintf("%d processes (0-%d HANDLER=%s, %d-%d HANDLER=%s", c.procs+c.postProcs, c.procs-1, c.handler, c.procs, c.procs+c.postProcs-1, postHandler)
+	}
+	fmt.Printf("chaos: seed %d, %s, KAFKA_GROUP_PROTOCOL=%s), %d events, faults for %v; logs in %s\n",
+		c.seed, procs, c.protocol, c.events, c.duration, work)
 
 	if err := s.setupPostgres(ctx, dbURL); err != nil {
 		return err
@@ -110,18 +128,28 @@ func run(ctx context.Context, c config) error {
 	if err := s.setupKafka(ctx); err != nil {
 		return err
 	}
-	if err := s.createTopic(ctx); err != nil {
-		return err
-	}
-	for i := range c.procs {
-		p, err := s.startProc(i)
-		if err != nil {
+	for _, st := range s.stages {
+		// The relay does not create topics: stage 1's postings topic is created with the others.
+		if err := s.createTopic(ctx, st.topic); err != nil {
 			return err
 		}
-		s.procs = append(s.procs, p)
+	}
+	for _, st := range s.stages {
+		for range st.procs {
+			p, err := s.startProc(st, len(s.procs))
+			if err != nil {
+				return err
+			}
+			s.procs = append(s.procs, p)
+		}
 	}
 
 	items := generate(c)
+	if c.chain() {
+		n := len(items)
+		items = ledger.Duplicate(items, copyPerMille, c.seed)
+		s.copies = len(items) - n
+	}
 	produced := make(chan error, 1)
 	go func() { produced <- s.produce(ctx, items) }()
 
@@ -141,11 +169,17 @@ func run(ctx context.Context, c config) error {
 	s.stats.settle = time.Since(settled)
 	s.bg.Wait() // recovery measurements
 	rep, err := s.verify(ctx, items)
+	if err == nil && c.chain() {
+		rep.chain, err = s.verifyChain(ctx, items, nil)
+	}
 	if err == nil {
 		var r replayReport
 		r, err = s.replay(ctx, items)
 		s.replayed = &r
 		s.bg.Wait()
+		if err == nil && c.chain() {
+			r.chain, err = s.verifyChain(ctx, items, r.recoveredIDs)
+		}
 	}
 	s.stopAll()
 	if verr := s.violations(); err == nil {

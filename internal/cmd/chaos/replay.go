@@ -22,8 +22,11 @@ import (
 // replayReport is what the replay phase did.
 type replayReport struct {
 	rows, recovered, deadAgain, kills int
+	copiesSkipped                     int // dead letters of copies of recovered events: skipped as duplicates (a chain)
 	resumed                           bool
 	took                              time.Duration
+	recoveredIDs                      map[string]bool // the recovered events
+	chain                             chainReport     // a chain's stage 2 after the replay
 }
 
 // replay is the suite's second act: an operator replays every dead letter with the processors'
@@ -37,7 +40,7 @@ func (s *suite) replay(ctx context.Context, items []ledger.Item) (replayReport, 
 	// What a replay can recover: a flaky event that dies at attempt n is replayed as attempt
 	// n+1 and then, as ever, goes round the tiers (oversized ones cannot: their retry copies
 	// are over Kafka's limit, so they get just the one attempt).
-	attempts := map[string]int{}
+	attempts := map[string]int{} // by value: an event's copy has its value, and its attempts
 	rows, err := s.pool.Query(ctx, `SELECT convert_from(value, 'UTF8'), attempts FROM `+tbl("dead_letters")+` WHERE consumer_group = $1 AND value IS NOT NULL`, s.group)
 	if err != nil {
 		return rep, err
@@ -46,16 +49,17 @@ func (s *suite) replay(ctx context.Context, items []ledger.Item) (replayReport, 
 	var n int
 	if _, err := pgx.ForEachRow(rows, []any{&value, &n}, func() error {
 		attempts[value] = n
+		rep.rows++
 		return nil
 	}); err != nil {
 		return rep, fmt.Errorf("read dead letters: %w", err)
 	}
-	rep.rows = len(attempts)
 	var rowsBefore int
 	if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM `+tbl("dead_letters")+` WHERE consumer_group = $1`, s.group).Scan(&rowsBefore); err != nil {
 		return rep, err
 	}
 	recovered := map[string]bool{}
+	recoveredRows := 0 // an event's and its copies'
 	for _, it := range items {
 		n, ok := attempts[string(it.Value)]
 		if !ok || it.Kind != ledger.KindFlaky {
@@ -67,13 +71,15 @@ func (s *suite) replay(ctx context.Context, items []ledger.Item) (replayReport, 
 		}
 		if it.Event.FailAttempts < last {
 			recovered[it.Event.EventID] = true
+			recoveredRows++
 		}
 	}
-	rep.recovered = len(recovered)
-	rep.deadAgain = rep.rows - rep.recovered
+	rep.recovered, rep.recoveredIDs = len(recovered), recovered
+	rep.deadAgain = rep.rows - recoveredRows
+	rep.copiesSkipped = recoveredRows - rep.recovered
 
 	start := time.Now()
-	env := s.procEnv("")
+	env := s.procEnv(s.stages[0], "")
 	cli, err := s.command("processor", "replay.log", env, "dlq", "replay", "--execute", "--reason", "chaos: replay every dead letter", "--actor", "chaos",
 		"--rate", fmt.Sprint(max(20, rep.rows/4)), "--wait", "0") // about four seconds: long enough to kill things meanwhile
 	if err != nil {

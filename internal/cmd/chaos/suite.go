@@ -36,7 +36,9 @@ type suite struct {
 	bin  string
 	work string
 
-	topic, group string
+	topic, group string   // stage 1's
+	stages       []*stage // stage 1, and in a chain stage 2
+	copies       int      // events the producer sends twice (a chain)
 
 	pool    *pgxpool.Pool     // direct to Postgres, for the suite's own queries
 	pgProxy *faultproxy.Proxy // what the processors connect to
@@ -65,6 +67,7 @@ type stats struct {
 	kills, terms, stops                int
 	pgDrops, pgCuts, pgStalls          int
 	brokerCuts, brokerRestarts         int
+	acksLost, republished              int // relay-ack-lost faults, and the postings they republish (a chain)
 	termExit, killRecovery, pgRecovery []time.Duration
 	unmeasured                         int // recoveries that could not be measured (no traffic left)
 	// alone holds the recoveries measured one fault at a time, with nothing else broken (the
@@ -72,11 +75,22 @@ type stats struct {
 	alone      struct{ term, kill, pg time.Duration }
 	settle     time.Duration
 	violations []string // problems seen during the run (bad exit codes)
+	// skipped is, by stage (1, 2), what the chain's processes that have ended counted in
+	// kafkapg_duplicate_keys_skipped_total (see tally).
+	skipped [3]float64
+}
+
+// stage is a group of processor processes, all with one handler, consuming one topic.
+type stage struct {
+	n                     int // 1 or 2
+	handler, group, topic string
+	procs                 int
 }
 
 // proc is one processor process.
 type proc struct {
 	idx      int
+	stage    *stage
 	cmd      *exec.Cmd
 	http     string
 	done     chan struct{}
@@ -87,6 +101,15 @@ type proc struct {
 func (p *proc) end(sig syscall.Signal) {
 	p.expected.Store(true)
 	p.cmd.Process.Signal(sig)
+}
+
+// end ends p (proc.end); in a chain, it first reads what p counted in its metrics (tally), which
+// end with it.
+func (s *suite) end(p *proc, sig syscall.Signal) {
+	if s.cfg.chain() {
+		s.tally(p)
+	}
+	p.end(sig)
 }
 
 func generate(c config) []ledger.Item {
@@ -128,6 +151,10 @@ func (s *suite) setupPostgres(ctx context.Context, dbURL string) error {
 func (s *suite) setupKafka(ctx context.Context) error {
 	s.topic = fmt.Sprintf("chaos-%d", s.cfg.seed%1_000_000)
 	s.group = s.topic
+	s.stages = []*stage{{n: 1, handler: s.cfg.handler, group: s.group, topic: s.topic, procs: s.cfg.procs}}
+	if s.cfg.chain() {
+		s.stages = append(s.stages, &stage{n: 2, handler: postHandler, group: s.group + "-post", topic: ledger.PostingsTopic(s.topic), procs: s.cfg.postProcs})
+	}
 	if env := os.Getenv("KAFKA_BROKERS"); env != "" {
 		s.brokerName = "kafka"
 		s.clientSeeds = strings.Split(env, ",")
@@ -181,35 +208,35 @@ func (s *suite) startDevbroker(ctx context.Context) error {
 	})
 }
 
-func (s *suite) createTopic(ctx context.Context) error {
+func (s *suite) createTopic(ctx context.Context, topic string) error {
 	cl, err := kgo.NewClient(kgo.SeedBrokers(s.clientSeeds...))
 	if err != nil {
 		return err
 	}
 	defer cl.Close()
-	resp, err := kadm.NewClient(cl).CreateTopic(ctx, int32(s.cfg.partitions), -1, nil, s.topic)
+	resp, err := kadm.NewClient(cl).CreateTopic(ctx, int32(s.cfg.partitions), -1, nil, topic)
 	if err == nil {
 		err = resp.Err
 	}
 	if err != nil {
-		return fmt.Errorf("create topic %s: %w", s.topic, err)
+		return fmt.Errorf("create topic %s: %w", topic, err)
 	}
 	return nil
 }
 
-func (s *suite) startProc(idx int) (*proc, error) {
+func (s *suite) startProc(st *stage, idx int) (*proc, error) {
 	addr, err := localrun.FreeAddr()
 	if err != nil {
 		return nil, err
 	}
-	cmd, err := s.command("processor", fmt.Sprintf("processor-%d.log", idx), s.procEnv(addr))
+	cmd, err := s.command("processor", fmt.Sprintf("processor-%d.log", idx), s.procEnv(st, addr))
 	if err != nil {
 		return nil, err
 	}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start processor %d: %w", idx, err)
 	}
-	p := &proc{idx: idx, cmd: cmd, http: addr, done: make(chan struct{})}
+	p := &proc{idx: idx, stage: st, cmd: cmd, http: addr, done: make(chan struct{})}
 	go func() {
 		err := cmd.Wait()
 		if !p.expected.Load() { // it crashed or gave up on its own: a bug, whatever the checks say
@@ -222,18 +249,18 @@ func (s *suite) startProc(idx int) (*proc, error) {
 	return p, nil
 }
 
-// procEnv is the environment of the processors (and of their dlq commands), serving HTTP on
-// addr.
-func (s *suite) procEnv(addr string) []string {
-	return []string{
+// procEnv is the environment of a stage's processors (and of their dlq commands), serving HTTP
+// on addr.
+func (s *suite) procEnv(st *stage, addr string) []string {
+	env := []string{
 		"KAFKA_BROKERS=" + strings.Join(s.procSeeds, ","),
-		"KAFKA_GROUP_ID=" + s.group,
-		"KAFKA_TOPICS=" + s.topic,
+		"KAFKA_GROUP_ID=" + st.group,
+		"KAFKA_TOPICS=" + st.topic,
 		"DATABASE_URL=" + s.procDB,
 		"DB_SCHEMA=" + schema,
 		"DB_MAX_CONNS=6",
 		"DB_TX_IDLE_TIMEOUT=3s",
-		"HANDLER=" + s.cfg.handler,
+		"HANDLER=" + st.handler,
 		"KAFKA_GROUP_PROTOCOL=" + s.cfg.protocol,
 		"HTTP_ADDR=" + addr,
 		"RETRY_TIERS=" + tiers,
@@ -244,6 +271,10 @@ func (s *suite) procEnv(addr string) []string {
 		"SHUTDOWN_TIMEOUT=5s",
 		"LOG_FORMAT=text",
 	}
+	if s.cfg.chain() && st.n == 1 {
+		env = append(env, "OUTBOX_RETENTION=1h") // published postings are kept for relayAckLost
+	}
+	return env
 }
 
 // waitReady waits until the process answers /readyz with 200 (it is in the group and reaches
@@ -313,12 +344,20 @@ func (s *suite) inject(ctx context.Context) error {
 	if s.devbroker != nil {
 		faults = append(faults, fault{"broker-restart", 1, s.brokerRestart})
 	}
+	if s.cfg.chain() {
+		faults = append(faults, fault{"relay-ack-lost", 2, s.relayAckLost})
+	}
 	total := 0
 	for _, f := range faults {
 		total += f.weight
 	}
 	if err := s.measure(ctx); err != nil {
 		return err
+	}
+	if s.cfg.chain() { // at least once a run: stage 2's deduplication is what it tests
+		if err := s.relayAckLost(ctx); err != nil {
+			return fmt.Errorf("fault relay-ack-lost: %w", err)
+		}
 	}
 	end := time.Now().Add(s.cfg.duration)
 	for time.Now().Before(end) {
@@ -373,11 +412,14 @@ func (s *suite) measure(ctx context.Context) error {
 		return err
 	}
 
-	// Kill a process that owns source partitions (one may own only retry tiers' partitions:
-	// its kill would measure nothing).
+	// Kill a process of stage 1 that owns source partitions (one may own only retry tiers'
+	// partitions: its kill would measure nothing).
 	var owned map[int32]int64
 	for _, q := range s.procs {
-		o, err := s.ownedPartitions(ctx, q.cmd.Process.Pid)
+		if q.stage.n != 1 {
+			continue
+		}
+		o, err := s.ownedPartitions(ctx, q)
 		if err != nil {
 			return err
 		}
@@ -385,10 +427,10 @@ func (s *suite) measure(ctx context.Context) error {
 			p, owned = q, o
 		}
 	}
+	s.end(p, syscall.SIGKILL)
 	killed := time.Now()
-	p.end(syscall.SIGKILL)
 	<-p.done
-	if s.waitAdvanced(ctx, owned, 60*time.Second) {
+	if s.waitAdvanced(ctx, p.stage, owned, 60*time.Second) {
 		d := time.Since(killed)
 		s.count(func(st *stats) { st.alone.kill = d })
 	}
@@ -433,7 +475,7 @@ func (s *suite) readGroupType(ctx context.Context) string {
 // kfake (2026-09) can lose track of a member that dies while the group is joining, which stalls
 // the group; real Kafka is killed mid-join too.
 func (s *suite) restart(ctx context.Context, p *proc) error {
-	np, err := s.startProc(p.idx)
+	np, err := s.startProc(p.stage, p.idx)
 	if err != nil {
 		return err
 	}
@@ -448,18 +490,18 @@ func (s *suite) restart(ctx context.Context, p *proc) error {
 // partitions take to flow again.
 func (s *suite) kill(ctx context.Context) error {
 	p := s.pick()
-	owned, err := s.ownedPartitions(ctx, p.cmd.Process.Pid)
+	owned, err := s.ownedPartitions(ctx, p)
 	if err != nil {
 		return err
 	}
+	s.end(p, syscall.SIGKILL)
 	killed := time.Now()
-	p.end(syscall.SIGKILL)
 	<-p.done
 	s.count(func(st *stats) { st.kills++ })
 	s.bg.Add(1)
 	go func() {
 		defer s.bg.Done()
-		if s.waitAdvanced(ctx, owned, 30*time.Second) {
+		if s.waitAdvanced(ctx, p.stage, owned, 30*time.Second) {
 			d := time.Since(killed)
 			s.count(func(st *stats) { st.killRecovery = append(st.killRecovery, d) })
 		} else {
@@ -480,8 +522,8 @@ func (s *suite) term(ctx context.Context) error {
 // terminate sends p SIGTERM and returns (and records) how long it took to exit; exiting with a
 // non-zero status, or not within 20 s (it is then killed), is a violation.
 func (s *suite) terminate(p *proc) time.Duration {
+	s.end(p, syscall.SIGTERM)
 	start := time.Now()
-	p.end(syscall.SIGTERM)
 	select {
 	case <-p.done:
 		d := time.Since(start)
@@ -588,9 +630,9 @@ func (s *suite) count(fn func(*stats)) {
 }
 
 // ownedPartitions returns the next offsets of the source partitions a process owns in Postgres.
-func (s *suite) ownedPartitions(ctx context.Context, pid int) (map[int32]int64, error) {
+func (s *suite) ownedPartitions(ctx context.Context, p *proc) (map[int32]int64, error) {
 	rows, err := s.pool.Query(ctx, `SELECT partition, coalesce(next_offset, -1) FROM offsets
-		WHERE consumer_group = $1 AND topic = $2 AND owner LIKE $3`, s.group, s.topic, "%:"+strconv.Itoa(pid)+" member=%")
+		WHERE consumer_group = $1 AND topic = $2 AND owner LIKE $3`, p.stage.group, p.stage.topic, "%:"+strconv.Itoa(p.cmd.Process.Pid)+" member=%")
 	if err != nil {
 		return nil, err
 	}
@@ -607,9 +649,10 @@ func (s *suite) ownedPartitions(ctx context.Context, pid int) (map[int32]int64, 
 	return out, rows.Err()
 }
 
-// waitAdvanced waits until every partition in from has moved past its offset there; it reports
-// false if that did not happen within timeout (no more records to apply) or from is empty.
-func (s *suite) waitAdvanced(ctx context.Context, from map[int32]int64, timeout time.Duration) bool {
+// waitAdvanced waits until every partition of st's topic in from has moved past its offset
+// there; it reports false if that did not happen within timeout (no more records to apply) or
+// from is empty.
+func (s *suite) waitAdvanced(ctx context.Context, st *stage, from map[int32]int64, timeout time.Duration) bool {
 	if len(from) == 0 {
 		return false
 	}
@@ -617,7 +660,7 @@ func (s *suite) waitAdvanced(ctx context.Context, from map[int32]int64, timeout 
 		for part, was := range from {
 			var next int64
 			if err := s.pool.QueryRow(ctx, `SELECT coalesce(next_offset, -1) FROM offsets WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
-				s.group, s.topic, part).Scan(&next); err != nil {
+				st.group, st.topic, part).Scan(&next); err != nil {
 				return err
 			}
 			if next <= was {
@@ -682,6 +725,7 @@ func (s *suite) stopAll() {
 // report is what the verification found.
 type report struct {
 	applied, dead, dlq, dups, rows int
+	chain                          chainReport // a chain's stage 2, and how both stages deduplicated
 }
 
 // verify checks the ledger, the dead-letter topic and the dead_letters table against items.
@@ -747,14 +791,28 @@ func (s *suite) summary(rep report, err error) string {
 		}
 		replay = fmt.Sprintf("replay of %d dead letters (%d processor kills, the replay command %s): %d recovered and applied exactly once, %d dead again in their own rows, settled in %s",
 			r.rows, r.kills, resumed, r.recovered, r.deadAgain, r.took.Round(100*time.Millisecond))
+		if s.cfg.chain() {
+			replay += fmt.Sprintf("; %d replayed copies of recovered events skipped by stage 1; then %d postings published, %d posted exactly once, %d published twice and skipped by stage 2",
+				r.copiesSkipped, r.chain.published, r.chain.posted, r.chain.republished)
+		}
 	}
-	return fmt.Sprintf("chaos %s %s-protocol HANDLER=%s seed=%d: %d events: %d applied exactly once in per-account order, %d dead-lettered (%d in the DLQ topic, %d duplicates; %d dead_letters rows)"+
-		" | faults: %d kill, %d term, %d stop, %d pg-drop, %d pg-cut, %d pg-stall, %d broker-cut, %d broker-restart"+
+	handler, events := "HANDLER="+s.cfg.handler, fmt.Sprintf("%d events", s.cfg.events)
+	chain, acksLost := "", ""
+	if s.cfg.chain() {
+		acksLost = fmt.Sprintf(", %d relay-ack-lost (%d postings)", st.acksLost, st.republished)
+		c := rep.chain
+		handler = fmt.Sprintf("chain HANDLER=%s -> HANDLER=%s", s.cfg.handler, postHandler)
+		events = fmt.Sprintf("%d events + %d copies", s.cfg.events, s.copies)
+		chain = fmt.Sprintf(" | chain: %d postings published, %d posted exactly once in per-account order (one per applied event); stage 1 skipped %d copies (its /metrics counted %.0f), stage 2 skipped %d postings published twice (its /metrics counted %.0f)",
+			c.published, c.posted, c.copiesSkipped, c.copiesCounted, c.republished, c.republishedCounted)
+	}
+	return fmt.Sprintf("chaos %s %s-protocol %s seed=%d: %s: %d applied exactly once in per-account order, %d dead-lettered (%d in the DLQ topic, %d duplicates; %d dead_letters rows)%s"+
+		" | faults: %d kill, %d term, %d stop, %d pg-drop, %d pg-cut, %d pg-stall, %d broker-cut, %d broker-restart%s"+
 		" | recovery, one fault at a time: SIGTERM->exit %s (target 5s), kill->partitions flowing elsewhere %s (target %s: session timeout + 1s), postgres back->commits %s (target 10s)"+
 		" | under random faults: SIGTERM->exit max %s; kill->flowing median %s max %s; postgres back->commits median %s max %s; %d not measured"+
 		" | settled in %s | %s | %s",
-		s.brokerName, s.groupType, s.cfg.handler, s.cfg.seed, s.cfg.events, rep.applied, rep.dead, rep.dlq, rep.dups, rep.rows,
-		st.kills, st.terms, st.stops, st.pgDrops, st.pgCuts, st.pgStalls, st.brokerCuts, st.brokerRestarts,
+		s.brokerName, s.groupType, handler, s.cfg.seed, events, rep.applied, rep.dead, rep.dlq, rep.dups, rep.rows, chain,
+		st.kills, st.terms, st.stops, st.pgDrops, st.pgCuts, st.pgStalls, st.brokerCuts, st.brokerRestarts, acksLost,
 		measured(st.alone.term), measured(st.alone.kill), sessionTimeout+time.Second, measured(st.alone.pg),
 		maxDuration(st.termExit), medianDuration(st.killRecovery), maxDuration(st.killRecovery),
 		medianDuration(st.pgRecovery), maxDuration(st.pgRecovery), st.unmeasured,
