@@ -21,6 +21,24 @@ import (
 	"github.com/kafkapg/kafkapg/sink"
 )
 
+// outboxSetup returns a migrated database, a kfake broker with a topic of one partition, and the
+// outbox of group "g".
+func outboxSetup(t *testing.T) (*pgxpool.Pool, *testenv.Kafka, string, *sink.Outbox) {
+	t.Helper()
+	pool := testenv.Migrated(t)
+	k := testenv.NewKfake(t)
+	return pool, k, k.CreateTopic(t, 1), newOutbox(t, "g")
+}
+
+// emit commits one transaction that emits events.
+func emit(t *testing.T, pool *pgxpool.Pool, out *sink.Outbox, events ...sink.Event) {
+	t.Helper()
+	ctx := context.Background()
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return out.Emit(ctx, tx, events...) }); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func newOutbox(t *testing.T, group string) *sink.Outbox {
 	t.Helper()
 	o, err := sink.NewOutbox(sink.OutboxConfig{Schema: "kafkapg", Group: group})
@@ -168,11 +186,8 @@ func emitOne(ctx context.Context, pool *pgxpool.Pool, out *sink.Outbox, topic st
 // published; nothing skips it because later rows were published before it.
 func TestOutboxPublishesARowThatCommitsLate(t *testing.T) {
 	t.Parallel()
-	pool := testenv.Migrated(t)
-	k := testenv.NewKfake(t)
-	topic := k.CreateTopic(t, 1)
+	pool, k, topic, out := outboxSetup(t)
 	ctx := context.Background()
-	out := newOutbox(t, "g")
 	relay := sink.NewRelay(pool, k.Client(t, kgo.RecordPartitioner(sink.Partitioner())), sink.RelayConfig{Schema: "kafkapg", Group: "g"})
 
 	late, err := pool.Begin(ctx)
@@ -183,11 +198,7 @@ func TestOutboxPublishesARowThatCommitsLate(t *testing.T) {
 	if err := out.Emit(ctx, late, sink.Event{Topic: topic, Key: []byte("x"), Value: []byte("late")}); err != nil {
 		t.Fatal(err)
 	}
-	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		return out.Emit(ctx, tx, sink.Event{Topic: topic, Key: []byte("y"), Value: []byte("early")})
-	}); err != nil {
-		t.Fatal(err)
-	}
+	emit(t, pool, out, sink.Event{Topic: topic, Key: []byte("y"), Value: []byte("early")})
 	if n, err := relay.Flush(ctx); n != 1 || err != nil {
 		t.Fatalf("Flush = %d, %v; want the committed row only", n, err)
 	}
@@ -209,11 +220,8 @@ func TestOutboxPublishesARowThatCommitsLate(t *testing.T) {
 // TestOutboxRollbackEmitsNothing: events of a transaction that rolls back never reach Kafka.
 func TestOutboxRollbackEmitsNothing(t *testing.T) {
 	t.Parallel()
-	pool := testenv.Migrated(t)
-	k := testenv.NewKfake(t)
-	topic := k.CreateTopic(t, 1)
+	pool, k, topic, out := outboxSetup(t)
 	ctx := context.Background()
-	out := newOutbox(t, "g")
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if err := out.Emit(ctx, tx, sink.Event{Topic: topic, Key: []byte("k"), Value: []byte("v")}); err != nil {
 			return err
@@ -259,11 +267,7 @@ func TestRelayWakesOnNotify(t *testing.T) {
 		go func() { defer close(done); relay.Run(relayCtx) }()
 		time.Sleep(300 * time.Millisecond) // the relay's first pass and LISTEN are done
 		began := time.Now()
-		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			return out.Emit(ctx, tx, sink.Event{Topic: topic, Key: []byte(tc.name), Value: []byte("v")})
-		}); err != nil {
-			t.Fatal(err)
-		}
+		emit(t, pool, out, sink.Event{Topic: topic, Key: []byte(tc.name), Value: []byte("v")})
 		select {
 		case m := <-published:
 			t.Logf("%s: published %v after the commit", tc.name, time.Since(began).Round(time.Millisecond))
@@ -291,18 +295,11 @@ func header(hs []kgo.RecordHeader, key string) string {
 // published again, and Prune deletes them once older than the retention.
 func TestRelayRetention(t *testing.T) {
 	t.Parallel()
-	pool := testenv.Migrated(t)
-	k := testenv.NewKfake(t)
-	topic := k.CreateTopic(t, 1)
+	pool, k, topic, out := outboxSetup(t)
 	ctx := context.Background()
-	out := newOutbox(t, "g")
 	relay := sink.NewRelay(pool, k.Client(t, kgo.RecordPartitioner(sink.Partitioner())), sink.RelayConfig{Schema: "kafkapg", Group: "g", Retention: time.Hour})
 	for i := range 3 {
-		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			return out.Emit(ctx, tx, sink.Event{Topic: topic, Key: []byte("k"), Value: []byte(strconv.Itoa(i))})
-		}); err != nil {
-			t.Fatal(err)
-		}
+		emit(t, pool, out, sink.Event{Topic: topic, Key: []byte("k"), Value: []byte(strconv.Itoa(i))})
 	}
 	if n, err := relay.Flush(ctx); n != 3 || err != nil {
 		t.Fatalf("Flush = %d, %v", n, err)
@@ -358,19 +355,14 @@ func TestDerivedIDIsStable(t *testing.T) {
 // records for other topics, emitted before and after it, are published meanwhile.
 func TestRelayParksARecordForAMissingTopic(t *testing.T) {
 	t.Parallel()
-	pool := testenv.Migrated(t)
-	k := testenv.NewKfake(t)
-	topic := k.CreateTopic(t, 1)
+	pool, k, topic, out := outboxSetup(t)
 	ctx := context.Background()
-	out := newOutbox(t, "g")
 	for _, e := range []sink.Event{
 		{Topic: topic, Key: []byte("k"), Value: []byte("before")},
 		{Topic: "no-such-topic", Key: []byte("k"), Value: []byte("lost?")},
 		{Topic: topic, Key: []byte("k"), Value: []byte("after")},
 	} {
-		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return out.Emit(ctx, tx, e) }); err != nil {
-			t.Fatal(err)
-		}
+		emit(t, pool, out, e)
 	}
 	relay := sink.NewRelay(pool, k.Client(t, kgo.RecordPartitioner(sink.Partitioner())), sink.RelayConfig{Schema: "kafkapg", Group: "g",
 		MissingTopicGrace: 2 * time.Second})
@@ -396,11 +388,7 @@ func TestRelayParksARecordForAMissingTopic(t *testing.T) {
 	// 5s old, sees it).
 	relay = sink.NewRelay(pool, k.Client(t, kgo.RecordPartitioner(sink.Partitioner())), sink.RelayConfig{Schema: "kafkapg", Group: "g"})
 	late := k.TopicName(t) + "_late"
-	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		return out.Emit(ctx, tx, sink.Event{Topic: late, Key: []byte("k"), Value: []byte("waited")})
-	}); err != nil {
-		t.Fatal(err)
-	}
+	emit(t, pool, out, sink.Event{Topic: late, Key: []byte("k"), Value: []byte("waited")})
 	if n, err := relay.Flush(ctx); n != 0 || err == nil {
 		t.Fatalf("Flush = %d, %v; want the record kept for a retry", n, err)
 	}

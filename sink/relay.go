@@ -490,6 +490,10 @@ func (r *Relay) checkTopics(ctx context.Context, rows []*row) map[string]error {
 func (r *Relay) lanes(ctx context.Context, tx pgx.Tx) ([]int16, error) {
 	b := &pgx.Batch{}
 	b.Queue(r.idleSQL)
+	// The relay's commit need not wait for its WAL flush: a commit lost in a crash of Postgres
+	// leaves rows Kafka has, which are published again (at least once, as when the relay dies
+	// before its commit), together with everything else the transaction did with them.
+	b.Queue("SET LOCAL synchronous_commit = off")
 	var lanes []int16
 	held := false
 	b.Queue(r.lanesSQL, r.cfg.Group, r.laneClass).Query(func(rows pgx.Rows) error {
