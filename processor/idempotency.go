@@ -1,12 +1,14 @@
 package processor
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -104,6 +106,9 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 		ks = append(ks, keyed{h, i})
 	}
 	if len(ks) > 0 {
+		// In hash order: two transactions inserting the same keys wait for each other in one
+		// order, never in a cycle.
+		slices.SortFunc(ks, func(a, b keyed) int { return bytes.Compare(a.hash[:], b.hash[:]) })
 		hashes := make([][]byte, len(ks))
 		parts := make([]int32, len(ks))
 		offs := make([]int64, len(ks))
