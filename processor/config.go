@@ -109,9 +109,11 @@ type Config struct {
 	// BatchMaxRecords is the most records applied in one transaction. Defaults to 500.
 	//
 	BatchMaxRecords int
-	// BatchMaxWait is how long a partition waits for a batch to fill before applying what it
-	// has; NoBatchWait applies whatever has arrived at once. Under load batches fill while the
-	// previous one is being applied, so this only matters for trickles. Defaults to 20ms.
+	// BatchMaxWait is how long, at most, a partition waits for its batch to fill, and it waits
+	// only while Postgres is busy (every connection of the pool in use): then its transaction
+	// would wait for a connection anyway, and the records that arrive meanwhile join the batch.
+	// Otherwise a batch is what arrived while the partition's previous transaction committed,
+	// applied at once. NoBatchWait never waits. Defaults to 20ms.
 	BatchMaxWait time.Duration
 	// MaxBufferedBytes bounds the memory that fetched records take while they wait to be applied
 	// or are being applied, across all partitions (source and retry tiers): fetching stops while

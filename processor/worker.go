@@ -134,8 +134,9 @@ func (w *worker) syncPause() {
 	}
 }
 
-// take returns the next batch, waiting for records, for the batch to fill (BatchMaxWait) and, in
-// a retry tier, for the first record to be due (fetching from the partition is paused meanwhile).
+// take returns the next batch, waiting for records, for the batch to fill (BatchMaxWait, while
+// Postgres is busy) and, in a retry tier, for the first record to be due (fetching from the
+// partition is paused meanwhile).
 // It returns nil once the worker is stopping.
 func (w *worker) take() []*kgo.Record {
 	var timer *time.Timer
@@ -162,7 +163,7 @@ func (w *worker) take() []*kgo.Record {
 			case ready == 0:
 				w.prog.idle() // nothing is due
 				wait = max(time.Until(nextDue), time.Millisecond)
-			case ready >= limit || ready < n || linger <= 0:
+			case ready >= limit || ready < n || linger <= 0 || !w.p.dbBusy():
 				batch := w.queue[:ready:ready]
 				w.queue = w.queue[ready:]
 				n := costOf(batch)
@@ -181,7 +182,8 @@ func (w *worker) take() []*kgo.Record {
 				w.prog.working()
 				return batch
 			default:
-				wait = linger
+				// Look again soon: Postgres may have become free.
+				wait = min(linger, busyRecheck)
 			}
 		} else {
 			w.prog.idle()
@@ -203,6 +205,17 @@ func (w *worker) take() []*kgo.Record {
 			return nil
 		}
 	}
+}
+
+// busyRecheck is how often a partition waiting for its batch to fill looks whether Postgres is
+// still busy.
+const busyRecheck = 2 * time.Millisecond
+
+// dbBusy reports whether every connection of the pool is in use: a transaction would wait for
+// one.
+func (p *Processor) dbBusy() bool {
+	st := p.pool.Stat()
+	return st.AcquiredConns() >= st.MaxConns()
 }
 
 // stop asks the worker to finish the transaction in flight and exit. Its queued records are
