@@ -48,7 +48,13 @@ func newHeldApplier(p *Processor) *heldApplier {
 
 // pageBytes bounds the values of the held records one heldApplier goroutine takes at once: all of
 // them together hold at most a quarter of Config.MaxBufferedBytes.
-func (d *heldApplier) pageBytes() int { return d.p.cfg.MaxBufferedBytes / 4 / heldWorkers }
+func (d *heldApplier) pageBytes() int { return d.p.cfg.MaxBufferedBytes / 4 / d.workers() }
+
+// workers is how many keys one processor applies at once: as many as its pool has connections
+// (partitions are applied as concurrently), at least minHeldWorkers and at most maxHeldWorkers.
+func (d *heldApplier) workers() int {
+	return min(max(int(d.p.pool.Config().MaxConns), minHeldWorkers), maxHeldWorkers)
+}
 
 // notify wakes the heldApplier: a key may have become ready.
 func (d *heldApplier) notify() {
@@ -66,10 +72,12 @@ func (d *heldApplier) describe() []any           { return []any{"component", "he
 
 const (
 	readyKeysPerRead = 100 // ready keys read at once
-	heldWorkers      = 4   // keys whose held records one processor applies at once
-	// heldInterval is how often a heldApplier looks for keys that other processors made ready; it
-	// is woken at once for the keys its own processor readies.
-	heldInterval = time.Second
+	minHeldWorkers   = 4   // keys whose held records one processor applies at once: at least
+	maxHeldWorkers   = 16  // ... and at most
+	// heldInterval is how often a heldApplier looks for keys that other processors, or an
+	// operator's release, made ready (an index of ready keys answers it); it is woken at once for
+	// the keys its own processor readies.
+	heldInterval = 100 * time.Millisecond
 )
 
 func (d *heldApplier) run() {
@@ -102,13 +110,13 @@ func (d *heldApplier) run() {
 	}
 }
 
-// applyAll applies the held records of keys, heldWorkers keys at a time. It reports whether any key made progress, and
+// applyAll applies the held records of keys, workers() keys at a time. It reports whether any key made progress, and
 // returns errStopped if it was stopped.
 func (d *heldApplier) applyAll(keys []retrytopics.Key) (progressed bool, err error) {
 	next := make(chan retrytopics.Key)
 	var stopped, anyProgress atomic.Bool
 	var wg sync.WaitGroup
-	for range min(heldWorkers, len(keys)) {
+	for range min(d.workers(), len(keys)) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
