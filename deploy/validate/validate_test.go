@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	kedav1alpha1 "github.com/kedacore/keda/v2/apis/keda/v1alpha1"
 	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	"github.com/prometheus/common/model"
 	"github.com/prometheus/prometheus/model/rulefmt"
@@ -323,4 +324,88 @@ func dashboardQueries(t *testing.T) []string {
 		t.Errorf("dashboard has %d queries", len(out))
 	}
 	return out
+}
+
+// TestAutoscaling builds deploy/keda (the base and a KEDA ScaledObject) and
+// checks that the ScaledObject decodes strictly into KEDA's own type, scales the Deployment,
+// reads the brokers and the group from the Deployment's configuration, keeps at least one
+// replica and stops at the partition count, and that the Deployment leaves its replica count to
+// KEDA. Trigger metadata names are checked against the Kafka scaler's (a misspelt one is
+// ignored by KEDA, silently).
+func TestAutoscaling(t *testing.T) {
+	k := krusty.MakeKustomizer(krusty.MakeDefaultOptions())
+	rm, err := k.Run(filesys.MakeFsOnDisk(), "../keda")
+	if err != nil {
+		t.Fatalf("kustomize build deploy/keda: %v", err)
+	}
+	var so *kedav1alpha1.ScaledObject
+	var dep *appsv1.Deployment
+	var config *corev1.ConfigMap
+	for _, r := range rm.Resources() {
+		y, err := r.AsYAML()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var target any
+		switch r.GetKind() {
+		case "ScaledObject":
+			so = &kedav1alpha1.ScaledObject{}
+			target = so
+		case "Deployment":
+			dep = &appsv1.Deployment{}
+			target = dep
+		case "ConfigMap":
+			config = &corev1.ConfigMap{}
+			target = config
+		default:
+			continue // checked by TestManifests
+		}
+		if err := yaml.UnmarshalStrict(y, target); err != nil {
+			t.Errorf("%s %s does not match its schema: %v", r.GetKind(), r.GetName(), err)
+		}
+	}
+	if so == nil || dep == nil || config == nil {
+		t.Fatalf("kustomize output lacks the ScaledObject, Deployment or ConfigMap")
+	}
+	if dep.Spec.Replicas != nil {
+		t.Errorf("the Deployment sets replicas %d: KEDA's autoscaler owns the count", *dep.Spec.Replicas)
+	}
+	if so.Spec.ScaleTargetRef == nil || so.Spec.ScaleTargetRef.Name != dep.Name || (so.Spec.ScaleTargetRef.Kind != "" && so.Spec.ScaleTargetRef.Kind != "Deployment") {
+		t.Errorf("scaleTargetRef %+v, want the Deployment %s", so.Spec.ScaleTargetRef, dep.Name)
+	}
+	if so.Spec.MinReplicaCount == nil || *so.Spec.MinReplicaCount < 1 {
+		t.Error("minReplicaCount must be at least 1: a replica also publishes the outbox and delivers the retry tiers, which no lag shows")
+	}
+	if so.Spec.MaxReplicaCount == nil || *so.Spec.MaxReplicaCount < *so.Spec.MinReplicaCount {
+		t.Errorf("maxReplicaCount %v: want a bound at or above minReplicaCount", so.Spec.MaxReplicaCount)
+	}
+	if len(so.Spec.Triggers) != 1 || so.Spec.Triggers[0].Type != "kafka" {
+		t.Fatalf("triggers %+v, want one kafka trigger", so.Spec.Triggers)
+	}
+	md := so.Spec.Triggers[0].Metadata
+	known := map[string]bool{}
+	for _, name := range []string{"bootstrapServers", "consumerGroup", "topic", "partitionLimitation", "lagThreshold", "activationLagThreshold",
+		"offsetResetPolicy", "allowIdleConsumers", "excludePersistentLag", "scaleToZeroOnInvalidOffset", "limitToPartitionsWithLag",
+		"ensureEvenDistributionOfPartitions", "fullMetadata", "version", "tls", "unsafeSsl", "sasl", "saslTokenProvider", "awsRegion"} {
+		known[name], known[name+"FromEnv"] = true, true
+	}
+	for name := range md {
+		if !known[name] {
+			t.Errorf("trigger metadata %q is not a setting of KEDA's Kafka scaler (pkg/scalers/kafka_scaler.go)", name)
+		}
+	}
+	for setting, variable := range map[string]string{"bootstrapServersFromEnv": "KAFKA_BROKERS", "consumerGroupFromEnv": "KAFKA_GROUP_ID"} {
+		if md[setting] != variable || config.Data[variable] == "" {
+			t.Errorf("trigger %s = %q, want %s, which config.env sets", setting, md[setting], variable)
+		}
+	}
+	if md["allowIdleConsumers"] != "false" {
+		t.Errorf("allowIdleConsumers = %q, want false: replicas beyond the partition count own nothing", md["allowIdleConsumers"])
+	}
+	if md["topic"] != "" {
+		t.Errorf("topic = %q: leave it empty, so that the lag of the retry tiers counts too", md["topic"])
+	}
+	if lag := md["lagThreshold"]; lag == "" {
+		t.Error("lagThreshold is not set (KEDA's default, 10, scales out on a trickle)")
+	}
 }
