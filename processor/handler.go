@@ -6,9 +6,12 @@ import (
 	"fmt"
 	"hash/fnv"
 	"runtime/debug"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/retrytopics"
@@ -138,6 +141,48 @@ type Handler interface {
 // error does not name a record, the processor splits the batch to find the failing ones.
 type BatchHandler interface {
 	HandleBatch(ctx context.Context, tx pgx.Tx, recs []*Record) error
+}
+
+// BatchHandlerFunc adapts a function of a whole batch to the Handler and BatchHandler interfaces:
+// a handler written for batches only (COPY) needs no Handle of its own. A record handled alone
+// (retried after a failure) is a batch of one.
+type BatchHandlerFunc func(ctx context.Context, tx pgx.Tx, recs []*Record) error
+
+// HandleBatch calls f.
+func (f BatchHandlerFunc) HandleBatch(ctx context.Context, tx pgx.Tx, recs []*Record) error {
+	return f(ctx, tx, recs)
+}
+
+// Handle calls f with rec alone.
+func (f BatchHandlerFunc) Handle(ctx context.Context, tx pgx.Tx, rec *Record) error {
+	return f(ctx, tx, []*Record{rec})
+}
+
+// CopyFailed returns err, the error of a COPY that wrote one row per record of a batch, in the
+// batch's order (pgx.Tx.CopyFrom with pgx.CopyFromRows or CopyFromSlice over the records), as
+// the failure of the record whose row Postgres rejected: RecordFailed(line-1, err), read from
+// the error's context ("COPY page_views, line 1234"). The processor then applies the records
+// before it at once and retries it alone, instead of splitting the batch to find it (about
+// log2(n) transactions). An error that names no line (it is not a row's) is returned as is.
+func CopyFailed(err error) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return err
+	}
+	// "COPY page_views, line 1234" or "COPY page_views, line 1234, column url: ..."
+	_, rest, ok := strings.Cut(pgErr.Where, ", line ")
+	if !ok || !strings.HasPrefix(pgErr.Where, "COPY ") {
+		return err
+	}
+	end := strings.IndexFunc(rest, func(r rune) bool { return r < '0' || r > '9' })
+	if end < 0 {
+		end = len(rest)
+	}
+	line, perr := strconv.Atoi(rest[:end])
+	if perr != nil || line < 1 {
+		return err
+	}
+	return RecordFailed(line-1, err)
 }
 
 // HandlerFunc adapts a function to the Handler interface.

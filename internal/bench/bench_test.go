@@ -102,6 +102,12 @@ func brokerFor(b *testing.B) *testenv.Kafka {
 // records per second.
 func measure(b *testing.B, name string, want int, variant func(*pgxpool.Pool) func(context.Context) error) float64 {
 	b.Helper()
+	return measureTable(b, name, want, "ledger_entries", variant)
+}
+
+// measureTable is measure counting the rows of table.
+func measureTable(b *testing.B, name string, want int, table string, variant func(*pgxpool.Pool) func(context.Context) error) float64 {
+	b.Helper()
 	_, url := testenv.Postgres(b)
 	ctx := context.Background()
 	pool := benchPool(b, url)
@@ -113,7 +119,7 @@ func measure(b *testing.B, name string, want int, variant func(*pgxpool.Pool) fu
 	go func() { done <- run(runCtx) }()
 	var applied int
 	for {
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM ledger_entries`).Scan(&applied); err != nil {
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{table}.Sanitize()).Scan(&applied); err != nil {
 			b.Fatal(err)
 		}
 		if applied >= want {

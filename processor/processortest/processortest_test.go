@@ -3,6 +3,7 @@ package processortest_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -165,5 +166,43 @@ func TestRunShowsTheEmittedEvents(t *testing.T) {
 	}
 	if res := processortest.Run(t, pool, forward, processortest.NewRecord("in", "k", "bad")); res.Applied() || res.Emitted != nil {
 		t.Fatalf("%v, emitted %+v; want a failure and nothing emitted", res, res.Emitted)
+	}
+}
+
+// TestCopyFailedNamesTheRecord: a COPY of one row per record that Postgres rejects at one row is
+// that record's failure (processor.CopyFailed reads the line from the error), so the processor
+// applies the others without splitting the batch; an error of no row stays the batch's.
+func TestCopyFailedNamesTheRecord(t *testing.T) {
+	pool, _ := testenv.Postgres(t)
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `CREATE TABLE views (url text NOT NULL CHECK (url <> 'bad'))`); err != nil {
+		t.Fatal(err)
+	}
+	copyViews := processor.BatchHandlerFunc(func(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
+		rows := make([][]any, len(recs))
+		for i, r := range recs {
+			rows[i] = []any{string(r.Value)}
+		}
+		_, err := tx.CopyFrom(ctx, pgx.Identifier{"views"}, []string{"url"}, pgx.CopyFromRows(rows))
+		return processor.CopyFailed(err)
+	})
+	var recs []*processor.Record
+	for i := range 2000 {
+		v := fmt.Sprintf("/page/%d", i)
+		if i == 1234 {
+			v = "bad"
+		}
+		recs = append(recs, processortest.NewRecord("views", "", v))
+	}
+	res := processortest.Run(t, pool, copyViews, recs...)
+	if res.Index != 1234 {
+		t.Fatalf("%v; want record 1234 named as the failure", res)
+	}
+	if err := processor.CopyFailed(errors.New("not a COPY error")); err.Error() != "not a COPY error" {
+		t.Errorf("CopyFailed changed an error that names no row: %v", err)
+	}
+	// A batch of one (a record retried alone) works through Handle.
+	if res := processortest.Run(t, pool, copyViews, processortest.NewRecord("views", "", "/ok")); !res.Applied() {
+		t.Fatal(res)
 	}
 }

@@ -1,0 +1,163 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/processor"
+)
+
+// BenchmarkCopy applies the same records with COPY two ways, in the same run: kafkapg with a
+// processor.BatchHandlerFunc that copies each batch into a table (and processor.CopyFailed to
+// name a failing row), and a hand-written loop — poll, then per partition one transaction per 500
+// records: the COPY and an offset upsert. BENCH_COPY_EVENTS (default 1000000) sets the size,
+// BENCH_ROUNDS (default 3) the interleaved rounds; medians are reported.
+func BenchmarkCopy(b *testing.B) {
+	events := envInt("BENCH_COPY_EVENTS", 1_000_000)
+	rounds := envInt("BENCH_ROUNDS", 3)
+	k := brokerFor(b)
+	topic := k.CreateTopic(b, partitions)
+	recs := make([]*kgo.Record, events)
+	for i := range recs {
+		recs[i] = &kgo.Record{Topic: topic, Key: fmt.Appendf(nil, "user-%d", i%5000), Value: fmt.Appendf(nil, "/page/%d?ref=bench", i)}
+	}
+	k.Produce(b, recs...)
+
+	for b.Loop() {
+		var fw, loop []float64
+		for r := range rounds {
+			loop = append(loop, measureCopy(b, "copy loop", events, func(pool *pgxpool.Pool) func(context.Context) error {
+				return copyLoop(k, topic, pool, events)
+			}))
+			fw = append(fw, measureCopy(b, "kafkapg copy", events, func(pool *pgxpool.Pool) func(context.Context) error {
+				return copyProcessor(b, k, topic, pool, r)
+			}))
+		}
+		f, l := median(fw), median(loop)
+		b.ReportMetric(f, "kafkapg_copy_rec/s")
+		b.ReportMetric(l, "loop_copy_rec/s")
+		b.ReportMetric(f/l, "x_copy_loop")
+		fmt.Printf("\nCOPY end to end, %s broker, %d records over %d partitions, median of %d rounds:\n", k.Name, events, partitions, rounds)
+		fmt.Printf("  kafkapg, BatchHandlerFunc with COPY   %9.0f records/s   rounds %v\n", f, rounded(fw))
+		fmt.Printf("  hand-written COPY loop                %9.0f records/s   rounds %v\n", l, rounded(loop))
+		fmt.Printf("  kafkapg / loop = %.2f   (target >= 1.0)\n\n", f/l)
+	}
+}
+
+const createViews = `CREATE TABLE views (topic text NOT NULL, partition int NOT NULL, "offset" bigint NOT NULL, user_id text NOT NULL, url text NOT NULL)`
+
+// measureCopy is measure for the views table.
+func measureCopy(b *testing.B, name string, want int, variant func(*pgxpool.Pool) func(context.Context) error) float64 {
+	b.Helper()
+	return measureTable(b, name, want, "views", func(pool *pgxpool.Pool) func(context.Context) error {
+		if _, err := pool.Exec(context.Background(), createViews); err != nil {
+			b.Fatal(err)
+		}
+		return variant(pool)
+	})
+}
+
+func viewRow(r *kgo.Record) []any {
+	return []any{r.Topic, r.Partition, r.Offset, string(r.Key), string(r.Value)}
+}
+
+var viewColumns = []string{"topic", "partition", "offset", "user_id", "url"}
+
+// copyProcessor runs the processor with a COPY batch handler.
+func copyProcessor(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.Pool, round int) func(context.Context) error {
+	h := processor.BatchHandlerFunc(func(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
+		rows := make([][]any, len(recs))
+		for i, r := range recs {
+			rows[i] = []any{r.Topic, r.Partition, r.Offset, string(r.Key), string(r.Value)}
+		}
+		_, err := tx.CopyFrom(ctx, pgx.Identifier{"views"}, viewColumns, pgx.CopyFromRows(rows))
+		return processor.CopyFailed(err)
+	})
+	p, err := processor.New(pool, &processor.Config{
+		Brokers:         k.Brokers,
+		Group:           fmt.Sprintf("copy-%s-%d", topic, round),
+		Topics:          []string{topic},
+		Handler:         h,
+		BatchMaxRecords: batchSize,
+		Registerer:      prometheus.NewRegistry(),
+		Logger:          slog.New(slog.DiscardHandler),
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return p.Run
+}
+
+// copyLoop is handWritten with a COPY per transaction.
+func copyLoop(k *testenv.Kafka, topic string, pool *pgxpool.Pool, want int) func(context.Context) error {
+	return func(ctx context.Context) error {
+		if _, err := pool.Exec(ctx, `CREATE TABLE bench_offsets (topic text, partition int, next_offset bigint, PRIMARY KEY (topic, partition))`); err != nil {
+			return err
+		}
+		parts := map[int32]kgo.Offset{}
+		for p := range int32(partitions) {
+			parts[p] = kgo.NewOffset().AtStart()
+		}
+		cl, err := kgo.NewClient(kgo.SeedBrokers(k.Brokers...), kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: parts}))
+		if err != nil {
+			return err
+		}
+		defer cl.Close()
+		applied := 0
+		for applied < want {
+			fetches := cl.PollFetches(ctx)
+			if ctx.Err() != nil {
+				return nil
+			}
+			if errs := fetches.Errors(); len(errs) > 0 {
+				return errs[0].Err
+			}
+			var wg sync.WaitGroup
+			var mu sync.Mutex
+			var firstErr error
+			fetches.EachPartition(func(p kgo.FetchTopicPartition) {
+				recs := p.Records
+				applied += len(recs)
+				wg.Go(func() {
+					for chunk := range slices.Chunk(recs, batchSize) {
+						err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+							rows := make([][]any, len(chunk))
+							for i, r := range chunk {
+								rows[i] = viewRow(r)
+							}
+							if _, err := tx.CopyFrom(ctx, pgx.Identifier{"views"}, viewColumns, pgx.CopyFromRows(rows)); err != nil {
+								return err
+							}
+							last := chunk[len(chunk)-1]
+							_, err := tx.Exec(ctx, `INSERT INTO bench_offsets VALUES ($1, $2, $3)
+								ON CONFLICT (topic, partition) DO UPDATE SET next_offset = EXCLUDED.next_offset`, last.Topic, last.Partition, last.Offset+1)
+							return err
+						})
+						if err != nil {
+							mu.Lock()
+							firstErr = err
+							mu.Unlock()
+							return
+						}
+					}
+				})
+			})
+			wg.Wait()
+			if firstErr != nil {
+				return firstErr
+			}
+		}
+		<-ctx.Done()
+		return nil
+	}
+}
