@@ -81,8 +81,8 @@ func TestChainIsExactlyOnceEndToEnd(t *testing.T) {
 		// Stage 2 is done when it has consumed every posting published.
 		testenv.Eventually(t, 60*time.Second, func() error {
 			n := len(k.ReadAll(t, postings))
-			if n < copiesWant(items)+republished {
-				return fmt.Errorf("%d postings published, want %d", n, copiesWant(items)+republished)
+			if n < postingsWant(items)+republished {
+				return fmt.Errorf("%d postings published, want %d", n, postingsWant(items)+republished)
 			}
 			var consumed int
 			if err := h.Pool.QueryRow(ctx, `SELECT coalesce(sum(next_offset), 0) FROM kafkapg.offsets WHERE consumer_group = $1`, h.Group+"-post").Scan(&consumed); err != nil {
@@ -117,8 +117,8 @@ func TestChainIsExactlyOnceEndToEnd(t *testing.T) {
 	})
 }
 
-// copiesWant is the number of postings stage 1 emits: one per event it applies.
-func copiesWant(items []ledger.Item) int {
+// postingsWant is the number of postings stage 1 emits: one per event it applies.
+func postingsWant(items []ledger.Item) int {
 	n, _ := ledger.Expect(items, 2)
 	return n
 }

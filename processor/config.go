@@ -452,7 +452,7 @@ func (c *Config) validate() error {
 		bad("Handler", "required")
 	}
 	for _, t := range c.Topics {
-		if t == "" {
+		if t == "" || c.RelayOnly { // topics with RelayOnly are the error already reported
 			continue
 		}
 		if c.policy(t).handler == nil {

@@ -46,10 +46,11 @@ type Record struct {
 	firstFailed time.Time // zero until its first failure
 	tier        int       // the retry tier it was consumed from; 0 from its source topic or held
 	deadLetter  int64     // its dead_letters row, when a replay brought it back
-	duplicate   bool      // its idempotency key was applied before: not given to the handler
-	proc        *Processor
-	emits       int          // events it emitted in the current handler call (Emit)
-	pending     []sink.Event // those events, written when the handler returns
+	// duplicate is the hash of its idempotency key (as idempotency_keys has it) when a record with
+	// that key was applied before: it is not given to the handler. Nil otherwise.
+	duplicate []byte
+	proc      *Processor
+	pending   []sink.Event // events it emitted in the current handler call, written when the handler returns
 }
 
 // Emit writes events into tx, the transaction the record is being handled in: they are published
@@ -66,14 +67,13 @@ func (r *Record) Emit(ctx context.Context, tx pgx.Tx, events ...sink.Event) erro
 		return errors.New("processor: Record.Emit called on a record that is not being handled by a processor")
 	}
 	for i, e := range events {
-		if e.Topic == "" {
-			return fmt.Errorf("processor: Record.Emit: event %d has no Topic", i)
+		if err := sink.CheckTopic(e.Topic); err != nil {
+			return fmt.Errorf("processor: Record.Emit: event %d: %w", i, err)
 		}
 		if e.ID == "" {
-			e.ID = sink.DerivedID(r.proc.cfg.Group, r.Topic, r.Partition, r.Offset, r.emits)
+			e.ID = sink.DerivedID(r.proc.cfg.Group, r.Topic, r.Partition, r.Offset, len(r.pending))
 		}
 		r.pending = append(r.pending, e)
-		r.emits++
 	}
 	return nil
 }
@@ -203,7 +203,7 @@ func (f HandlerFunc) Handle(ctx context.Context, tx pgx.Tx, rec *Record) error {
 func (p *Processor) handle(ctx context.Context, tx pgx.Tx, source string, recs []*Record) error {
 	pol := p.policy(source)
 	for i, r := range recs {
-		r.duplicate = false
+		r.duplicate = nil
 		if n := r.size(); n > pol.maxRecordBytes {
 			return &RecordError{Index: i, Err: Permanent(fmt.Errorf("%w: key, value and headers are %d bytes, more than MaxRecordBytes (%d)",
 				ErrRecordTooLarge, n, pol.maxRecordBytes))}
@@ -227,7 +227,7 @@ func (p *Processor) handle(ctx context.Context, tx pgx.Tx, source string, recs [
 func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs []*Record) error {
 	for _, r := range recs {
 		// The handler's emits count from 0 on every try: the same ids.
-		r.proc, r.emits, r.pending = p, 0, r.pending[:0]
+		r.proc, r.pending = p, r.pending[:0]
 	}
 	start := time.Now()
 	if pol.batch != nil {

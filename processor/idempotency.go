@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -89,7 +90,7 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 	var ks []keyed
 	first := map[[32]byte]int{}
 	for i, r := range recs {
-		r.duplicate = false
+		r.duplicate = nil
 		k, err := p.idempotencyKey(key, r)
 		if err != nil {
 			return nil, nil, &RecordError{Index: i, Err: Permanent(err)}
@@ -99,7 +100,7 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 		}
 		h := p.keyHash(source, k)
 		if _, ok := first[h]; ok {
-			r.duplicate = true
+			r.duplicate = h[:]
 			continue
 		}
 		first[h] = i
@@ -128,13 +129,15 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 			isFresh[[32]byte(h)] = true
 		}
 		for _, k := range ks {
-			recs[k.i].duplicate = !isFresh[k.hash]
+			if !isFresh[k.hash] {
+				recs[k.i].duplicate = k.hash[:]
+			}
 		}
 	}
 	live := make([]*Record, 0, len(recs))
 	var index []int
 	for i, r := range recs {
-		if r.duplicate {
+		if r.duplicate != nil {
 			if index == nil {
 				index = make([]int, 0, len(recs))
 				for j := range i {
@@ -182,11 +185,11 @@ func (p *Processor) committed(source string, recs []*Record) int {
 	n := 0
 	emitted := false
 	for _, r := range recs {
-		emitted = emitted || (r.emits > 0 && !r.duplicate)
-		if r.duplicate {
+		emitted = emitted || (len(r.pending) > 0 && r.duplicate == nil)
+		if r.duplicate != nil {
 			n++
 			p.log.Debug("record skipped: its idempotency key was applied before", "topic", r.Topic, "partition", r.Partition, "offset", r.Offset,
-				"key_hash", keyHash(r.Key))
+				"key_hash", keyHash(r.Key), "idempotency_key_hash", hex.EncodeToString(r.duplicate))
 		}
 	}
 	if n > 0 {

@@ -153,8 +153,8 @@ func (o *Outbox) emit(ctx context.Context, tx pgx.Tx, ids []string, events []Eve
 	}
 	locks := make([]int64, 0, len(events))
 	for i, e := range events {
-		if e.Topic == "" {
-			return fmt.Errorf("sink: emit: event %d has no Topic", i)
+		if err := CheckTopic(e.Topic); err != nil {
+			return fmt.Errorf("sink: emit: event %d: %w", i, err)
 		}
 		if e.Key != nil {
 			locks = append(locks, keyLock(e.Topic, e.Key))
@@ -189,6 +189,28 @@ func (o *Outbox) emit(ctx context.Context, tx pgx.Tx, ids []string, events []Eve
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("sink: emit %d events: %w", len(events), err)
+	}
+	return nil
+}
+
+// CheckTopic reports whether topic is a name Kafka accepts: 1 to 249 characters among ASCII
+// letters, digits, '.', '_' and '-', and not "." or "..". Emit checks it, so that a name Postgres
+// or Kafka would refuse for good (NUL, invalid UTF-8, a typo with a space) fails the emitting
+// transaction with this error instead of a row no relay can ever publish.
+func CheckTopic(topic string) error {
+	switch {
+	case topic == "":
+		return errors.New("the event has no Topic")
+	case len(topic) > 249:
+		return fmt.Errorf("topic %.40q… is %d characters; Kafka allows 249", topic, len(topic))
+	case topic == "." || topic == "..":
+		return fmt.Errorf("topic %q is not a name Kafka allows", topic)
+	}
+	for i := 0; i < len(topic); i++ {
+		c := topic[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return fmt.Errorf("topic %q has byte %#x at %d: Kafka allows ASCII letters, digits, '.', '_' and '-'", topic, c, i)
+		}
 	}
 	return nil
 }

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -399,4 +400,34 @@ func TestRelayParksARecordForAMissingTopic(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestEmitRefusesTopicsKafkaRefuses: a topic name no relay could ever publish to (NUL, invalid
+// UTF-8, a space, too long) fails Emit at once, naming the problem, and writes nothing: the
+// transaction stays usable.
+func TestEmitRefusesTopicsKafkaRefuses(t *testing.T) {
+	t.Parallel()
+	pool, _, topic, out := outboxSetup(t)
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	for _, bad := range []string{"", "a\x00b", "caf\xe9", "orders placed", strings.Repeat("t", 250), ".."} {
+		err := out.Emit(ctx, tx, sink.Event{Topic: topic}, sink.Event{Topic: bad, Value: []byte("v")})
+		if err == nil || !strings.Contains(err.Error(), "event 1") {
+			t.Errorf("Emit to topic %q = %v; want an error naming event 1", bad, err)
+		}
+		if err != nil && !utf8.ValidString(err.Error()) {
+			t.Errorf("error %q is not valid UTF-8", err)
+		}
+	}
+	if err := out.Emit(ctx, tx, sink.Event{Topic: topic, Value: []byte("v")}); err != nil {
+		t.Fatalf("the transaction is not usable after refused emits: %v", err)
+	}
+	var n int
+	if err := tx.QueryRow(ctx, `SELECT count(*) FROM kafkapg.outbox`).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("%d outbox rows (%v), want the one valid emit", n, err)
+	}
 }

@@ -44,46 +44,31 @@ type manifests struct {
 
 func build(t *testing.T) manifests {
 	t.Helper()
-	k := krusty.MakeKustomizer(krusty.MakeDefaultOptions())
-	rm, err := k.Run(filesys.MakeFsOnDisk(), "../kubernetes")
-	if err != nil {
-		t.Fatalf("kustomize build deploy/kubernetes: %v", err)
-	}
 	var m manifests
-	for _, r := range rm.Resources() {
-		y, err := r.AsYAML()
-		if err != nil {
-			t.Fatal(err)
-		}
-		var target any
-		switch r.GetKind() {
+	decode(t, "../kubernetes", func(kind, name string) any {
+		switch kind {
 		case "Deployment":
 			m.deployment = &appsv1.Deployment{}
-			target = m.deployment
+			return m.deployment
 		case "Service":
 			m.service = &corev1.Service{}
-			target = m.service
+			return m.service
 		case "ConfigMap":
 			m.config = &corev1.ConfigMap{}
-			target = m.config
+			return m.config
 		case "PodDisruptionBudget":
 			m.pdb = &policyv1.PodDisruptionBudget{}
-			target = m.pdb
+			return m.pdb
 		case "ServiceMonitor":
 			m.monitor = &monitoringv1.ServiceMonitor{}
-			target = m.monitor
+			return m.monitor
 		case "PrometheusRule":
 			m.rules = &monitoringv1.PrometheusRule{}
-			target = m.rules
-		default:
-			t.Errorf("unexpected resource %s %s", r.GetKind(), r.GetName())
-			continue
+			return m.rules
 		}
-		// Strict: a misspelt or misplaced field is an error, as the API server's schema would say.
-		if err := yaml.UnmarshalStrict(y, target); err != nil {
-			t.Errorf("%s %s does not match its schema: %v", r.GetKind(), r.GetName(), err)
-		}
-	}
+		t.Errorf("unexpected resource %s %s", kind, name)
+		return nil
+	})
 	for name, missing := range map[string]bool{"Deployment": m.deployment == nil, "Service": m.service == nil, "ConfigMap": m.config == nil,
 		"PodDisruptionBudget": m.pdb == nil, "ServiceMonitor": m.monitor == nil, "PrometheusRule": m.rules == nil} {
 		if missing {
@@ -197,6 +182,31 @@ func TestManifests(t *testing.T) {
 	for _, e := range c.Env {
 		if e.Name == "DATABASE_URL" && e.ValueFrom.SecretKeyRef.Name != "kafkapg-secrets" {
 			t.Errorf("DATABASE_URL comes from Secret %q; deploy/README.md tells users to create kafkapg-secrets", e.ValueFrom.SecretKeyRef.Name)
+		}
+	}
+}
+
+// decode renders the kustomization in dir and decodes every resource strictly (a misspelt or
+// misplaced field is an error, as the API server's schema would say) into the value target
+// returns for its kind; a nil target skips the resource.
+func decode(t *testing.T, dir string, target func(kind, name string) any) {
+	t.Helper()
+	k := krusty.MakeKustomizer(krusty.MakeDefaultOptions())
+	rm, err := k.Run(filesys.MakeFsOnDisk(), dir)
+	if err != nil {
+		t.Fatalf("kustomize build %s: %v", dir, err)
+	}
+	for _, r := range rm.Resources() {
+		into := target(r.GetKind(), r.GetName())
+		if into == nil {
+			continue
+		}
+		y, err := r.AsYAML()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := yaml.UnmarshalStrict(y, into); err != nil {
+			t.Errorf("%s %s does not match its schema: %v", r.GetKind(), r.GetName(), err)
 		}
 	}
 }
@@ -333,37 +343,23 @@ func dashboardQueries(t *testing.T) []string {
 // KEDA. Trigger metadata names are checked against the Kafka scaler's (a misspelt one is
 // ignored by KEDA, silently).
 func TestAutoscaling(t *testing.T) {
-	k := krusty.MakeKustomizer(krusty.MakeDefaultOptions())
-	rm, err := k.Run(filesys.MakeFsOnDisk(), "../keda")
-	if err != nil {
-		t.Fatalf("kustomize build deploy/keda: %v", err)
-	}
 	var so *kedav1alpha1.ScaledObject
 	var dep *appsv1.Deployment
 	var config *corev1.ConfigMap
-	for _, r := range rm.Resources() {
-		y, err := r.AsYAML()
-		if err != nil {
-			t.Fatal(err)
-		}
-		var target any
-		switch r.GetKind() {
+	decode(t, "../keda", func(kind, _ string) any {
+		switch kind {
 		case "ScaledObject":
 			so = &kedav1alpha1.ScaledObject{}
-			target = so
+			return so
 		case "Deployment":
 			dep = &appsv1.Deployment{}
-			target = dep
+			return dep
 		case "ConfigMap":
 			config = &corev1.ConfigMap{}
-			target = config
-		default:
-			continue // checked by TestManifests
+			return config
 		}
-		if err := yaml.UnmarshalStrict(y, target); err != nil {
-			t.Errorf("%s %s does not match its schema: %v", r.GetKind(), r.GetName(), err)
-		}
-	}
+		return nil // checked by TestManifests
+	})
 	if so == nil || dep == nil || config == nil {
 		t.Fatalf("kustomize output lacks the ScaledObject, Deployment or ConfigMap")
 	}

@@ -66,10 +66,10 @@ func BenchmarkLedgerEndToEnd(b *testing.B) {
 		var fw, batched, perRecord []float64
 		for r := range rounds {
 			perRecord = append(perRecord, measure(b, "per-record", perRecordEvents, func(pool *pgxpool.Pool) func(context.Context) error {
-				return handWritten(k, topic, pool, perRecordEvents, 1)
+				return handWritten(k, topic, pool, perRecordEvents, 1, applyChunk)
 			}))
 			batched = append(batched, measure(b, "batched", events, func(pool *pgxpool.Pool) func(context.Context) error {
-				return handWritten(k, topic, pool, events, batchSize)
+				return handWritten(k, topic, pool, events, batchSize, applyChunk)
 			}))
 			fw = append(fw, measure(b, "kafkapg", events, func(pool *pgxpool.Pool) func(context.Context) error {
 				return kafkapg(b, k, topic, pool, r)
@@ -157,9 +157,9 @@ func kafkapg(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.Pool, r
 }
 
 // handWritten consumes topic from the start with direct partition assignment and applies up to
-// perTx records per transaction, partitions in parallel, until want records are applied or ctx
-// ends. Each transaction pipelines the ledger statements and an offset upsert in one pgx.Batch.
-func handWritten(k *testenv.Kafka, topic string, pool *pgxpool.Pool, want, perTx int) func(context.Context) error {
+// perTx records per transaction with apply, partitions in parallel, until want records are applied
+// or ctx ends.
+func handWritten(k *testenv.Kafka, topic string, pool *pgxpool.Pool, want, perTx int, apply func(context.Context, *pgxpool.Pool, []*kgo.Record) error) func(context.Context) error {
 	return func(ctx context.Context) error {
 		if _, err := pool.Exec(ctx, `CREATE TABLE bench_offsets (topic text, partition int, next_offset bigint, PRIMARY KEY (topic, partition))`); err != nil {
 			return err
@@ -193,7 +193,7 @@ func handWritten(k *testenv.Kafka, topic string, pool *pgxpool.Pool, want, perTx
 				applied += len(recs)
 				wg.Go(func() {
 					for chunk := range slices.Chunk(recs, perTx) {
-						if err := applyChunk(ctx, pool, chunk); err != nil {
+						if err := apply(ctx, pool, chunk); err != nil {
 							mu.Lock()
 							firstErr = err
 							mu.Unlock()
@@ -212,6 +212,8 @@ func handWritten(k *testenv.Kafka, topic string, pool *pgxpool.Pool, want, perTx
 	}
 }
 
+// applyChunk applies recs in one transaction that pipelines the ledger statements and an offset
+// upsert in one pgx.Batch.
 func applyChunk(ctx context.Context, pool *pgxpool.Pool, recs []*kgo.Record) error {
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		b := &pgx.Batch{}

@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"slices"
-	"sync"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -37,7 +35,7 @@ func BenchmarkCopy(b *testing.B) {
 		var fw, loop []float64
 		for r := range rounds {
 			loop = append(loop, measureCopy(b, "copy loop", events, func(pool *pgxpool.Pool) func(context.Context) error {
-				return copyLoop(k, topic, pool, events)
+				return handWritten(k, topic, pool, events, batchSize, copyChunk)
 			}))
 			fw = append(fw, measureCopy(b, "kafkapg copy", events, func(pool *pgxpool.Pool) func(context.Context) error {
 				return copyProcessor(b, k, topic, pool, r)
@@ -78,7 +76,7 @@ func copyProcessor(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.P
 	h := processor.BatchHandlerFunc(func(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
 		rows := make([][]any, len(recs))
 		for i, r := range recs {
-			rows[i] = []any{r.Topic, r.Partition, r.Offset, string(r.Key), string(r.Value)}
+			rows[i] = []any{r.Topic, r.Partition, r.Offset, string(r.Key), string(r.Value)} // viewRow's columns
 		}
 		_, err := tx.CopyFrom(ctx, pgx.Identifier{"views"}, viewColumns, pgx.CopyFromRows(rows))
 		return processor.CopyFailed(err)
@@ -98,66 +96,19 @@ func copyProcessor(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.P
 	return p.Run
 }
 
-// copyLoop is handWritten with a COPY per transaction.
-func copyLoop(k *testenv.Kafka, topic string, pool *pgxpool.Pool, want int) func(context.Context) error {
-	return func(ctx context.Context) error {
-		if _, err := pool.Exec(ctx, `CREATE TABLE bench_offsets (topic text, partition int, next_offset bigint, PRIMARY KEY (topic, partition))`); err != nil {
+// copyChunk applies recs in one transaction: a COPY and an offset upsert.
+func copyChunk(ctx context.Context, pool *pgxpool.Pool, recs []*kgo.Record) error {
+	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		rows := make([][]any, len(recs))
+		for i, r := range recs {
+			rows[i] = viewRow(r)
+		}
+		if _, err := tx.CopyFrom(ctx, pgx.Identifier{"views"}, viewColumns, pgx.CopyFromRows(rows)); err != nil {
 			return err
 		}
-		parts := map[int32]kgo.Offset{}
-		for p := range int32(partitions) {
-			parts[p] = kgo.NewOffset().AtStart()
-		}
-		cl, err := kgo.NewClient(kgo.SeedBrokers(k.Brokers...), kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: parts}))
-		if err != nil {
-			return err
-		}
-		defer cl.Close()
-		applied := 0
-		for applied < want {
-			fetches := cl.PollFetches(ctx)
-			if ctx.Err() != nil {
-				return nil
-			}
-			if errs := fetches.Errors(); len(errs) > 0 {
-				return errs[0].Err
-			}
-			var wg sync.WaitGroup
-			var mu sync.Mutex
-			var firstErr error
-			fetches.EachPartition(func(p kgo.FetchTopicPartition) {
-				recs := p.Records
-				applied += len(recs)
-				wg.Go(func() {
-					for chunk := range slices.Chunk(recs, batchSize) {
-						err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-							rows := make([][]any, len(chunk))
-							for i, r := range chunk {
-								rows[i] = viewRow(r)
-							}
-							if _, err := tx.CopyFrom(ctx, pgx.Identifier{"views"}, viewColumns, pgx.CopyFromRows(rows)); err != nil {
-								return err
-							}
-							last := chunk[len(chunk)-1]
-							_, err := tx.Exec(ctx, `INSERT INTO bench_offsets VALUES ($1, $2, $3)
-								ON CONFLICT (topic, partition) DO UPDATE SET next_offset = EXCLUDED.next_offset`, last.Topic, last.Partition, last.Offset+1)
-							return err
-						})
-						if err != nil {
-							mu.Lock()
-							firstErr = err
-							mu.Unlock()
-							return
-						}
-					}
-				})
-			})
-			wg.Wait()
-			if firstErr != nil {
-				return firstErr
-			}
-		}
-		<-ctx.Done()
-		return nil
-	}
+		last := recs[len(recs)-1]
+		_, err := tx.Exec(ctx, `INSERT INTO bench_offsets VALUES ($1, $2, $3)
+			ON CONFLICT (topic, partition) DO UPDATE SET next_offset = EXCLUDED.next_offset`, last.Topic, last.Partition, last.Offset+1)
+		return err
+	})
 }
