@@ -441,8 +441,20 @@ func (p *Processor) onLost(_ context.Context, cl *kgo.Client, lost map[string][]
 }
 
 // partitionShare is how much of the buffer budget one partition may fill before its fetching
-// pauses: an equal share of every partition this process owns (source and retry tiers).
-func (p *Processor) partitionShare() int64 { return p.buf.share(int(p.nWorkers.Load())) }
+// pauses: an equal share among the partitions that hold records, and never more than a quarter
+// (with four partitions or more), so that a partition that filled the budget alone and then
+// cannot move on leaves most of it to the others.
+//
+// Idle partitions (most retry-tier partitions, most of the time) reserve nothing. Counting them
+// cut a draining partition's share to a fraction of one fetch; every pause then drops the fetch
+// franz-go has buffered for the partition, to be fetched and decoded again on resume, which cost
+// a COPY handler 30 % of its throughput (BenchmarkCopy).
+func (p *Processor) partitionShare() int64 {
+	return p.buf.share(max(int(p.busy.Load()), min(int(p.nWorkers.Load()), maxShareDivisor)))
+}
+
+// maxShareDivisor: one partition holds at most 1/maxShareDivisor of the buffer budget.
+const maxShareDivisor = 4
 
 // worker returns the worker of tp, or nil.
 func (p *Processor) worker(tp offsets.Partition) *worker {

@@ -47,6 +47,7 @@ type Processor struct {
 	breaker      *breaker
 	buf          *buffer      // fetched records in memory, across partitions
 	nWorkers     atomic.Int32 // len(workers), read without the lock
+	busy         atomic.Int32 // workers holding records: they share the buffer budget
 
 	client atomic.Pointer[kgo.Client]
 	// clientCtx is the Kafka client's context; cutClient ends everything the client waits for

@@ -50,6 +50,7 @@ type worker struct {
 	full       bool      // the queue holds the partition's share of the buffer budget
 	waiting    bool      // the first queued record is not due yet (retry tiers)
 	paused     bool      // fetching from the partition is paused (full or waiting)
+	busy       bool      // the partition holds records (queued or in flight): counted in Processor.busy
 	closed     bool      // no more records are accepted
 	wake       chan struct{}
 
@@ -98,6 +99,7 @@ func (w *worker) push(fetched []*kgo.Record) {
 	}
 	w.queue = append(w.queue, recs...)
 	w.queuedCost += n
+	w.syncBusy()
 	w.p.buf.add(n)
 	w.consumed.Add(float64(len(recs)))
 	if !w.full && w.queuedCost >= w.p.partitionShare() {
@@ -116,8 +118,21 @@ func (w *worker) release() {
 	w.mu.Lock()
 	n := w.flightCost
 	w.flightCost = 0
+	w.syncBusy()
 	w.mu.Unlock()
 	w.p.buf.release(n)
+}
+
+// syncBusy counts the partition in Processor.busy while it holds records. w.mu is held.
+func (w *worker) syncBusy() {
+	if busy := w.queuedCost+w.flightCost > 0; busy != w.busy {
+		w.busy = busy
+		if busy {
+			w.p.busy.Add(1)
+		} else {
+			w.p.busy.Add(-1)
+		}
+	}
 }
 
 // syncPause pauses or resumes fetching from the partition to match full and waiting. w.mu is held.
@@ -227,6 +242,7 @@ func (w *worker) stop() {
 		w.queue = nil
 		n := w.queuedCost
 		w.queuedCost = 0
+		w.syncBusy()
 		w.mu.Unlock()
 		w.p.buf.release(n)
 		close(w.stopping)
