@@ -45,6 +45,7 @@ type env struct {
 	Handler              string        `envconfig:"HANDLER" field:"Handler"`
 	HTTPAddr             string        `envconfig:"HTTP_ADDR" default:":9090"`
 	OperatorToken        string        `envconfig:"OPERATOR_TOKEN"`
+	PprofAddr            string        `envconfig:"PPROF_ADDR"`
 	BatchMaxRecords      int           `envconfig:"BATCH_MAX_RECORDS" default:"500" field:"BatchMaxRecords"`
 	BatchMaxWait         batchWait     `envconfig:"BATCH_MAX_WAIT" default:"20ms" field:"BatchMaxWait"`
 	RetryLocalAttempts   int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3" field:"LocalAttempts"`

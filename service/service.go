@@ -29,9 +29,11 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime/debug"
 	"sort"
 	"strings"
 	"sync/atomic"
@@ -273,7 +275,15 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	if limit, err := memlimit.Set(memlimit.WithLogger(log)); err != nil {
 		log.Warn("cannot read the container's memory limit; GOMEMLIMIT not set", "err", err)
 	} else if limit < math.MaxInt64 {
-		log.Info("soft memory limit", "gomemlimit_bytes", limit, "max_buffered_bytes", env.MaxBufferedBytes)
+		gc := debug.SetGCPercent(-1)
+		if os.Getenv("GOGC") == "" {
+			// Under a soft limit the heap may grow further between collections: the limit, not
+			// GOGC, bounds it. Draining a backlog, GOGC=100's collections cost a tenth of the
+			// drain rate (BenchmarkBacklogMemory).
+			gc = gcPercentUnderLimit
+		}
+		debug.SetGCPercent(gc)
+		log.Info("soft memory limit", "gomemlimit_bytes", limit, "gogc", gc, "max_buffered_bytes", env.MaxBufferedBytes)
 	}
 	pool, err := openPool(ctx, &env.dbEnv)
 	if err != nil {
@@ -334,6 +344,13 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		paths += " /api/v1/ (operator API)"
 	}
 	log.Info("http listening", "addr", ln.Addr().String(), "paths", paths)
+	if env.PprofAddr != "" {
+		stop, err := servePprof(env.PprofAddr, log)
+		if err != nil {
+			return &configError{fmt.Errorf("PPROF_ADDR=%q: %v", env.PprofAddr, err)}
+		}
+		defer stop()
+	}
 
 	// Postgres may not be up yet (pods start in any order): wait for it with backoff.
 	policy := backoff.Policy{Base: env.RetryBackoffBase, Max: env.RetryBackoffMax}
@@ -368,6 +385,29 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		return fmt.Errorf("%w (KAFKA_CREATE_TOPICS=true lets the service create them)", err)
 	}
 	return err
+}
+
+// gcPercentUnderLimit is the garbage collector's GOGC when a soft memory limit is set and GOGC is
+// not.
+const gcPercentUnderLimit = 300
+
+// servePprof serves Go's profiles (net/http/pprof) on addr, a listener of their own so that they
+// are never exposed where the metrics are scraped. It returns a function that closes it.
+func servePprof(addr string, log *slog.Logger) (stop func(), err error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(ln)
+	log.Info("pprof listening", "addr", ln.Addr().String(), "path", "/debug/pprof/")
+	return func() { srv.Close() }, nil
 }
 
 // httpHandler serves the metrics, the health checks and, if not nil, the operator API under
