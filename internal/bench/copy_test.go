@@ -34,10 +34,10 @@ func BenchmarkCopy(b *testing.B) {
 	for b.Loop() {
 		var fw, loop []float64
 		for r := range rounds {
-			loop = append(loop, measureCopy(b, "copy loop", events, func(pool *pgxpool.Pool) func(context.Context) error {
+			loop = append(loop, measureCopy(b, "copy loop", topic, events, func(pool *pgxpool.Pool) func(context.Context) error {
 				return handWritten(k, topic, pool, events, batchSize, copyChunk)
 			}))
-			fw = append(fw, measureCopy(b, "kafkapg copy", events, func(pool *pgxpool.Pool) func(context.Context) error {
+			fw = append(fw, measureCopy(b, "kafkapg copy", topic, events, func(pool *pgxpool.Pool) func(context.Context) error {
 				return copyProcessor(b, k, topic, pool, r)
 			}))
 		}
@@ -55,9 +55,9 @@ func BenchmarkCopy(b *testing.B) {
 const createViews = `CREATE TABLE views (topic text NOT NULL, partition int NOT NULL, "offset" bigint NOT NULL, user_id text NOT NULL, url text NOT NULL)`
 
 // measureCopy is measure for the views table.
-func measureCopy(b *testing.B, name string, want int, variant func(*pgxpool.Pool) func(context.Context) error) float64 {
+func measureCopy(b *testing.B, name, topic string, want int, variant func(*pgxpool.Pool) func(context.Context) error) float64 {
 	b.Helper()
-	return measureTable(b, name, want, "views", func(pool *pgxpool.Pool) func(context.Context) error {
+	return measureTable(b, name, topic, want, "views", func(pool *pgxpool.Pool) func(context.Context) error {
 		if _, err := pool.Exec(context.Background(), createViews); err != nil {
 			b.Fatal(err)
 		}

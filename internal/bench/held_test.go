@@ -48,7 +48,7 @@ func BenchmarkHeldRecords(b *testing.B) {
 	k.Produce(b, same...)
 
 	for b.Loop() {
-		fast := measure(b, "fast path", events, func(pool *pgxpool.Pool) func(context.Context) error {
+		fast := measure(b, "fast path", plain, events, func(pool *pgxpool.Pool) func(context.Context) error {
 			return drainProcessor(b, k, plain, pool, nil)
 		})
 
@@ -117,8 +117,8 @@ func drainProcessor(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.
 	}
 }
 
-// benchPool connects to a fresh database with poolConns connections and creates kafkapg's and the
-// ledger's tables.
+// benchPool connects to a fresh database with poolConns connections and creates kafkapg's
+// tables, the ledger's and the hand-written loops' bench_offsets.
 func benchPool(b *testing.B, url string) *pgxpool.Pool {
 	ctx := context.Background()
 	cfg, err := pgxpool.ParseConfig(url)
@@ -133,7 +133,8 @@ func benchPool(b *testing.B, url string) *pgxpool.Pool {
 	if err := processor.Migrate(ctx, pool, "kafkapg"); err != nil {
 		b.Fatal(err)
 	}
-	if _, err := pool.Exec(ctx, ledger.Schema); err != nil {
+	if _, err := pool.Exec(ctx, ledger.Schema+`;
+		CREATE TABLE bench_offsets (topic text, partition int, next_offset bigint, PRIMARY KEY (topic, partition))`); err != nil {
 		b.Fatal(err)
 	}
 	return pool

@@ -493,7 +493,7 @@ func BenchmarkIdempotencyKeys(b *testing.B) {
 			run := func(keys bool) {
 				name := map[bool]string{true: "keys on", false: "keys off"}[keys]
 				var wal int64
-				rate := measure(b, name, events, func(pool *pgxpool.Pool) func(context.Context) error {
+				rate := measure(b, name, topic, events, func(pool *pgxpool.Pool) func(context.Context) error {
 					return keyedProcessor(b, k, topic, pool, fmt.Sprintf("%s-%d-%t", topic, r, keys), keys, events, &wal)
 				})
 				perEvent := float64(wal) / float64(events)

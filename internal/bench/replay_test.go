@@ -43,7 +43,7 @@ func BenchmarkReplay(b *testing.B) {
 	k.Produce(b, same...)
 
 	for b.Loop() {
-		fast := measure(b, "fast path", events, func(pool *pgxpool.Pool) func(context.Context) error {
+		fast := measure(b, "fast path", plain, events, func(pool *pgxpool.Pool) func(context.Context) error {
 			return drainProcessor(b, k, plain, pool, nil)
 		})
 

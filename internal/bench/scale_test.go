@@ -36,7 +36,7 @@ func BenchmarkScaleOut(b *testing.B) {
 	for b.Loop() {
 		rates := map[int]float64{}
 		for _, n := range []int{1, 2, 3} {
-			rates[n] = measure(b, fmt.Sprintf("%d processors", n), events, func(pool *pgxpool.Pool) func(context.Context) error {
+			rates[n] = measure(b, fmt.Sprintf("%d processors", n), topic, events, func(pool *pgxpool.Pool) func(context.Context) error {
 				return processors(b, k, topic, pool, n)
 			})
 		}
