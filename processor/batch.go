@@ -112,6 +112,7 @@ func (w *worker) handleOnce(recs []*Record) error {
 		}
 		if out.held > 0 {
 			w.p.metrics.recordsHeld.WithLabelValues(w.source).Add(float64(out.held))
+			w.p.heldSinceAnalyze.Add(int64(out.held))
 			// A heldApplier may have skipped a ready key while this transaction held its lock.
 			w.p.heldApplier.notify()
 		}

@@ -26,6 +26,8 @@ type heldApplier struct {
 	log  *slog.Logger
 	wake chan struct{}
 
+	analyzed time.Time // when held_records was last analyzed (see analyze)
+
 	stopping chan struct{} // closed: finish the transaction in flight, start nothing new
 	stopOnce sync.Once
 	ctx      context.Context
@@ -78,6 +80,10 @@ const (
 	// operator's release, made ready (an index of ready keys answers it); it is woken at once for
 	// the keys its own processor readies.
 	heldInterval = 100 * time.Millisecond
+	// analyzeHeldAfter is how many records this process holds before the heldApplier has
+	// held_records analyzed, at most once every analyzeHeldEvery.
+	analyzeHeldAfter = 10_000
+	analyzeHeldEvery = time.Minute
 )
 
 func (d *heldApplier) run() {
@@ -93,6 +99,9 @@ func (d *heldApplier) run() {
 		if err != nil {
 			return // stopped
 		}
+		if len(keys) > 0 {
+			d.analyze()
+		}
 		progressed, err := d.applyAll(keys)
 		if err != nil {
 			return // stopped
@@ -107,6 +116,24 @@ func (d *heldApplier) run() {
 		case <-d.wake:
 		case <-tick.C:
 		}
+	}
+}
+
+// analyze has held_records analyzed if this process held many records since it last did: a
+// burst of held records leaves the table without statistics for up to a minute (autovacuum's
+// pace), and the plans made meanwhile read a whole partition's held records to take one key's.
+// Draining 100,000 held records (BenchmarkHeldRecords) ran at 0.38x the fast path without it and
+// 0.65x with it. A failure (a role that does not own the table) is logged once and changes
+// nothing else.
+func (d *heldApplier) analyze() {
+	if d.p.heldSinceAnalyze.Load() < analyzeHeldAfter || time.Since(d.analyzed) < analyzeHeldEvery {
+		return
+	}
+	d.p.heldSinceAnalyze.Store(0)
+	first := d.analyzed.IsZero()
+	d.analyzed = time.Now()
+	if err := d.p.retry.AnalyzeHeld(d.ctx, d.p.pool); err != nil && first {
+		d.log.Warn("cannot refresh the statistics of held records; applying them may be slower until autovacuum does", "err", err)
 	}
 }
 

@@ -48,6 +48,9 @@ type Processor struct {
 	buf          *buffer      // fetched records in memory, across partitions
 	nWorkers     atomic.Int32 // len(workers), read without the lock
 	busy         atomic.Int32 // workers holding records: they share the buffer budget
+	// heldSinceAnalyze counts the records this process held since the heldApplier last had
+	// held_records analyzed.
+	heldSinceAnalyze atomic.Int64
 
 	client atomic.Pointer[kgo.Client]
 	// clientCtx is the Kafka client's context; cutClient ends everything the client waits for
