@@ -23,9 +23,9 @@ import (
 //
 // Every account's first event is poison and ON_DEAD_LETTER=block, so all its later events are
 // held in Postgres; the drain is timed from releasing every key to the last event applied.
-// BENCH_DRAIN_EVENTS (default 20000) and BENCH_DRAIN_ACCOUNTS (default 64) set the size.
+// BENCH_DRAIN_EVENTS (default 100000) and BENCH_DRAIN_ACCOUNTS (default 64) set the size.
 func BenchmarkHeldRecords(b *testing.B) {
-	events := envInt("BENCH_DRAIN_EVENTS", 20_000)
+	events := envInt("BENCH_DRAIN_EVENTS", 100_000)
 	accounts := envInt("BENCH_DRAIN_ACCOUNTS", 64)
 	k := brokerFor(b)
 	ctx := context.Background()
