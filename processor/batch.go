@@ -175,14 +175,15 @@ func (w *worker) admit(ctx context.Context, tx pgx.Tx, recs []*Record, out *outc
 
 // settle records, in the batch transaction, that live records were applied.
 func (w *worker) settle(ctx context.Context, tx pgx.Tx, live []*Record) error {
+	var recs []retrytopics.Rec
+	var held []bool
 	for _, r := range live {
 		if r.stage == retrytopics.FromTier {
-			if err := w.p.retry.Applied(ctx, tx, r.rec(), r.ordered); err != nil {
-				return err
-			}
+			recs = append(recs, r.rec())
+			held = append(held, r.ordered)
 		}
 	}
-	return nil
+	return w.p.retry.Applied(ctx, tx, recs, held)
 }
 
 // admitRetries locks the retry state of the tier's records and keeps those whose state matches

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -74,8 +75,9 @@ func (d *heldApplier) describe() []any           { return []any{"component", "he
 
 const (
 	readyKeysPerRead = 100 // ready keys read at once
-	minHeldWorkers   = 4   // keys whose held records one processor applies at once: at least
+	minHeldWorkers   = 4   // held-record transactions one processor runs at once: at least
 	maxHeldWorkers   = 16  // ... and at most
+	maxBundleKeys    = 16  // keys one held-record transaction applies at most
 	// heldInterval is how often a heldApplier looks for keys that other processors, or an
 	// operator's release, made ready (an index of ready keys answers it); it is woken at once for
 	// the keys its own processor readies.
@@ -137,18 +139,19 @@ func (d *heldApplier) analyze() {
 	}
 }
 
-// applyAll applies the held records of keys, workers() keys at a time. It reports whether any key made progress, and
-// returns errStopped if it was stopped.
+// applyAll applies the held records of keys, workers() goroutines at a time. Keys are applied in
+// bundles of up to maxBundleKeys keys of one topic, one transaction per bundle (see applyBundle);
+// a bundle whose handler fails is applied again key by key, where a failing record is isolated.
+// It reports whether any key made progress, and returns errStopped if it was stopped.
 func (d *heldApplier) applyAll(keys []retrytopics.Key) (progressed bool, err error) {
-	next := make(chan retrytopics.Key)
+	bundles := d.bundles(keys)
+	next := make(chan []retrytopics.Key)
 	var stopped, anyProgress atomic.Bool
 	var wg sync.WaitGroup
-	for range min(d.workers(), len(keys)) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for k := range next {
-				p, err := d.applyKey(k)
+	for range min(d.workers(), len(bundles)) {
+		wg.Go(func() {
+			for b := range next {
+				p, err := d.applyKeys(b)
 				if p {
 					anyProgress.Store(true)
 				}
@@ -156,10 +159,10 @@ func (d *heldApplier) applyAll(keys []retrytopics.Key) (progressed bool, err err
 					stopped.Store(true)
 				}
 			}
-		}()
+		})
 	}
-	for _, k := range keys {
-		next <- k
+	for _, b := range bundles {
+		next <- b
 	}
 	close(next)
 	wg.Wait()
@@ -167,6 +170,102 @@ func (d *heldApplier) applyAll(keys []retrytopics.Key) (progressed bool, err err
 		return anyProgress.Load(), errStopped
 	}
 	return anyProgress.Load(), nil
+}
+
+// bundles splits keys into bundles of keys of one topic, as many as there are workers (so that
+// all of them have work) and no more than maxBundleKeys keys each.
+func (d *heldApplier) bundles(keys []retrytopics.Key) [][]retrytopics.Key {
+	byTopic := map[string][]retrytopics.Key{}
+	var topics []string
+	for _, k := range keys {
+		if _, ok := byTopic[k.Topic]; !ok {
+			topics = append(topics, k.Topic)
+		}
+		byTopic[k.Topic] = append(byTopic[k.Topic], k)
+	}
+	size := min(max((len(keys)+d.workers()-1)/d.workers(), 1), maxBundleKeys)
+	var out [][]retrytopics.Key
+	for _, t := range topics {
+		for chunk := range slices.Chunk(byTopic[t], size) {
+			out = append(out, chunk)
+		}
+	}
+	return out
+}
+
+// applyKeys applies the held records of keys, one topic's: bundled while the handler accepts
+// them, then key by key.
+func (d *heldApplier) applyKeys(keys []retrytopics.Key) (progressed bool, err error) {
+	for len(keys) > 1 {
+		more, applied, err := d.applyBundle(keys)
+		if errors.Is(err, errBundleFailed) {
+			break // key by key
+		}
+		if err != nil {
+			return progressed, err
+		}
+		if !applied {
+			return progressed, nil // not ready here (any more), or nothing left
+		}
+		progressed = true
+		keys = more
+	}
+	for _, k := range keys {
+		p, err := d.applyKey(k)
+		progressed = progressed || p
+		if err != nil {
+			return progressed, err
+		}
+	}
+	return progressed, nil
+}
+
+// errBundleFailed says that a bundle's handler failed: its keys are applied one by one.
+var errBundleFailed = errors.New("bundle failed")
+
+// applyBundle applies the first held records of each of keys (of one topic), up to
+// BatchMaxRecords in all, in one transaction: the handler gets them key after key, each key's in
+// offset order. It returns the keys that may have more records (those it applied records of) and
+// whether it applied anything; errBundleFailed if the handler failed (nothing is applied: the
+// caller goes key by key, where a failing record is isolated), or errStopped.
+//
+// Bundling is what makes held records cheap when each key has few of them (a replay brings back
+// one or two records per key): one commit for many keys instead of one each.
+func (d *heldApplier) applyBundle(keys []retrytopics.Key) (more []retrytopics.Key, applied bool, err error) {
+	perKey := max(d.p.cfg.BatchMaxRecords/len(keys), 1)
+	topic := keys[0].Topic
+	var recs []*Record
+	err = d.transact(func(ctx context.Context, tx pgx.Tx) error {
+		recs, more = recs[:0], more[:0]
+		held, err := d.p.retry.TakeHeldKeys(ctx, tx, keys, perKey, d.pageBytes()/len(keys))
+		if err != nil {
+			return own(err)
+		}
+		for i, h := range held {
+			for _, r := range h {
+				recs = append(recs, heldRecord(r))
+			}
+			if len(h) > 0 {
+				more = append(more, keys[i]) // until a transaction finds none
+			}
+		}
+		if len(recs) == 0 {
+			return nil
+		}
+		if err := d.p.handle(ctx, tx, topic, recs); err != nil {
+			return err // retried here if Postgres failed (see Processor.inPlace)
+		}
+		return own(d.p.retry.AppliedHeldKeys(ctx, tx, keys, held))
+	}, topic)
+	var herr *sink.HandlerError
+	if errors.Is(err, retrytopics.ErrStale) || (errors.As(err, &herr) && !errors.Is(err, errStopped)) {
+		return nil, false, errBundleFailed
+	}
+	if err != nil {
+		return nil, false, err
+	}
+	d.applied(topic, recs)
+	return more, len(recs) > 0, nil
 }
 
 // applyKey applies the records held behind k in order, until none is left, the key is held
@@ -247,20 +346,26 @@ func (d *heldApplier) applyHeld(k retrytopics.Key, limit int) (int, *Record, err
 	if err != nil {
 		return 0, first, err
 	}
-	if len(recs) > 0 {
-		d.p.metrics.applied.WithLabelValues(k.Topic).Add(float64(len(recs) - d.p.committed(k.Topic, recs)))
-		replayed := 0
-		for _, r := range recs {
-			if r.deadLetter != 0 {
-				replayed++
-			}
-		}
-		if replayed > 0 {
-			d.p.metrics.replayed.WithLabelValues(k.Topic, "applied").Add(float64(replayed))
-		}
-		d.p.breaker.succeeded(len(recs))
-	}
+	d.applied(k.Topic, recs)
 	return len(recs), first, nil
+}
+
+// applied counts held records of topic that a transaction just applied.
+func (d *heldApplier) applied(topic string, recs []*Record) {
+	if len(recs) == 0 {
+		return
+	}
+	d.p.metrics.applied.WithLabelValues(topic).Add(float64(len(recs) - d.p.committed(topic, recs)))
+	replayed := 0
+	for _, r := range recs {
+		if r.deadLetter != 0 {
+			replayed++
+		}
+	}
+	if replayed > 0 {
+		d.p.metrics.replayed.WithLabelValues(topic, "applied").Add(float64(replayed))
+	}
+	d.p.breaker.succeeded(len(recs))
 }
 
 // retryFirst handles k's first held record, rec, whose handler just failed with cause: it is

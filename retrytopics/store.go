@@ -217,21 +217,33 @@ func (s *Store) LockRetries(ctx context.Context, tx pgx.Tx, recs []Origin) (map[
 	return out, nil
 }
 
-// Applied records that a record from a tier was applied: it leaves the retry path, and its key,
-// if held, goes on with its next held record (or is no longer held). The caller holds the
-// record's retry state lock (LockRetries).
-func (s *Store) Applied(ctx context.Context, tx pgx.Tx, r Rec, held bool) error {
-	if _, err := tx.Exec(ctx, `DELETE FROM `+s.retries+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4`,
-		s.group, r.Topic, r.Partition, r.Offset); err != nil {
-		return fmt.Errorf("forget retry state of %s: %w", r.Origin, err)
+// Applied records that records from a tier were applied: they leave the retry path, and the
+// keys of those whose held is true go on with their next held record (or are no longer held).
+// One round trip for all of them. The caller holds the records' retry state locks
+// (LockRetries).
+func (s *Store) Applied(ctx context.Context, tx pgx.Tx, recs []Rec, held []bool) error {
+	if len(recs) == 0 {
+		return nil
 	}
-	if r.DeadLetter != 0 {
-		if err := s.replayed(ctx, tx, []int64{r.DeadLetter}); err != nil {
-			return err
+	b := &pgx.Batch{}
+	var replayed []int64
+	for _, r := range recs {
+		b.Queue(`DELETE FROM `+s.retries+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4`,
+			s.group, r.Topic, r.Partition, r.Offset)
+		if r.DeadLetter != 0 {
+			replayed = append(replayed, r.DeadLetter)
 		}
 	}
-	if held {
-		return s.release(ctx, tx, Key{r.Topic, r.Partition, r.Key})
+	if len(replayed) > 0 {
+		s.queueReplayed(b, replayed)
+	}
+	for i, r := range recs {
+		if held[i] {
+			s.queueRelease(b, Key{r.Topic, r.Partition, r.Key})
+		}
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("forget the retry state of %d applied records (from %s): %w", len(recs), recs[0].Origin, err)
 	}
 	return nil
 }
@@ -379,97 +391,141 @@ func (s *Store) ReadyKeys(ctx context.Context, q Querier, topics []string, limit
 // none if the key is not ready, is locked by another transaction, or has nothing held any more
 // (it is then released).
 func (s *Store) TakeHeld(ctx context.Context, tx pgx.Tx, k Key, limit, maxBytes int) ([]Rec, error) {
-	var one int
-	err := tx.QueryRow(ctx, `SELECT 1 FROM `+s.heldKeys+`
-		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4 AND state = 'ready'
-		FOR UPDATE SKIP LOCKED`, s.group, k.Topic, k.Partition, k.Key).Scan(&one)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, nil
-	}
+	held, err := s.TakeHeldKeys(ctx, tx, []Key{k}, limit, maxBytes)
 	if err != nil {
-		return nil, fmt.Errorf("lock ready key: %w", err)
+		return nil, err
+	}
+	return held[0], nil
+}
+
+// TakeHeldKeys is TakeHeld for several keys, each with its own limit and maxBytes, in two or three
+// round trips: held[i] are the records of keys[i].
+func (s *Store) TakeHeldKeys(ctx context.Context, tx pgx.Tx, keys []Key, limit, maxBytes int) (held [][]Rec, err error) {
+	held = make([][]Rec, len(keys))
+	locked := make([]bool, len(keys))
+	b := &pgx.Batch{}
+	for i, k := range keys {
+		b.Queue(`SELECT 1 FROM `+s.heldKeys+`
+			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4 AND state = 'ready'
+			FOR UPDATE SKIP LOCKED`, s.group, k.Topic, k.Partition, k.Key).Query(func(rows pgx.Rows) error {
+			locked[i] = rows.Next()
+			rows.Close()
+			return rows.Err()
+		})
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return nil, fmt.Errorf("lock ready keys: %w", err)
 	}
 	// The values before a row are summed from their sizes, which Postgres knows without reading
 	// them: values past the budget are never read.
-	rows, err := tx.Query(ctx, `SELECT "offset", value, header_keys, header_values, "timestamp", attempt, coalesce(dead_letter_id, 0), keyless FROM (
-			SELECT "offset", value, header_keys, header_values, "timestamp", attempt, dead_letter_id, keyless,
-				coalesce(sum(coalesce(octet_length(value), 0)) OVER (ORDER BY "offset" ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
-			FROM `+s.heldRecords+`
-			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
-			ORDER BY "offset" LIMIT $5) page
-		WHERE before < $6 ORDER BY "offset"`, s.group, k.Topic, k.Partition, k.Key, limit, max(maxBytes, 1))
-	if err != nil {
-		return nil, fmt.Errorf("read held records: %w", err)
-	}
-	var out []Rec
-	var r Rec
-	var hkeys, hvals [][]byte
-	var ms int64
-	var keyless bool
-	_, err = pgx.ForEachRow(rows, []any{&r.Offset, &r.Value, &hkeys, &hvals, &ms, &r.Attempt, &r.DeadLetter, &keyless}, func() error {
-		r.Topic, r.Partition, r.Key, r.Timestamp = k.Topic, k.Partition, k.Key, time.UnixMilli(ms).UTC()
-		if keyless {
-			r.Key = nil // it waited under a key of its own (see Replay)
+	b = &pgx.Batch{}
+	for i, k := range keys {
+		if !locked[i] {
+			continue
 		}
-		var err error
-		if r.Headers, err = sink.JoinHeaders(hkeys, hvals); err != nil {
-			return fmt.Errorf("held record at offset %d: %w", r.Offset, err)
+		b.Queue(`SELECT "offset", value, header_keys, header_values, "timestamp", attempt, coalesce(dead_letter_id, 0), keyless FROM (
+				SELECT "offset", value, header_keys, header_values, "timestamp", attempt, dead_letter_id, keyless,
+					coalesce(sum(coalesce(octet_length(value), 0)) OVER (ORDER BY "offset" ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+				FROM `+s.heldRecords+`
+				WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
+				ORDER BY "offset" LIMIT $5) page
+			WHERE before < $6 ORDER BY "offset"`, s.group, k.Topic, k.Partition, k.Key, limit, max(maxBytes, 1)).Query(func(rows pgx.Rows) error {
+			var r Rec
+			var hkeys, hvals [][]byte
+			var ms int64
+			var keyless bool
+			_, err := pgx.ForEachRow(rows, []any{&r.Offset, &r.Value, &hkeys, &hvals, &ms, &r.Attempt, &r.DeadLetter, &keyless}, func() error {
+				r.Topic, r.Partition, r.Key, r.Timestamp = k.Topic, k.Partition, k.Key, time.UnixMilli(ms).UTC()
+				if keyless {
+					r.Key = nil // it waited under a key of its own (see Replay)
+				}
+				var err error
+				if r.Headers, err = sink.JoinHeaders(hkeys, hvals); err != nil {
+					return fmt.Errorf("held record at offset %d: %w", r.Offset, err)
+				}
+				held[i] = append(held[i], r)
+				r = Rec{}
+				return nil
+			})
+			return err
+		})
+	}
+	if b.Len() > 0 {
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return nil, fmt.Errorf("read held records: %w", err)
 		}
-		out = append(out, r)
-		r = Rec{}
-		return nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("read held records: %w", err)
 	}
-	if len(out) == 0 {
-		return nil, s.release(ctx, tx, k)
+	// A locked key with nothing held any more is released.
+	b = &pgx.Batch{}
+	for i, k := range keys {
+		if locked[i] && len(held[i]) == 0 {
+			s.queueRelease(b, k)
+		}
 	}
-	return out, nil
+	if b.Len() > 0 {
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return nil, fmt.Errorf("release held key: %w", err)
+		}
+	}
+	return held, nil
 }
 
 // AppliedHeld records that held records of k were applied: they are deleted, and the key goes
 // on with its next held record or is no longer held. The caller holds the key's lock
 // (TakeHeld).
 func (s *Store) AppliedHeld(ctx context.Context, tx pgx.Tx, k Key, recs []Rec) error {
-	if len(recs) == 0 {
-		return s.release(ctx, tx, k)
-	}
-	// recs are the first of the key's held records, in offset order (TakeHeld): they are the
-	// key's records from the first offset to the last, which the key's index finds as one range.
-	// (With "offset" = ANY($n), a plan made while the table was small filtered every held
-	// record of the partition against the array: 80 ms a transaction at 100,000 held records.)
-	// Any other record in the range would make the count differ, and the transaction fail.
-	tag, err := tx.Exec(ctx, `DELETE FROM `+s.heldRecords+`
-		WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
-		AND "offset" BETWEEN $5 AND $6`,
-		s.group, k.Topic, k.Partition, k.Key, recs[0].Offset, recs[len(recs)-1].Offset)
-	if err != nil {
-		return fmt.Errorf("delete %d applied held records: %w", len(recs), err)
-	}
-	if tag.RowsAffected() != int64(len(recs)) {
-		return fmt.Errorf("deleted %d of %d applied held records: %w", tag.RowsAffected(), len(recs), ErrStale)
-	}
-	var replayed []int64
-	for _, r := range recs {
-		if r.DeadLetter != 0 {
-			replayed = append(replayed, r.DeadLetter)
-		}
-	}
-	if len(replayed) > 0 {
-		if err := s.replayed(ctx, tx, replayed); err != nil {
-			return err
-		}
-	}
-	return s.release(ctx, tx, k)
+	return s.AppliedHeldKeys(ctx, tx, []Key{k}, [][]Rec{recs})
 }
 
-// AnalyzeHeld refreshes the planner's statistics of held_records. A table that filled within
-// the last minute (a burst of failures holding many keys' records) has none yet, and the plans
-// made without them scan every held record of a partition to find one key's: the held-record
-// applier calls it before draining such a burst (autovacuum would, within a minute or so).
+// AppliedHeldKeys is AppliedHeld for several keys, in one round trip: recs[i] are the applied
+// records of keys[i]; a key without any is left alone.
+func (s *Store) AppliedHeldKeys(ctx context.Context, tx pgx.Tx, keys []Key, recs [][]Rec) error {
+	b := &pgx.Batch{}
+	var replayed []int64
+	var stale error
+	for i, k := range keys {
+		applied := recs[i]
+		if len(applied) == 0 {
+			continue // not taken here (TakeHeldKeys released it if it had nothing left)
+		}
+		// applied are the first of the key's held records, in offset order (TakeHeld): they are
+		// the key's records from the first offset to the last, which the key's index finds as one
+		// range. (With "offset" = ANY($n), a plan made while the table was small filtered every
+		// held record of the partition against the array: 80 ms a transaction at 100,000 held
+		// records.) Any other record in the range would make the count differ, and the
+		// transaction fail.
+		b.Queue(`DELETE FROM `+s.heldRecords+`
+			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
+			AND "offset" BETWEEN $5 AND $6`,
+			s.group, k.Topic, k.Partition, k.Key, applied[0].Offset, applied[len(applied)-1].Offset).Exec(func(tag pgconn.CommandTag) error {
+			if tag.RowsAffected() != int64(len(applied)) && stale == nil {
+				stale = fmt.Errorf("deleted %d of %d applied held records: %w", tag.RowsAffected(), len(applied), ErrStale)
+			}
+			return nil
+		})
+		for _, r := range applied {
+			if r.DeadLetter != 0 {
+				replayed = append(replayed, r.DeadLetter)
+			}
+		}
+		s.queueRelease(b, k)
+	}
+	if len(replayed) > 0 {
+		s.queueReplayed(b, replayed)
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("delete applied held records of %d keys: %w", len(keys), err)
+	}
+	return stale
+}
+
+// AnalyzeHeld refreshes the planner's statistics of held_records and held_keys. Tables that
+// filled within the last minute (a burst of failures holding many keys' records) have none yet,
+// and the plans made without them scan every held record of a partition to find one key's, and
+// every ready key to lock one: the held-record applier calls it before draining such a burst
+// (autovacuum would, within a minute or so).
 func (s *Store) AnalyzeHeld(ctx context.Context, db Execer) error {
-	if _, err := db.Exec(ctx, `ANALYZE `+s.heldRecords); err != nil {
+	if _, err := db.Exec(ctx, `ANALYZE `+s.heldRecords+`, `+s.heldKeys); err != nil {
 		return fmt.Errorf("analyze held records: %w", err)
 	}
 	return nil
@@ -477,16 +533,23 @@ func (s *Store) AnalyzeHeld(ctx context.Context, db Execer) error {
 
 // replayed records that the records of dead letters ids, brought back by a replay, were applied.
 func (s *Store) replayed(ctx context.Context, tx pgx.Tx, ids []int64) error {
-	if _, err := tx.Exec(ctx, `WITH d AS (
+	b := &pgx.Batch{}
+	s.queueReplayed(b, ids)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("mark %d replayed dead letters: %w", len(ids), err)
+	}
+	return nil
+}
+
+// queueReplayed queues replayed's statement in b.
+func (s *Store) queueReplayed(b *pgx.Batch, ids []int64) {
+	b.Queue(`WITH d AS (
 			UPDATE `+s.deadLetters+` SET status = 'replayed', status_changed_at = now()
 			WHERE consumer_group = $1 AND id = ANY($2) AND status = 'replaying'
 			RETURNING id)
 		INSERT INTO `+s.events+` (dead_letter_id, event, task_id)
 			SELECT d.id, 'replayed', (SELECT task_id FROM `+s.events+` e WHERE e.dead_letter_id = d.id AND e.event = 'replay_queued' ORDER BY e.id DESC LIMIT 1) FROM d`,
-		s.group, ids); err != nil {
-		return fmt.Errorf("mark %d replayed dead letters: %w", len(ids), err)
-	}
-	return nil
+		s.group, ids)
 }
 
 // unhold deletes a held record, failing if it is not there.
@@ -507,6 +570,15 @@ func (s *Store) unhold(ctx context.Context, tx pgx.Tx, o Origin) error {
 // record held before it was taken.
 func (s *Store) release(ctx context.Context, tx pgx.Tx, k Key) error {
 	b := &pgx.Batch{}
+	s.queueRelease(b, k)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("release held key: %w", err)
+	}
+	return nil
+}
+
+// queueRelease queues release's statements in b.
+func (s *Store) queueRelease(b *pgx.Batch, k Key) {
 	b.Queue(`SELECT 1 FROM `+s.heldKeys+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4 FOR UPDATE`,
 		s.group, k.Topic, k.Partition, k.Key)
 	b.Queue(`UPDATE `+s.heldKeys+` h SET state = 'ready', head_offset = NULL, updated_at = now()
@@ -519,10 +591,6 @@ func (s *Store) release(ctx context.Context, tx pgx.Tx, k Key) error {
 		AND NOT EXISTS (SELECT 1 FROM `+s.heldRecords+` r
 			WHERE r.consumer_group = h.consumer_group AND r.topic = h.topic AND r.partition = h.partition AND r.key_hash = h.key_hash AND r.key = h.key)`,
 		s.group, k.Topic, k.Partition, k.Key)
-	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return fmt.Errorf("release held key: %w", err)
-	}
-	return nil
 }
 
 // Unblock releases keys held after a dead letter (OnDeadLetterBlock): their held records are

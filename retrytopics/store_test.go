@@ -81,7 +81,7 @@ func TestStoreKeyHandOver(t *testing.T) {
 		if states[head.Origin].Attempt != 2 || !states[head.Origin].FirstFailedAt.Equal(failedAt.Truncate(time.Microsecond)) {
 			t.Errorf("retry state %+v, want attempt 2 and the first failure time", states[head.Origin])
 		}
-		return s.Applied(ctx, tx, head, true)
+		return s.Applied(ctx, tx, []retrytopics.Rec{head}, []bool{true})
 	})
 	keys, err := s.ReadyKeys(context.Background(), pool, []string{"orders"}, 10)
 	if err != nil || len(keys) != 1 || string(keys[0].Key) != string(key) {
@@ -160,7 +160,7 @@ func TestStoreTakesAnyRecordContent(t *testing.T) {
 		return s.Hold(ctx, tx, held)
 	})
 	inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
-		return s.Applied(ctx, tx, head, true)
+		return s.Applied(ctx, tx, []retrytopics.Rec{head}, []bool{true})
 	})
 	k := retrytopics.Key{Topic: "t", Partition: 0, Key: key}
 	for _, tt := range []struct {

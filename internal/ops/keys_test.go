@@ -110,7 +110,7 @@ func (e *keysEnv) applied(r retrytopics.Rec) {
 		if _, err := e.store.LockRetries(ctx, tx, []retrytopics.Origin{r.Origin}); err != nil {
 			return err
 		}
-		return e.store.Applied(ctx, tx, r, true)
+		return e.store.Applied(ctx, tx, []retrytopics.Rec{r}, []bool{true})
 	})
 }
 
