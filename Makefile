@@ -40,7 +40,7 @@ chaos: build ## Fault-injection suite: kill, stop and cut processors, Postgres a
 
 .PHONY: bench
 bench: ## End-to-end throughput: kafkapg vs hand-written loops on the same data (durable Postgres)
-	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test -run '^$$' -bench . -benchtime 1x -count 1 -timeout 30m ./internal/bench/
+	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test -run '^$$' -bench . -benchtime 1x -count 1 -timeout 60m ./internal/bench/
 
 .PHONY: lint
 lint: ## gofmt check, go.mod tidy check and go vet (staticcheck too if installed)
