@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/internal/console"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -46,6 +47,8 @@ type env struct {
 	HTTPAddr             string        `envconfig:"HTTP_ADDR" default:":9090"`
 	OperatorToken        string        `envconfig:"OPERATOR_TOKEN"`
 	PprofAddr            string        `envconfig:"PPROF_ADDR"`
+	ConsoleAddr          string        `envconfig:"CONSOLE_ADDR"`
+	ConsoleUsers         string        `envconfig:"CONSOLE_USERS"`
 	BatchMaxRecords      int           `envconfig:"BATCH_MAX_RECORDS" default:"500" field:"BatchMaxRecords"`
 	BatchMaxWait         batchWait     `envconfig:"BATCH_MAX_WAIT" default:"20ms" field:"BatchMaxWait"`
 	RetryLocalAttempts   int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3" field:"LocalAttempts"`
@@ -242,6 +245,14 @@ func (e *env) validate(hs *registry) error {
 	}
 	if t := e.OperatorToken; t != "" && len(strings.TrimSpace(t)) < 16 {
 		errs = append(errs, errors.New("OPERATOR_TOKEN must be at least 16 characters (it guards replays of records): generate one, e.g. openssl rand -hex 32"))
+	}
+	switch {
+	case e.ConsoleAddr != "" && e.ConsoleUsers == "":
+		errs = append(errs, errors.New("CONSOLE_ADDR is set but CONSOLE_USERS is not: every console page needs a user (name:role:password, role viewer or operator)"))
+	case e.ConsoleUsers != "":
+		if _, err := console.ParseUsers(e.ConsoleUsers); err != nil {
+			errs = append(errs, fmt.Errorf("CONSOLE_USERS: %w", err))
+		}
 	}
 	if e.Handler != "" && hs.get(e.Handler) == nil {
 		errs = append(errs, fmt.Errorf("HANDLER=%q is not a handler of this binary (it has: %s)", e.Handler, strings.Join(hs.names, ", ")))

@@ -46,8 +46,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/twmb/franz-go/pkg/kadm"
 
 	"github.com/kafkapg/kafkapg/internal/backoff"
+	"github.com/kafkapg/kafkapg/internal/console"
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"
@@ -344,6 +346,13 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		paths += " /api/v1/ (operator API)"
 	}
 	log.Info("http listening", "addr", ln.Addr().String(), "paths", paths)
+	if env.ConsoleAddr != "" {
+		stop, err := serveConsole(ctx, env, pool, log)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
 	if env.PprofAddr != "" {
 		stop, err := servePprof(env.PprofAddr, log)
 		if err != nil {
@@ -385,6 +394,42 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		return fmt.Errorf("%w (KAFKA_CREATE_TOPICS=true lets the service create them)", err)
 	}
 	return err
+}
+
+// serveConsole serves the operator console on CONSOLE_ADDR (see package console). It returns a
+// function that stops it.
+func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, log *slog.Logger) (stop func(), err error) {
+	users, err := console.ParseUsers(env.ConsoleUsers)
+	if err != nil {
+		return nil, &configError{fmt.Errorf("CONSOLE_USERS: %w", err)}
+	}
+	c := &opsCmd{env: env}
+	cl, err := c.kafka()
+	if err != nil {
+		return nil, err
+	}
+	con, err := console.New(console.Config{
+		Ops: ops.New(pool, env.DBSchema, env.KafkaGroupID), Pool: pool, Schema: env.DBSchema, Group: env.KafkaGroupID,
+		Topics: env.KafkaTopics, Admin: kadm.NewClient(cl), Users: users, Log: log.With("component", "console"),
+	})
+	if err != nil {
+		cl.Close()
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", env.ConsoleAddr)
+	if err != nil {
+		cl.Close()
+		return nil, &configError{fmt.Errorf("CONSOLE_ADDR=%q: %v", env.ConsoleAddr, err)}
+	}
+	srv := &http.Server{Handler: con.Handler(), ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(ln)
+	log.Info("console listening", "addr", ln.Addr().String(), "users", len(users))
+	return func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+		defer cancel()
+		srv.Shutdown(sctx)
+		cl.Close()
+	}, nil
 }
 
 // gcPercentUnderLimit is the garbage collector's GOGC when a soft memory limit is set and GOGC is

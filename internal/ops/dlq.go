@@ -135,11 +135,21 @@ func scanList(rows pgx.Rows) ([]DeadLetter, error) {
 
 // List returns up to limit dead letters that f matches, newest first.
 func (o *Ops) List(ctx context.Context, f Filter, limit int) ([]DeadLetter, error) {
+	return o.ListBefore(ctx, f, 0, limit)
+}
+
+// ListBefore is List for the dead letters older than id before (0: from the newest): a page of a
+// long list, found along the primary key however many there are.
+func (o *Ops) ListBefore(ctx context.Context, f Filter, before int64, limit int) ([]DeadLetter, error) {
 	if err := f.Validate(); err != nil {
 		return nil, err
 	}
 	args := []any{o.group}
 	where := f.where(&args)
+	if before > 0 {
+		args = append(args, before)
+		where += " AND d.id < $" + strconv.Itoa(len(args))
+	}
 	args = append(args, limit)
 	rows, err := o.pool.Query(ctx, `SELECT `+listColumns+` FROM `+o.table("dead_letters")+` d WHERE `+where+`
 		ORDER BY d.id DESC LIMIT $`+strconv.Itoa(len(args)), args...)

@@ -1,0 +1,374 @@
+// Package console is kafkapg's operator console: server-rendered pages (html/template, embedded,
+// no JavaScript build) over the same operations as the CLI and the JSON API (package ops), served
+// by the service on an address of its own (CONSOLE_ADDR).
+//
+// Every page needs a user (HTTP basic authentication against CONSOLE_USERS); a viewer may browse,
+// only an operator may act. Requests that change state must be same-origin
+// (http.CrossOriginProtection).
+package console
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/subtle"
+	"embed"
+	"errors"
+	"fmt"
+	"html/template"
+	"io/fs"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kadm"
+
+	"github.com/kafkapg/kafkapg/internal/ops"
+)
+
+// Role is what a user may do.
+type Role string
+
+const (
+	Viewer   Role = "viewer"   // browses every page
+	Operator Role = "operator" // also replays, discards and releases
+)
+
+// User is a console login.
+type User struct {
+	Name     string
+	Role     Role
+	Password string
+}
+
+// ParseUsers reads CONSOLE_USERS: comma-separated name:role:password entries (the password is
+// everything after the second colon). Names must be unique, roles viewer or operator, and
+// passwords at least 12 characters.
+func ParseUsers(s string) ([]User, error) {
+	var users []User
+	seen := map[string]bool{}
+	for i, entry := range strings.Split(s, ",") {
+		entry = strings.TrimSpace(entry)
+		if entry == "" {
+			continue
+		}
+		name, rest, ok1 := strings.Cut(entry, ":")
+		role, password, ok2 := strings.Cut(rest, ":")
+		if !ok1 || !ok2 || name == "" {
+			// Nothing of the entry is echoed: it may be a password.
+			return nil, fmt.Errorf("entry %d: want name:role:password", i+1)
+		}
+		if Role(role) != Viewer && Role(role) != Operator {
+			return nil, fmt.Errorf("user %q: role %q: want viewer or operator", name, role)
+		}
+		if len(password) < 12 {
+			return nil, fmt.Errorf("user %q: the password must be at least 12 characters", name)
+		}
+		if seen[name] {
+			return nil, fmt.Errorf("user %q is listed twice", name)
+		}
+		seen[name] = true
+		users = append(users, User{Name: name, Role: Role(role), Password: password})
+	}
+	if len(users) == 0 {
+		return nil, errors.New("no users: want name:role:password entries")
+	}
+	return users, nil
+}
+
+// Config is what a Console serves.
+type Config struct {
+	Ops    *ops.Ops
+	Pool   *pgxpool.Pool
+	Schema string
+	Group  string
+	Topics []string     // the source topics (for their lag)
+	Admin  *kadm.Client // end offsets, for lag; nil: lag is not shown
+	Users  []User
+	Log    *slog.Logger
+}
+
+// Console serves the pages.
+type Console struct {
+	cfg   Config
+	users []hashedUser
+	pages map[string]*template.Template
+}
+
+type hashedUser struct {
+	name     string
+	role     Role
+	password [sha256.Size]byte
+}
+
+//go:embed templates static
+var files embed.FS
+
+// New returns the console's handler.
+func New(cfg Config) (*Console, error) {
+	c := &Console{cfg: cfg, pages: map[string]*template.Template{}}
+	for _, u := range cfg.Users {
+		c.users = append(c.users, hashedUser{u.Name, u.Role, sha256.Sum256([]byte(u.Password))})
+	}
+	for _, page := range []string{"overview", "deadletters", "deadletter"} {
+		t, err := template.New("layout.html").Funcs(funcs).ParseFS(files, "templates/layout.html", "templates/"+page+".html")
+		if err != nil {
+			return nil, fmt.Errorf("console template %s: %w", page, err)
+		}
+		c.pages[page] = t
+	}
+	return c, nil
+}
+
+// Handler returns the routes, each behind authentication and cross-origin protection.
+func (c *Console) Handler() http.Handler {
+	mux := http.NewServeMux()
+	static, _ := fs.Sub(files, "static")
+	mux.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
+	mux.HandleFunc("GET /{$}", c.overview)
+	mux.HandleFunc("GET /dead-letters", c.deadLetters)
+	mux.HandleFunc("GET /dead-letters/{id}", c.deadLetter)
+	return http.NewCrossOriginProtection().Handler(c.authenticate(mux))
+}
+
+type ctxKey struct{}
+
+// authenticate lets through requests with a console user's credentials (HTTP basic
+// authentication); others get 401 and nothing else.
+func (c *Console) authenticate(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		u, ok := c.user(r)
+		if !ok {
+			w.Header().Set("WWW-Authenticate", `Basic realm="kafkapg console", charset="UTF-8"`)
+			http.Error(w, "kafkapg console: sign in with a user of CONSOLE_USERS", http.StatusUnauthorized)
+			return
+		}
+		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), ctxKey{}, u)))
+	})
+}
+
+// user returns the user whose credentials r carries. Every user's password is compared, in
+// constant time, whatever matches.
+func (c *Console) user(r *http.Request) (hashedUser, bool) {
+	name, password, ok := r.BasicAuth()
+	if !ok {
+		return hashedUser{}, false
+	}
+	sum := sha256.Sum256([]byte(password))
+	var found hashedUser
+	match := 0
+	for _, u := range c.users {
+		if subtle.ConstantTimeCompare(sum[:], u.password[:])&subtle.ConstantTimeCompare([]byte(name), []byte(u.name)) == 1 {
+			found, match = u, 1
+		}
+	}
+	return found, match == 1
+}
+
+func userOf(r *http.Request) hashedUser { u, _ := r.Context().Value(ctxKey{}).(hashedUser); return u }
+
+// page is what every template gets.
+type page struct {
+	Title string
+	Nav   string
+	User  string
+	Role  Role
+	Group string
+	Now   time.Time
+	Data  any
+}
+
+func (c *Console) render(w http.ResponseWriter, r *http.Request, name, title string, data any) {
+	u := userOf(r)
+	var b strings.Builder
+	err := c.pages[name].Execute(&b, page{Title: title, Nav: name, User: u.name, Role: u.role, Group: c.cfg.Group, Now: time.Now().UTC(), Data: data})
+	if err != nil {
+		c.fail(w, fmt.Errorf("render %s: %w", name, err))
+		return
+	}
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-store")
+	w.Header().Set("Content-Security-Policy", "default-src 'self'; style-src 'self'; img-src 'self' data:")
+	w.Header().Set("X-Frame-Options", "DENY")
+	fmt.Fprint(w, b.String())
+}
+
+func (c *Console) fail(w http.ResponseWriter, err error) {
+	c.cfg.Log.Error("console", "err", err)
+	status := http.StatusInternalServerError
+	if errors.Is(err, ops.ErrUsage) {
+		status = http.StatusBadRequest
+	}
+	http.Error(w, err.Error(), status)
+}
+
+// partitionRow is a partition of the group on the overview.
+type partitionRow struct {
+	Topic     string
+	Partition int32
+	Owner     string
+	Next      *int64
+	End       int64
+	Lag       int64
+	HasLag    bool
+	Updated   time.Time
+}
+
+type overviewData struct {
+	Partitions []partitionRow
+	Counts     []ops.Count
+	Held       int64
+	Blocked    int64
+	Tasks      []ops.Task
+	TotalLag   int64
+	HasLag     bool
+	// NewDeadLetters counts the dead letters not yet replayed nor discarded.
+	NewDeadLetters int64
+}
+
+func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
+	ctx := r.Context()
+	var d overviewData
+	rows, err := c.cfg.Pool.Query(ctx, `SELECT topic, partition, owner, next_offset, updated_at FROM `+
+		pgx.Identifier{c.cfg.Schema, "offsets"}.Sanitize()+` WHERE consumer_group = $1 ORDER BY topic, partition`, c.cfg.Group)
+	if err != nil {
+		c.fail(w, err)
+		return
+	}
+	var p partitionRow
+	if _, err := pgx.ForEachRow(rows, []any{&p.Topic, &p.Partition, &p.Owner, &p.Next, &p.Updated}, func() error {
+		d.Partitions = append(d.Partitions, p)
+		p = partitionRow{}
+		return nil
+	}); err != nil {
+		c.fail(w, err)
+		return
+	}
+	if c.cfg.Admin != nil && len(d.Partitions) > 0 {
+		topics := map[string]bool{}
+		for _, p := range d.Partitions {
+			topics[p.Topic] = true
+		}
+		var names []string
+		for t := range topics {
+			names = append(names, t)
+		}
+		lctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		ends, err := c.cfg.Admin.ListEndOffsets(lctx, names...)
+		cancel()
+		if err == nil {
+			for i := range d.Partitions {
+				p := &d.Partitions[i]
+				if o, ok := ends.Lookup(p.Topic, p.Partition); ok && o.Err == nil {
+					p.End, p.HasLag = o.Offset, true
+					if p.Next != nil {
+						p.Lag = max(o.Offset-*p.Next, 0)
+					} else {
+						p.Lag = o.Offset
+					}
+					d.TotalLag += p.Lag
+					d.HasLag = true
+				}
+			}
+		} else {
+			c.cfg.Log.Warn("console: cannot read end offsets; lag not shown", "err", err)
+		}
+	}
+	if d.Counts, err = c.cfg.Ops.Summary(ctx, ops.Filter{}); err != nil {
+		c.fail(w, err)
+		return
+	}
+	for _, n := range d.Counts {
+		if n.Status == "new" {
+			d.NewDeadLetters += n.N
+		}
+	}
+	if err := c.cfg.Pool.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE state = 'blocked') FROM `+
+		pgx.Identifier{c.cfg.Schema, "held_keys"}.Sanitize()+` WHERE consumer_group = $1`, c.cfg.Group).Scan(&d.Held, &d.Blocked); err != nil {
+		c.fail(w, err)
+		return
+	}
+	if d.Tasks, err = c.cfg.Ops.Tasks(ctx, 5); err != nil {
+		c.fail(w, err)
+		return
+	}
+	c.render(w, r, "overview", "Overview", d)
+}
+
+// listPage is how many dead letters a page of the list shows.
+const listPage = 50
+
+type deadLettersData struct {
+	Form    map[string]string
+	Rows    []ops.DeadLetter
+	Counts  []ops.Count
+	Older   string // the next page's query, or ""
+	Matched int64
+}
+
+func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	f := ops.Filter{Topic: q.Get("topic"), Class: q.Get("class"), Status: q.Get("status"), Error: q.Get("error")}
+	if k := q.Get("key"); k != "" {
+		f.Key, f.HasKey = []byte(k), true
+	}
+	var before int64
+	if b := q.Get("before"); b != "" {
+		var err error
+		if before, err = strconv.ParseInt(b, 10, 64); err != nil || before < 1 {
+			http.Error(w, "before: want a dead letter id", http.StatusBadRequest)
+			return
+		}
+	}
+	ctx := r.Context()
+	rows, err := c.cfg.Ops.ListBefore(ctx, f, before, listPage+1)
+	if err != nil {
+		c.fail(w, err)
+		return
+	}
+	d := deadLettersData{Form: map[string]string{
+		"topic": f.Topic, "class": f.Class, "status": f.Status, "error": f.Error, "key": q.Get("key")}}
+	if len(rows) > listPage {
+		rows = rows[:listPage]
+		older := r.URL.Query()
+		older.Set("before", strconv.FormatInt(rows[len(rows)-1].ID, 10))
+		d.Older = older.Encode()
+	}
+	d.Rows = rows
+	if d.Counts, err = c.cfg.Ops.Summary(ctx, f); err != nil {
+		c.fail(w, err)
+		return
+	}
+	for _, n := range d.Counts {
+		d.Matched += n.N
+	}
+	c.render(w, r, "deadletters", "Dead letters", d)
+}
+
+type deadLetterData struct {
+	DL       ops.DeadLetter
+	Value    string
+	Encoding string // json, text or hex
+}
+
+func (c *Console) deadLetter(w http.ResponseWriter, r *http.Request) {
+	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+	if err != nil {
+		http.Error(w, "dead letter id: want a number", http.StatusBadRequest)
+		return
+	}
+	dl, err := c.cfg.Ops.Show(r.Context(), id)
+	if errors.Is(err, ops.ErrNotFound) {
+		http.NotFound(w, r)
+		return
+	}
+	if err != nil {
+		c.fail(w, err)
+		return
+	}
+	v, enc := decode(dl.Value)
+	c.render(w, r, "deadletter", fmt.Sprintf("Dead letter %d", id), deadLetterData{DL: dl, Value: v, Encoding: enc})
+}

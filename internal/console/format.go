@@ -1,0 +1,101 @@
+package console
+
+import (
+	"bytes"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"html/template"
+	"time"
+	"unicode/utf8"
+
+	"github.com/kafkapg/kafkapg/internal/ops"
+)
+
+// maxShown bounds the bytes of a value a page shows.
+const maxShown = 64 << 10
+
+// decode renders a record value for a person: pretty-printed JSON, text, or a hex dump, and says
+// which.
+func decode(v []byte) (shown, encoding string) {
+	if v == nil {
+		return "(null)", "null"
+	}
+	cut := ""
+	if len(v) > maxShown {
+		v, cut = v[:maxShown], fmt.Sprintf("\n… (%d bytes more)", len(v)-maxShown)
+	}
+	var out bytes.Buffer
+	if json.Valid(v) && json.Indent(&out, v, "", "  ") == nil {
+		return out.String() + cut, "json"
+	}
+	if utf8.Valid(v) && printable(v) {
+		return string(v) + cut, "text"
+	}
+	return hex.Dump(v) + cut, "hex"
+}
+
+// printable reports whether text has no control characters but tabs and line breaks.
+func printable(text []byte) bool {
+	for _, r := range string(text) {
+		if r < 0x20 && r != '\n' && r != '\r' && r != '\t' || r == 0x7f {
+			return false
+		}
+	}
+	return true
+}
+
+var funcs = template.FuncMap{
+	"list": func(s ...string) []string { return s },
+	"key": func(k []byte) string {
+		if k == nil {
+			return "(no key)"
+		}
+		return ops.KeyText(k)
+	},
+	"ago": func(t time.Time) string {
+		if t.IsZero() {
+			return "—"
+		}
+		d := time.Since(t).Round(time.Second)
+		switch {
+		case d < time.Minute:
+			return fmt.Sprintf("%ds ago", int(d.Seconds()))
+		case d < time.Hour:
+			return fmt.Sprintf("%dm ago", int(d.Minutes()))
+		case d < 48*time.Hour:
+			return fmt.Sprintf("%dh ago", int(d.Hours()))
+		default:
+			return fmt.Sprintf("%dd ago", int(d.Hours()/24))
+		}
+	},
+	"time": func(t time.Time) string {
+		if t.IsZero() {
+			return "—"
+		}
+		return t.UTC().Format("2006-01-02 15:04:05Z")
+	},
+	"bytes": func(b []byte) string {
+		if utf8.Valid(b) && printable(b) {
+			return string(b)
+		}
+		return "0x" + hex.EncodeToString(b)
+	},
+	"deref": func(p *int64) string {
+		if p == nil {
+			return "—"
+		}
+		return fmt.Sprint(*p)
+	},
+	"num": func(n int64) string {
+		s := fmt.Sprint(n)
+		var out []byte
+		for i := range len(s) {
+			if i > 0 && (len(s)-i)%3 == 0 && s[i-1] != '-' {
+				out = append(out, ',')
+			}
+			out = append(out, s[i])
+		}
+		return string(out)
+	},
+}
