@@ -333,3 +333,38 @@ func TestSecretsStayOutOfLogs(t *testing.T) {
 		}
 	}
 }
+
+// TestConsoleServed: with CONSOLE_ADDR and CONSOLE_USERS the service serves the console on its
+// own address, to its users only.
+func TestConsoleServed(t *testing.T) {
+	_, dbURL := testenv.Postgres(t)
+	k := testenv.NewKfake(t)
+	consoleAddr := testenv.FreeAddr(t)
+	svc := startService(t, map[string]string{
+		"DATABASE_URL": dbURL, "KAFKA_BROKERS": k.Brokers[0], "KAFKA_TOPICS": k.CreateTopic(t, 2),
+		"KAFKA_GROUP_ID": "console-group",
+		"CONSOLE_ADDR":   consoleAddr, "CONSOLE_USERS": "ann:viewer:ann-password-1",
+	})
+	svc.waitReady()
+	if code, body, err := get("http://" + consoleAddr + "/"); err != nil || code != http.StatusUnauthorized || strings.Contains(body, "console-group") {
+		t.Errorf("the console without credentials: %d %q %v, want 401 and nothing of the group", code, body, err)
+	}
+	req, _ := http.NewRequest("GET", "http://"+consoleAddr+"/", nil)
+	req.SetBasicAuth("ann", "ann-password-1")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "console-group") || !strings.Contains(string(body), `id="partitions"`) {
+		t.Errorf("the console's overview for ann: %d\n%s", resp.StatusCode, body)
+	}
+	if code, _, _ := get("http://" + svc.httpAddr + "/dead-letters"); code != http.StatusNotFound {
+		t.Errorf("HTTP_ADDR serves the console's pages too (%d): it must only be on CONSOLE_ADDR", code)
+	}
+	svc.stop()
+	if _, err := http.Get("http://" + consoleAddr + "/"); err == nil {
+		t.Error("the console still answers after the service stopped")
+	}
+}
