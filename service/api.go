@@ -28,15 +28,48 @@ import (
 // process stops, they are interrupted and can be resumed (POST /api/v1/tasks/{id}/resume, or
 // `dlq resume`) from any replica.
 type api struct {
+	ops   *ops.Ops
+	token [sha256.Size]byte
+	log   *slog.Logger
+	keys  keysAPI
+	tasks *taskRunner
+}
+
+// taskRunner runs replay and discard tasks in this process, for the JSON API and the console.
+type taskRunner struct {
 	ops    *ops.Ops
-	token  [sha256.Size]byte
 	log    *slog.Logger
 	runner string
-	keys   keysAPI
-
-	ctx   context.Context // ends when the service stops: running tasks are interrupted
-	tasks sync.WaitGroup
+	ctx    context.Context // ends when the service stops: running tasks are interrupted
+	wg     sync.WaitGroup
 }
+
+func newTaskRunner(ctx context.Context, o *ops.Ops, name string, log *slog.Logger) *taskRunner {
+	host, _ := os.Hostname()
+	return &taskRunner{ops: o, log: log, runner: fmt.Sprintf("%s/%d/%s", host, os.Getpid(), name), ctx: ctx}
+}
+
+// run runs task id in the background until it ends or the service stops.
+func (r *taskRunner) run(id int64) {
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		t, err := r.ops.RunTask(r.ctx, id, r.runner, nil)
+		if err != nil {
+			if r.ctx.Err() == nil {
+				r.log.Error("task failed; resume it when the cause is fixed", "task", id, "err", err)
+			} else {
+				r.log.Info("task interrupted by the shutdown; resume it on any replica", "task", id)
+			}
+			return
+		}
+		r.log.Info("task ended", "task", id, "status", t.Status, "done", t.Done, "matched", t.Matched)
+	}()
+}
+
+// wait waits for the running tasks to stop (after their chunk in flight, once the service's
+// context ends).
+func (r *taskRunner) wait() { r.wg.Wait() }
 
 // keysAPI is what the keys and trace routes need beyond the dead letters (set by the service).
 type keysAPI struct {
@@ -46,9 +79,8 @@ type keysAPI struct {
 }
 
 func newAPI(ctx context.Context, o *ops.Ops, token string, log *slog.Logger) *api {
-	host, _ := os.Hostname()
-	return &api{ops: o, token: sha256.Sum256([]byte(token)), log: log.With("component", "api"),
-		runner: fmt.Sprintf("%s/%d/api", host, os.Getpid()), ctx: ctx}
+	log = log.With("component", "api")
+	return &api{ops: o, token: sha256.Sum256([]byte(token)), log: log, tasks: newTaskRunner(ctx, o, "api", log)}
 }
 
 // handler returns the API's routes, each behind the token check.
@@ -91,7 +123,7 @@ func (a *api) authorized(r *http.Request) bool {
 }
 
 // wait waits for the tasks this process runs to stop (they stop with the service's context).
-func (a *api) wait() { a.tasks.Wait() }
+func (a *api) wait() { a.tasks.wait() }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Header().Set("Content-Type", "application/json")
@@ -274,27 +306,9 @@ func (a *api) act(act ops.Action) http.HandlerFunc {
 			fail(w, err)
 			return
 		}
-		a.run(t.ID)
+		a.tasks.run(t.ID)
 		writeJSON(w, http.StatusAccepted, map[string]any{"task": t})
 	}
-}
-
-// run runs task id in the background until it ends or the service stops.
-func (a *api) run(id int64) {
-	a.tasks.Add(1)
-	go func() {
-		defer a.tasks.Done()
-		t, err := a.ops.RunTask(a.ctx, id, a.runner, nil)
-		if err != nil {
-			if a.ctx.Err() == nil {
-				a.log.Error("task failed; resume it when the cause is fixed", "task", id, "err", err)
-			} else {
-				a.log.Info("task interrupted by the shutdown; resume it on any replica", "task", id)
-			}
-			return
-		}
-		a.log.Info("task ended", "task", id, "status", t.Status, "done", t.Done, "matched", t.Matched)
-	}()
 }
 
 type purgeRequest struct {
@@ -373,7 +387,7 @@ func (a *api) resume(w http.ResponseWriter, r *http.Request) {
 		fail(w, fmt.Errorf("task %d: %w (%s)", id, ops.ErrTaskBusy, t.Runner))
 		return
 	}
-	a.run(id)
+	a.tasks.run(id)
 	writeJSON(w, http.StatusAccepted, t)
 }
 

@@ -408,9 +408,12 @@ func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, log *slog.L
 	if err != nil {
 		return nil, err
 	}
+	o := ops.New(pool, env.DBSchema, env.KafkaGroupID)
+	log = log.With("component", "console")
+	tasks := newTaskRunner(ctx, o, "console", log)
 	con, err := console.New(console.Config{
-		Ops: ops.New(pool, env.DBSchema, env.KafkaGroupID), Pool: pool, Schema: env.DBSchema, Group: env.KafkaGroupID,
-		Topics: env.KafkaTopics, Admin: kadm.NewClient(cl), Users: users, Log: log.With("component", "console"),
+		Ops: o, Pool: pool, Schema: env.DBSchema, Group: env.KafkaGroupID,
+		Topics: env.KafkaTopics, Admin: kadm.NewClient(cl), Users: users, Log: log, Run: tasks.run,
 	})
 	if err != nil {
 		cl.Close()
@@ -428,6 +431,7 @@ func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, log *slog.L
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 		defer cancel()
 		srv.Shutdown(sctx)
+		tasks.wait() // before the pool closes: running tasks stop after their chunk in flight
 		cl.Close()
 	}, nil
 }

@@ -18,6 +18,7 @@ import (
 	"io/fs"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -89,6 +90,9 @@ type Config struct {
 	Admin  *kadm.Client // end offsets, for lag; nil: lag is not shown
 	Users  []User
 	Log    *slog.Logger
+	// Run runs a task StartTask created (in the background, as the JSON API does); nil: the
+	// console cannot act, only browse.
+	Run func(id int64)
 }
 
 // Console serves the pages.
@@ -113,7 +117,7 @@ func New(cfg Config) (*Console, error) {
 	for _, u := range cfg.Users {
 		c.users = append(c.users, hashedUser{u.Name, u.Role, sha256.Sum256([]byte(u.Password))})
 	}
-	for _, page := range []string{"overview", "deadletters", "deadletter"} {
+	for _, page := range []string{"overview", "deadletters", "deadletter", "confirm", "task"} {
 		t, err := template.New("layout.html").Funcs(funcs).ParseFS(files, "templates/layout.html", "templates/"+page+".html")
 		if err != nil {
 			return nil, fmt.Errorf("console template %s: %w", page, err)
@@ -131,6 +135,10 @@ func (c *Console) Handler() http.Handler {
 	mux.HandleFunc("GET /{$}", c.overview)
 	mux.HandleFunc("GET /dead-letters", c.deadLetters)
 	mux.HandleFunc("GET /dead-letters/{id}", c.deadLetter)
+	mux.HandleFunc("POST /dead-letters/confirm", c.operator(c.confirm))
+	mux.HandleFunc("POST /dead-letters/act", c.operator(c.act))
+	mux.HandleFunc("GET /tasks/{id}", c.task)
+	mux.HandleFunc("POST /tasks/{id}/cancel", c.operator(c.cancel))
 	return http.NewCrossOriginProtection().Handler(c.authenticate(mux))
 }
 
@@ -170,21 +178,40 @@ func (c *Console) user(r *http.Request) (hashedUser, bool) {
 
 func userOf(r *http.Request) hashedUser { u, _ := r.Context().Value(ctxKey{}).(hashedUser); return u }
 
+// operator lets through operators only: a viewer gets 403 and nothing is done.
+func (c *Console) operator(next http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if userOf(r).role != Operator {
+			http.Error(w, "kafkapg console: only an operator may do this", http.StatusForbidden)
+			return
+		}
+		if c.cfg.Run == nil {
+			http.Error(w, "kafkapg console: this console may not act", http.StatusForbidden)
+			return
+		}
+		next(w, r)
+	}
+}
+
 // page is what every template gets.
 type page struct {
-	Title string
-	Nav   string
-	User  string
-	Role  Role
-	Group string
-	Now   time.Time
-	Data  any
+	Refresh bool // reload every second (a task in progress)
+	Title   string
+	Nav     string
+	User    string
+	Role    Role
+	Group   string
+	Now     time.Time
+	Data    any
 }
 
 func (c *Console) render(w http.ResponseWriter, r *http.Request, name, title string, data any) {
 	u := userOf(r)
 	var b strings.Builder
-	err := c.pages[name].Execute(&b, page{Title: title, Nav: name, User: u.name, Role: u.role, Group: c.cfg.Group, Now: time.Now().UTC(), Data: data})
+	// A task's page reloads while it runs, and while a replay's records are on their way.
+	t, isTask := data.(ops.Task)
+	refresh := isTask && (t.Status == "running" || t.Action == ops.Replay && t.Pending > 0)
+	err := c.pages[name].Execute(&b, page{Refresh: refresh, Title: title, Nav: name, User: u.name, Role: u.role, Group: c.cfg.Group, Now: time.Now().UTC(), Data: data})
 	if err != nil {
 		c.fail(w, fmt.Errorf("render %s: %w", name, err))
 		return
@@ -302,6 +329,7 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 const listPage = 50
 
 type deadLettersData struct {
+	Query   string // the filter as a query, for the action forms
 	Form    map[string]string
 	Rows    []ops.DeadLetter
 	Counts  []ops.Count
@@ -311,10 +339,7 @@ type deadLettersData struct {
 
 func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	f := ops.Filter{Topic: q.Get("topic"), Class: q.Get("class"), Status: q.Get("status"), Error: q.Get("error")}
-	if k := q.Get("key"); k != "" {
-		f.Key, f.HasKey = []byte(k), true
-	}
+	f := filterOf(q)
 	var before int64
 	if b := q.Get("before"); b != "" {
 		var err error
@@ -329,7 +354,7 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, err)
 		return
 	}
-	d := deadLettersData{Form: map[string]string{
+	d := deadLettersData{Query: filterQuery(q).Encode(), Form: map[string]string{
 		"topic": f.Topic, "class": f.Class, "status": f.Status, "error": f.Error, "key": q.Get("key")}}
 	if len(rows) > listPage {
 		rows = rows[:listPage]
@@ -346,6 +371,115 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 		d.Matched += n.N
 	}
 	c.render(w, r, "deadletters", "Dead letters", d)
+}
+
+// filterOf reads a dead-letter filter from a query or a form.
+func filterOf(q url.Values) ops.Filter {
+	f := ops.Filter{Topic: q.Get("topic"), Class: q.Get("class"), Status: q.Get("status"), Error: q.Get("error")}
+	if k := q.Get("key"); k != "" {
+		f.Key, f.HasKey = []byte(k), true
+	}
+	return f
+}
+
+// filterQuery keeps the filter's fields of q.
+func filterQuery(q url.Values) url.Values {
+	out := url.Values{}
+	for _, k := range []string{"topic", "key", "class", "status", "error"} {
+		if v := q.Get(k); v != "" {
+			out.Set(k, v)
+		}
+	}
+	return out
+}
+
+type confirmData struct {
+	Action  ops.Action
+	Preview ops.Preview
+	Fields  url.Values // the filter, carried to the action
+}
+
+// confirm shows what a replay or discard of a filter would do (the dry run's counts and a
+// sample) and asks for the reason the audit trail records.
+func (c *Console) confirm(w http.ResponseWriter, r *http.Request) {
+	act, ok := actionOf(w, r)
+	if !ok {
+		return
+	}
+	p, err := c.cfg.Ops.Preview(r.Context(), act, filterOf(r.PostForm), 5)
+	if err != nil {
+		c.fail(w, err)
+		return
+	}
+	title := "Replay dead letters"
+	if act == ops.Discard {
+		title = "Discard dead letters"
+	}
+	c.render(w, r, "confirm", title, confirmData{Action: act, Preview: p, Fields: filterQuery(r.PostForm)})
+}
+
+// actionOf parses a posted form and reads its action; a bad one gets 400.
+func actionOf(w http.ResponseWriter, r *http.Request) (ops.Action, bool) {
+	if err := r.ParseForm(); err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return "", false
+	}
+	act := ops.Action(r.PostForm.Get("action"))
+	if act != ops.Replay && act != ops.Discard {
+		http.Error(w, "action: want replay or discard", http.StatusBadRequest)
+		return "", false
+	}
+	return act, true
+}
+
+// act starts the task a confirmation asked for, in the name of the signed-in operator, and shows
+// its progress.
+func (c *Console) act(w http.ResponseWriter, r *http.Request) {
+	act, ok := actionOf(w, r)
+	if !ok {
+		return
+	}
+	t, err := c.cfg.Ops.StartTask(r.Context(), act, filterOf(r.PostForm),
+		ops.Actor{Name: "console:" + userOf(r).name, Reason: strings.TrimSpace(r.PostForm.Get("reason"))}, 0)
+	if err != nil {
+		c.fail(w, err)
+		return
+	}
+	c.cfg.Run(t.ID)
+	http.Redirect(w, r, fmt.Sprintf("/tasks/%d", t.ID), http.StatusSeeOther)
+}
+
+// task shows a task's progress; the page reloads itself while it runs.
+func (c *Console) task(w http.ResponseWriter, r *http.Request) {
+	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+	if err != nil {
+		http.Error(w, "task id: want a number", http.StatusBadRequest)
+		return
+	}
+	t, err := c.cfg.Ops.Task(r.Context(), id)
+	if errors.Is(err, ops.ErrNotFound) {
+		http.NotFound(w, r)
+		return
+	}
+	if err != nil {
+		c.fail(w, err)
+		return
+	}
+	c.render(w, r, "task", fmt.Sprintf("Task %d", id), t)
+}
+
+// cancel cancels a running task in the name of the signed-in operator.
+func (c *Console) cancel(w http.ResponseWriter, r *http.Request) {
+	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+	if err != nil {
+		http.Error(w, "task id: want a number", http.StatusBadRequest)
+		return
+	}
+	if _, err := c.cfg.Ops.Cancel(r.Context(), id, ops.Actor{Name: "console:" + userOf(r).name, Reason: "cancelled in the console"}); err != nil {
+		c.fail(w, err)
+		return
+	}
+	http.Redirect(w, r, fmt.Sprintf("/tasks/%d", id), http.StatusSeeOther)
 }
 
 type deadLetterData struct {

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -43,9 +44,20 @@ func consoleOf(t *testing.T) (*testkit.Harness, *httptest.Server, []ledger.Item)
 	if err != nil {
 		t.Fatal(err)
 	}
+	o := ops.New(h.Pool, "kafkapg", h.Group)
+	ctx, cancel := context.WithCancel(context.Background())
+	var tasks sync.WaitGroup
+	t.Cleanup(func() { cancel(); tasks.Wait() })
 	c, err := console.New(console.Config{
-		Ops: ops.New(h.Pool, "kafkapg", h.Group), Pool: h.Pool, Schema: "kafkapg", Group: h.Group,
+		Ops: o, Pool: h.Pool, Schema: "kafkapg", Group: h.Group,
 		Topics: []string{h.Topic}, Admin: kadm.NewClient(k.Client(t)), Users: users, Log: slog.New(slog.DiscardHandler),
+		Run: func(id int64) {
+			tasks.Go(func() {
+				if _, err := o.RunTask(ctx, id, "console-test", nil); err != nil && ctx.Err() == nil {
+					t.Errorf("task %d: %v", id, err)
+				}
+			})
+		},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -225,6 +237,90 @@ func TestConsoleInABrowser(t *testing.T) {
 		t.Error("the dead letter's value is not shown")
 	}
 	shot("dead-letter")
+
+	// A viewer sees no action, and may not act: 403, and no task.
+	must(chromedp.Do(ctx, chromedp.Navigate(srv.URL+"/dead-letters")))
+	waitFor(`document.readyState === "complete" && document.querySelector("#matched") !== null`)
+	if n := count("#replay"); n != 0 {
+		t.Error("a viewer is offered to replay")
+	}
+	form := "action=replay&class=retryable&status=new&reason=not+allowed"
+	for _, path := range []string{"/dead-letters/confirm", "/dead-letters/act"} {
+		if code := post(t, srv.URL+path, "victor", viewerPassword, form, nil); code != http.StatusForbidden {
+			t.Errorf("a viewer's POST %s: %d, want 403", path, code)
+		}
+	}
+	// A request from another site, with an operator's credentials: refused.
+	if code := post(t, srv.URL+"/dead-letters/act", "alice", operatorPassword, form, map[string]string{"Sec-Fetch-Site": "cross-site"}); code != http.StatusForbidden {
+		t.Errorf("a cross-site POST: %d, want 403", code)
+	}
+	var tasks int
+	must(h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.tasks`).Scan(&tasks))
+	if tasks != 0 {
+		t.Fatalf("%d tasks exist after refused requests", tasks)
+	}
+
+	// An operator replays every new retryable dead letter, with the processor running: the dry
+	// run's count is the database's, the task finishes, each record is applied once, and the
+	// audit trail names the operator and the reason.
+	var wantReplay int
+	must(h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.dead_letters
+		WHERE consumer_group = $1 AND status = 'new' AND error_class = 'retryable'`, h.Group).Scan(&wantReplay))
+	if wantReplay == 0 {
+		t.Fatal("the workload dead-lettered nothing retryable: the replay would prove nothing")
+	}
+	operator := "Basic " + base64.StdEncoding.EncodeToString([]byte("alice:"+operatorPassword))
+	_, err = chromedp.Call(ctx, network.SetExtraHTTPHeaders, network.SetExtraHTTPHeadersParams{Headers: network.Headers{"Authorization": operator}})
+	must(err)
+	must(chromedp.Do(ctx, chromedp.Navigate(srv.URL+"/dead-letters?class=retryable&status=new")))
+	waitFor(`document.readyState === "complete" && document.querySelector("#replay") !== null`)
+	must(chromedp.Do(ctx, chromedp.Click(chromedp.CSS("#replay"))))
+	waitFor(`location.pathname === "/dead-letters/confirm" && document.readyState === "complete" && document.querySelector("#would") !== null`)
+	if would := text("#would"); would != fmt.Sprint(wantReplay) {
+		t.Errorf("the dry run says %s dead letters would be replayed; the database has %d", would, wantReplay)
+	}
+	shot("replay-confirm")
+	must(chromedp.Do(ctx,
+		chromedp.SetValue(chromedp.CSS("#reason"), "downstream fixed, INC-42"),
+		chromedp.Click(chromedp.CSS("#confirm")),
+	))
+	waitFor(`location.pathname.startsWith("/tasks/") && document.querySelector("#task-status") !== null && document.querySelector("#task-status").textContent === "done"`)
+	waitFor(fmt.Sprintf(`document.querySelector("#task-outcome") !== null && document.querySelector("#task-outcome").textContent.startsWith("%d applied")`, wantReplay))
+	shot("replay-task")
+	var replayed, stillNew int
+	must(h.Pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE status = 'replayed'), count(*) FILTER (WHERE status = 'new' AND error_class = 'retryable')
+		FROM kafkapg.dead_letters WHERE consumer_group = $1`, h.Group).Scan(&replayed, &stillNew))
+	if replayed != wantReplay || stillNew != 0 {
+		t.Errorf("after the replay: %d replayed and %d new retryable dead letters, want %d and 0", replayed, stillNew, wantReplay)
+	}
+	var applied, distinct int
+	must(h.Pool.QueryRow(context.Background(), `SELECT count(*), count(DISTINCT e.event_id) FROM ledger_entries e
+		JOIN kafkapg.dead_letters d ON d.consumer_group = $1 AND d.status = 'replayed' AND e.event_id = convert_from(d.value, 'UTF8')::jsonb->>'event_id'`, h.Group).Scan(&applied, &distinct))
+	if applied != wantReplay || distinct != wantReplay {
+		t.Errorf("the replayed events are in the ledger %d times (%d distinct), want each once (%d)", applied, distinct, wantReplay)
+	}
+	var actor, reason string
+	must(h.Pool.QueryRow(context.Background(), `SELECT actor, reason FROM kafkapg.audit WHERE action = 'replay' ORDER BY id DESC LIMIT 1`).Scan(&actor, &reason))
+	if actor != "console:alice" || reason != "downstream fixed, INC-42" {
+		t.Errorf("audit: %q %q, want console:alice and the reason given", actor, reason)
+	}
+}
+
+// post sends a form as user and returns the status.
+func post(t *testing.T, url, user, password, form string, headers map[string]string) int {
+	t.Helper()
+	req, _ := http.NewRequest("POST", url, strings.NewReader(form))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.SetBasicAuth(user, password)
+	for k, v := range headers {
+		req.Header.Set(k, v)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
 }
 
 // browser starts headless Chromium, or skips the test where there is none, unless
