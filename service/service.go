@@ -35,6 +35,7 @@ import (
 	"path/filepath"
 	"runtime/debug"
 	"sort"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -277,15 +278,15 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	if limit, err := memlimit.Set(memlimit.WithLogger(log)); err != nil {
 		log.Warn("cannot read the container's memory limit; GOMEMLIMIT not set", "err", err)
 	} else if limit < math.MaxInt64 {
-		gc := debug.SetGCPercent(-1)
-		if os.Getenv("GOGC") == "" {
+		gogc := os.Getenv("GOGC")
+		if gogc == "" {
 			// Under a soft limit the heap may grow further between collections: the limit, not
 			// GOGC, bounds it. Draining a backlog, GOGC=100's collections cost a tenth of the
 			// drain rate (BenchmarkBacklogMemory).
-			gc = gcPercentUnderLimit
+			debug.SetGCPercent(gcPercentUnderLimit)
+			gogc = strconv.Itoa(gcPercentUnderLimit)
 		}
-		debug.SetGCPercent(gc)
-		log.Info("soft memory limit", "gomemlimit_bytes", limit, "gogc", gc, "max_buffered_bytes", env.MaxBufferedBytes)
+		log.Info("soft memory limit", "gomemlimit_bytes", limit, "gogc", gogc, "max_buffered_bytes", env.MaxBufferedBytes)
 	}
 	pool, err := openPool(ctx, &env.dbEnv)
 	if err != nil {
@@ -413,7 +414,7 @@ func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, log *slog.L
 	tasks := newTaskRunner(ctx, o, "console", log)
 	con, err := console.New(console.Config{
 		Ops: o, Pool: pool, Schema: env.DBSchema, Group: env.KafkaGroupID,
-		Topics: env.KafkaTopics, Admin: kadm.NewClient(cl), Users: users, Log: log, Run: tasks.run,
+		Admin: kadm.NewClient(cl), Users: users, Log: log, Run: tasks.run,
 	})
 	if err != nil {
 		cl.Close()

@@ -86,7 +86,6 @@ type Config struct {
 	Pool   *pgxpool.Pool
 	Schema string
 	Group  string
-	Topics []string     // the source topics (for their lag)
 	Admin  *kadm.Client // end offsets, for lag; nil: lag is not shown
 	Users  []User
 	Log    *slog.Logger
@@ -289,13 +288,11 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		if err == nil {
 			for i := range d.Partitions {
 				p := &d.Partitions[i]
-				if o, ok := ends.Lookup(p.Topic, p.Partition); ok && o.Err == nil {
+				// A partition with no stored position yet shows none: where its first owner
+				// starts depends on the broker's start offset and KAFKA_START_OFFSET.
+				if o, ok := ends.Lookup(p.Topic, p.Partition); ok && o.Err == nil && p.Next != nil {
 					p.End, p.HasLag = o.Offset, true
-					if p.Next != nil {
-						p.Lag = max(o.Offset-*p.Next, 0)
-					} else {
-						p.Lag = o.Offset
-					}
+					p.Lag = max(o.Offset-*p.Next, 0)
 					d.TotalLag += p.Lag
 					d.HasLag = true
 				}
@@ -451,9 +448,8 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request) {
 
 // task shows a task's progress; the page reloads itself while it runs.
 func (c *Console) task(w http.ResponseWriter, r *http.Request) {
-	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
-	if err != nil {
-		http.Error(w, "task id: want a number", http.StatusBadRequest)
+	id, ok := pathID(w, r, "task")
+	if !ok {
 		return
 	}
 	t, err := c.cfg.Ops.Task(r.Context(), id)
@@ -470,9 +466,8 @@ func (c *Console) task(w http.ResponseWriter, r *http.Request) {
 
 // cancel cancels a running task in the name of the signed-in operator.
 func (c *Console) cancel(w http.ResponseWriter, r *http.Request) {
-	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
-	if err != nil {
-		http.Error(w, "task id: want a number", http.StatusBadRequest)
+	id, ok := pathID(w, r, "task")
+	if !ok {
 		return
 	}
 	if _, err := c.cfg.Ops.Cancel(r.Context(), id, ops.Actor{Name: "console:" + userOf(r).name, Reason: "cancelled in the console"}); err != nil {
@@ -482,6 +477,16 @@ func (c *Console) cancel(w http.ResponseWriter, r *http.Request) {
 	http.Redirect(w, r, fmt.Sprintf("/tasks/%d", id), http.StatusSeeOther)
 }
 
+// pathID reads the {id} of the path; a bad one gets 400.
+func pathID(w http.ResponseWriter, r *http.Request, what string) (int64, bool) {
+	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+	if err != nil || id < 1 {
+		http.Error(w, what+" id: want a positive number", http.StatusBadRequest)
+		return 0, false
+	}
+	return id, true
+}
+
 type deadLetterData struct {
 	DL       ops.DeadLetter
 	Value    string
@@ -489,9 +494,8 @@ type deadLetterData struct {
 }
 
 func (c *Console) deadLetter(w http.ResponseWriter, r *http.Request) {
-	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
-	if err != nil {
-		http.Error(w, "dead letter id: want a number", http.StatusBadRequest)
+	id, ok := pathID(w, r, "dead letter")
+	if !ok {
 		return
 	}
 	dl, err := c.cfg.Ops.Show(r.Context(), id)

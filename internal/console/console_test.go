@@ -50,7 +50,7 @@ func consoleOf(t *testing.T) (*testkit.Harness, *httptest.Server, []ledger.Item)
 	t.Cleanup(func() { cancel(); tasks.Wait() })
 	c, err := console.New(console.Config{
 		Ops: o, Pool: h.Pool, Schema: "kafkapg", Group: h.Group,
-		Topics: []string{h.Topic}, Admin: kadm.NewClient(k.Client(t)), Users: users, Log: slog.New(slog.DiscardHandler),
+		Admin: kadm.NewClient(k.Client(t)), Users: users, Log: slog.New(slog.DiscardHandler),
 		Run: func(id int64) {
 			tasks.Go(func() {
 				if _, err := o.RunTask(ctx, id, "console-test", nil); err != nil && ctx.Err() == nil {
@@ -93,6 +93,30 @@ func TestConsoleNeedsAUser(t *testing.T) {
 			if strings.Contains(body.String(), h.Topic) || strings.Contains(body.String(), h.Group) {
 				t.Errorf("GET %s with %s: the answer names the topic or group: %q", path, auth.name, body.String())
 			}
+		}
+	}
+}
+
+// TestConsoleRefusesBadFilters: a filter Postgres could not compare (a NUL, invalid UTF-8) or a
+// bad id is the user's mistake, answered with 400 naming it, not a server error.
+func TestConsoleRefusesBadFilters(t *testing.T) {
+	_, srv, _ := consoleOf(t)
+	for path, want := range map[string]string{
+		"/dead-letters?error=a%00b":   "error: not valid text",
+		"/dead-letters?topic=%ff%fe":  "topic: not valid text",
+		"/dead-letters?status=gone":   `status "gone"`,
+		"/dead-letters/0":             "dead letter id: want a positive number",
+		"/tasks/x":                    "task id: want a positive number",
+		"/dead-letters?before=banana": "before: want a dead letter id",
+	} {
+		req, _ := http.NewRequest("GET", srv.URL+path, nil)
+		req.SetBasicAuth("victor", viewerPassword)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if body := readAll(resp); resp.StatusCode != http.StatusBadRequest || !strings.Contains(body, want) {
+			t.Errorf("GET %s: %d %q, want 400 saying %q", path, resp.StatusCode, body, want)
 		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 
@@ -31,6 +32,12 @@ type Filter struct {
 
 // Validate reports a filter that cannot match what it means to.
 func (f Filter) Validate() error {
+	// Postgres refuses text with a NUL or invalid UTF-8: say which field, as bad usage.
+	for name, v := range map[string]string{"topic": f.Topic, "class": f.Class, "status": f.Status, "error": f.Error} {
+		if !utf8.ValidString(v) || strings.ContainsRune(v, 0) {
+			return usage("%s: not valid text (a NUL byte or invalid UTF-8)", name)
+		}
+	}
 	if f.Status != "" && !slices.Contains(retrytopics.DeadLetterStatuses, f.Status) {
 		return usage("status %q: want one of %s", f.Status, strings.Join(retrytopics.DeadLetterStatuses, ", "))
 	}
