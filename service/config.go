@@ -49,6 +49,7 @@ type env struct {
 	PprofAddr            string        `envconfig:"PPROF_ADDR"`
 	ConsoleAddr          string        `envconfig:"CONSOLE_ADDR"`
 	ConsoleUsers         string        `envconfig:"CONSOLE_USERS"`
+	ConsoleHideValues    bool          `envconfig:"CONSOLE_HIDE_VALUES"`
 	BatchMaxRecords      int           `envconfig:"BATCH_MAX_RECORDS" default:"500" field:"BatchMaxRecords"`
 	BatchMaxWait         batchWait     `envconfig:"BATCH_MAX_WAIT" default:"20ms" field:"BatchMaxWait"`
 	RetryLocalAttempts   int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3" field:"LocalAttempts"`

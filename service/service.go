@@ -348,7 +348,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	}
 	log.Info("http listening", "addr", ln.Addr().String(), "paths", paths)
 	if env.ConsoleAddr != "" {
-		stop, err := serveConsole(ctx, env, pool, log)
+		stop, err := serveConsole(ctx, env, pool, reg, log)
 		if err != nil {
 			return err
 		}
@@ -399,7 +399,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 
 // serveConsole serves the operator console on CONSOLE_ADDR (see package console). It returns a
 // function that stops it.
-func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, log *slog.Logger) (stop func(), err error) {
+func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, reg prometheus.Gatherer, log *slog.Logger) (stop func(), err error) {
 	users, err := console.ParseUsers(env.ConsoleUsers)
 	if err != nil {
 		return nil, &configError{fmt.Errorf("CONSOLE_USERS: %w", err)}
@@ -412,16 +412,23 @@ func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, log *slog.L
 	o := ops.New(pool, env.DBSchema, env.KafkaGroupID)
 	log = log.With("component", "console")
 	tasks := newTaskRunner(ctx, o, "console", log)
+	// The overview's chart and alerts come from this process's own metrics, sampled every 15 s.
+	samples := console.NewSampler(reg, 15*time.Second, time.Hour)
+	sctx, stopSampling := context.WithCancel(ctx)
+	go samples.Run(sctx)
 	con, err := console.New(console.Config{
 		Ops: o, Pool: pool, Schema: env.DBSchema, Group: env.KafkaGroupID,
-		Admin: kadm.NewClient(cl), Users: users, Log: log, Run: tasks.run,
+		Admin: kadm.NewClient(cl), Kafka: cl, Stuck: env.stuckScope(), HideValues: env.ConsoleHideValues, Samples: samples,
+		Users: users, Log: log, Run: tasks.run,
 	})
 	if err != nil {
+		stopSampling()
 		cl.Close()
 		return nil, err
 	}
 	ln, err := net.Listen("tcp", env.ConsoleAddr)
 	if err != nil {
+		stopSampling()
 		cl.Close()
 		return nil, &configError{fmt.Errorf("CONSOLE_ADDR=%q: %v", env.ConsoleAddr, err)}
 	}
@@ -432,6 +439,7 @@ func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, log *slog.L
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 		defer cancel()
 		srv.Shutdown(sctx)
+		stopSampling()
 		tasks.wait() // before the pool closes: running tasks stop after their chunk in flight
 		cl.Close()
 	}, nil

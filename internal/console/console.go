@@ -26,8 +26,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
 // Role is what a user may do.
@@ -87,8 +89,18 @@ type Config struct {
 	Schema string
 	Group  string
 	Admin  *kadm.Client // end offsets, for lag; nil: lag is not shown
-	Users  []User
-	Log    *slog.Logger
+	// Kafka reads the records a trace looks for; nil: traces read Postgres only.
+	Kafka *kgo.Client
+	// Stuck is what counts as a stuck key (the retry tiers of each source topic, and how long
+	// without progress), for releases.
+	Stuck retrytopics.StuckScope
+	// Samples are the process's own metrics over the last hour, for the overview's chart, rates
+	// and alerts; nil: the overview shows none.
+	Samples *Sampler
+	// HideValues hides record values and header values from viewers (operators see them).
+	HideValues bool
+	Users      []User
+	Log        *slog.Logger
 	// Run runs a task StartTask created (in the background, as the JSON API does); nil: the
 	// console cannot act, only browse.
 	Run func(id int64)
@@ -116,7 +128,7 @@ func New(cfg Config) (*Console, error) {
 	for _, u := range cfg.Users {
 		c.users = append(c.users, hashedUser{u.Name, u.Role, sha256.Sum256([]byte(u.Password))})
 	}
-	for _, page := range []string{"overview", "deadletters", "deadletter", "confirm", "task"} {
+	for _, page := range []string{"overview", "deadletters", "deadletter", "confirm", "task", "retrypath", "release", "trace"} {
 		t, err := template.New("layout.html").Funcs(funcs).ParseFS(files, "templates/layout.html", "templates/"+page+".html")
 		if err != nil {
 			return nil, fmt.Errorf("console template %s: %w", page, err)
@@ -138,6 +150,10 @@ func (c *Console) Handler() http.Handler {
 	mux.HandleFunc("POST /dead-letters/act", c.operator(c.act))
 	mux.HandleFunc("GET /tasks/{id}", c.task)
 	mux.HandleFunc("POST /tasks/{id}/cancel", c.operator(c.cancel))
+	mux.HandleFunc("GET /retry-path", c.retryPath)
+	mux.HandleFunc("POST /keys/confirm", c.operator(c.confirmRelease))
+	mux.HandleFunc("POST /keys/release", c.operator(c.release))
+	mux.HandleFunc("GET /trace", c.trace)
 	return http.NewCrossOriginProtection().Handler(c.authenticate(mux))
 }
 
@@ -192,6 +208,9 @@ func (c *Console) operator(next http.HandlerFunc) http.HandlerFunc {
 	}
 }
 
+// mayAct reports whether r's user may act here (an operator, on a console that may act).
+func (c *Console) mayAct(r *http.Request) bool { return userOf(r).role == Operator && c.cfg.Run != nil }
+
 // page is what every template gets.
 type page struct {
 	Refresh bool // reload every second (a task in progress)
@@ -244,6 +263,17 @@ type partitionRow struct {
 }
 
 type overviewData struct {
+	// From the process's samples (Config.Samples).
+	Sampled        bool
+	Chart          template.HTML
+	Alerts         []Alert
+	Applied        float64 // per second, over the last 5 minutes
+	Failed         float64
+	DeadLettered   float64
+	HasRates       bool
+	BreakerOpen    bool
+	SampleInterval time.Duration
+
 	Partitions []partitionRow
 	Counts     []ops.Count
 	Held       int64
@@ -318,6 +348,16 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 	if d.Tasks, err = c.cfg.Ops.Tasks(ctx, 5); err != nil {
 		c.fail(w, err)
 		return
+	}
+	if s := c.cfg.Samples; s != nil {
+		samples, now := s.Samples(), time.Now()
+		d.Sampled, d.SampleInterval = true, s.every
+		d.Chart = Chart(samples, now, time.Hour)
+		d.Alerts = Alerts(samples, now)
+		d.Applied, d.Failed, d.DeadLettered, d.HasRates = Rates(samples, 5*time.Minute)
+		if len(samples) > 0 {
+			d.BreakerOpen = samples[len(samples)-1].BreakerOpen
+		}
 	}
 	c.render(w, r, "overview", "Overview", d)
 }
@@ -491,6 +531,7 @@ type deadLetterData struct {
 	DL       ops.DeadLetter
 	Value    string
 	Encoding string // json, text or hex
+	Hidden   bool   // the value and the headers' values are hidden from this viewer
 }
 
 func (c *Console) deadLetter(w http.ResponseWriter, r *http.Request) {
@@ -507,6 +548,15 @@ func (c *Console) deadLetter(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, err)
 		return
 	}
-	v, enc := decode(dl.Value)
-	c.render(w, r, "deadletter", fmt.Sprintf("Dead letter %d", id), deadLetterData{DL: dl, Value: v, Encoding: enc})
+	d := deadLetterData{DL: dl}
+	if c.cfg.HideValues && userOf(r).role != Operator {
+		// Values may hold personal data: a viewer sees their size, not their bytes.
+		d.Hidden = true
+		for i := range d.DL.Headers {
+			d.DL.Headers[i].Value = nil
+		}
+	} else {
+		d.Value, d.Encoding = decode(dl.Value)
+	}
+	c.render(w, r, "deadletter", fmt.Sprintf("Dead letter %d", id), d)
 }

@@ -3,6 +3,7 @@ package console_test
 import (
 	"context"
 	"encoding/base64"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -17,6 +18,8 @@ import (
 
 	"github.com/chromedp/cdproto/network"
 	"github.com/chromedp/chromedp"
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kadm"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
@@ -24,6 +27,8 @@ import (
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/testenv"
 	"github.com/kafkapg/kafkapg/internal/testkit"
+	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
 const (
@@ -38,8 +43,15 @@ func consoleOf(t *testing.T) (*testkit.Harness, *httptest.Server, []ledger.Item)
 	h := testkit.New(t, k, 4)
 	items := testkit.Mixed(600, 11, "console")
 	h.Produce(items)
-	h.Start(h.Config(ledger.Handler{}))
+	r := h.Start(h.Config(ledger.Handler{}))
+	srv := serve(t, h, k, r.Reg) // as in the service: the console samples the processor from its start
 	h.WaitSettled(items, 1, 60*time.Second)
+	return h, srv, items
+}
+
+// serve serves the console over h's database, as the service does: the overview samples reg
+// (every 100 ms here), tasks run in the background.
+func serve(t *testing.T, h *testkit.Harness, k *testenv.Kafka, reg prometheus.Gatherer) *httptest.Server {
 	users, err := console.ParseUsers("alice:operator:" + operatorPassword + ", victor:viewer:" + viewerPassword)
 	if err != nil {
 		t.Fatal(err)
@@ -48,9 +60,14 @@ func consoleOf(t *testing.T) (*testkit.Harness, *httptest.Server, []ledger.Item)
 	ctx, cancel := context.WithCancel(context.Background())
 	var tasks sync.WaitGroup
 	t.Cleanup(func() { cancel(); tasks.Wait() })
+	kc := k.Client(t)
+	samples := console.NewSampler(reg, 100*time.Millisecond, time.Hour)
+	go samples.Run(ctx)
 	c, err := console.New(console.Config{
-		Ops: o, Pool: h.Pool, Schema: "kafkapg", Group: h.Group,
-		Admin: kadm.NewClient(k.Client(t)), Users: users, Log: slog.New(slog.DiscardHandler),
+		Samples: samples,
+		Ops:     o, Pool: h.Pool, Schema: "kafkapg", Group: h.Group,
+		Admin: kadm.NewClient(kc), Kafka: kc, Users: users, Log: slog.New(slog.DiscardHandler),
+		Stuck: retrytopics.StuckScope{Older: time.Hour, Tiers: map[string]int{h.Topic: 1}},
 		Run: func(id int64) {
 			tasks.Go(func() {
 				if _, err := o.RunTask(ctx, id, "console-test", nil); err != nil && ctx.Err() == nil {
@@ -64,7 +81,7 @@ func consoleOf(t *testing.T) (*testkit.Harness, *httptest.Server, []ledger.Item)
 	}
 	srv := httptest.NewServer(c.Handler())
 	t.Cleanup(srv.Close)
-	return h, srv, items
+	return srv
 }
 
 // TestConsoleNeedsAUser: without credentials, or with wrong ones, every page answers 401 and
@@ -138,55 +155,9 @@ func readAll(resp *http.Response) string {
 // failures, filters the dead letters and opens one, in Chromium, checking each page against the
 // database, and saves a screenshot of each (in KAFKAPG_SCREENSHOTS, if set).
 func TestConsoleInABrowser(t *testing.T) {
-	ctx := browser(t)
+	b := newBrowser(t)
+	ctx, must, text, count, waitFor, shot := b.ctx, b.must, b.text, b.count, b.waitFor, b.shot
 	h, srv, _ := consoleOf(t)
-	dir := os.Getenv("KAFKAPG_SCREENSHOTS")
-	if dir == "" {
-		dir = t.TempDir()
-	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	must := func(err error) {
-		t.Helper()
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	text := func(sel string) string {
-		t.Helper()
-		v, err := chromedp.Run(ctx, chromedp.Text(chromedp.CSS(sel)))
-		must(err)
-		return v
-	}
-	count := func(sel string) int {
-		t.Helper()
-		n, err := chromedp.Run(ctx, chromedp.Evaluate[int](fmt.Sprintf(`document.querySelectorAll(%q).length`, sel)))
-		must(err)
-		return n
-	}
-	// waitFor waits until a JavaScript condition holds: after a click, until the next page is
-	// the one shown.
-	waitFor := func(cond string) {
-		t.Helper()
-		deadline := time.Now().Add(15 * time.Second)
-		for {
-			ok, err := chromedp.Run(ctx, chromedp.Evaluate[bool](cond))
-			if err == nil && ok {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("waited 15s for %s (last error: %v)", cond, err)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-	}
-	shot := func(name string) {
-		t.Helper()
-		png, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
-		must(err)
-		must(os.WriteFile(filepath.Join(dir, name+".png"), png, 0o644))
-	}
 	auth := "Basic " + base64.StdEncoding.EncodeToString([]byte("victor:"+viewerPassword))
 	for _, path := range []string{"/", "/dead-letters"} {
 		req, _ := http.NewRequest("GET", srv.URL+path, nil)
@@ -197,10 +168,7 @@ func TestConsoleInABrowser(t *testing.T) {
 			t.Fatalf("GET %s as a viewer: %d %s", path, resp.StatusCode, body)
 		}
 	}
-	_, err := chromedp.Call(ctx, network.Enable, network.EnableParams{})
-	must(err)
-	_, err = chromedp.Call(ctx, network.SetExtraHTTPHeaders, network.SetExtraHTTPHeadersParams{Headers: network.Headers{"Authorization": auth}})
-	must(err)
+	b.as("victor", viewerPassword)
 
 	// The overview: every partition of the topic, at its end (the processor drained it), with
 	// the position Postgres holds.
@@ -220,6 +188,23 @@ func TestConsoleInABrowser(t *testing.T) {
 	}
 	if lag := text("#total-lag"); lag != "0" {
 		t.Errorf("total lag %q after the processor drained the topic, want 0", lag)
+	}
+	// The chart draws both series from the process's samples, and the alerts the rules would
+	// raise: records were dead-lettered during the run (firing at once), and more than 5 % of
+	// the tries failed (pending: it fires after 10 minutes).
+	if n := count("svg#chart path.throughput"); n == 0 {
+		t.Error("the chart draws no throughput")
+	}
+	alerts, err := chromedp.Run(ctx, chromedp.Evaluate[[]string](`[...document.querySelectorAll("#alerts tbody tr")].map(r => r.cells[0].textContent + ":" + r.cells[1].textContent.split(" ")[0])`))
+	must(err)
+	got := strings.Join(alerts, " ")
+	for _, want := range []string{"KafkapgDeadLettersGrowing:firing", "KafkapgFailureRateHigh:pending"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("the alerts shown are %q, want %s among them", got, want)
+		}
+	}
+	if breaker := text("#breaker"); breaker != "closed" {
+		t.Errorf("the breaker reads %q, want closed", breaker)
 	}
 	shot("overview")
 
@@ -293,9 +278,7 @@ func TestConsoleInABrowser(t *testing.T) {
 	if wantReplay == 0 {
 		t.Fatal("the workload dead-lettered nothing retryable: the replay would prove nothing")
 	}
-	operator := "Basic " + base64.StdEncoding.EncodeToString([]byte("alice:"+operatorPassword))
-	_, err = chromedp.Call(ctx, network.SetExtraHTTPHeaders, network.SetExtraHTTPHeadersParams{Headers: network.Headers{"Authorization": operator}})
-	must(err)
+	b.as("alice", operatorPassword)
 	must(chromedp.Do(ctx, chromedp.Navigate(srv.URL+"/dead-letters?class=retryable&status=new")))
 	waitFor(`document.readyState === "complete" && document.querySelector("#replay") !== null`)
 	must(chromedp.Do(ctx, chromedp.Click(chromedp.CSS("#replay"))))
@@ -328,6 +311,147 @@ func TestConsoleInABrowser(t *testing.T) {
 	if actor != "console:alice" || reason != "downstream fixed, INC-42" {
 		t.Errorf("audit: %q %q, want console:alice and the reason given", actor, reason)
 	}
+
+	// A replay started elsewhere (the CLI of a colleague, say), which the operator cancels from
+	// its page: the task is cancelled, in the operator's name, and no dead letter moved.
+	o := ops.New(h.Pool, "kafkapg", h.Group)
+	started, err := o.StartTask(context.Background(), ops.Replay, ops.Filter{Class: "permanent"}, ops.Actor{Name: "cli:bob", Reason: "try again"}, 0)
+	must(err)
+	b.open(fmt.Sprintf("%s/tasks/%d", srv.URL, started.ID), `document.querySelector("#cancel") !== null`)
+	if status := text("#task-status"); !strings.HasPrefix(status, "running") {
+		t.Errorf("the started task's status reads %q, want running", status)
+	}
+	must(chromedp.Do(ctx, chromedp.Click(chromedp.CSS("#cancel"))))
+	waitFor(`document.readyState === "complete" && document.querySelector("#task-status") !== null && document.querySelector("#task-status").textContent === "cancelled"`)
+	shot("task-cancelled")
+	var cancelledBy string
+	var stillNewPermanent int
+	must(h.Pool.QueryRow(context.Background(), `SELECT cancelled_by, (SELECT count(*) FROM kafkapg.dead_letters
+		WHERE consumer_group = $1 AND status = 'new' AND error_class = 'permanent') FROM kafkapg.tasks WHERE id = $2`, h.Group, started.ID).Scan(&cancelledBy, &stillNewPermanent))
+	if cancelledBy != "console:alice" || stillNewPermanent != wantNew {
+		t.Errorf("after the cancel: cancelled by %q, %d new permanent dead letters; want console:alice and %d", cancelledBy, stillNewPermanent, wantNew)
+	}
+
+	// The operator discards every new permanent dead letter: the dry run counts them, the task
+	// discards exactly those, and nothing of them reaches the ledger.
+	b.open(srv.URL+"/dead-letters?class=permanent&status=new", `document.querySelector("#discard") !== null`)
+	must(chromedp.Do(ctx, chromedp.Click(chromedp.CSS("#discard"))))
+	waitFor(`location.pathname === "/dead-letters/confirm" && document.readyState === "complete" && document.querySelector("#would") !== null`)
+	if would := text("#would"); would != fmt.Sprint(wantNew) {
+		t.Errorf("the dry run says %s dead letters would be discarded; the database has %d", would, wantNew)
+	}
+	shot("discard-confirm")
+	must(chromedp.Do(ctx,
+		chromedp.SetValue(chromedp.CSS("#reason"), "poison from the old producer, INC-43"),
+		chromedp.Click(chromedp.CSS("#confirm")),
+	))
+	waitFor(`location.pathname.startsWith("/tasks/") && document.querySelector("#task-status") !== null && document.querySelector("#task-status").textContent === "done"`)
+	var discarded, newPermanent int
+	must(h.Pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE status = 'discarded'), count(*) FILTER (WHERE status = 'new' AND error_class = 'permanent')
+		FROM kafkapg.dead_letters WHERE consumer_group = $1`, h.Group).Scan(&discarded, &newPermanent))
+	rows, err := h.Pool.Query(context.Background(), `SELECT value FROM kafkapg.dead_letters WHERE consumer_group = $1 AND status = 'discarded'`, h.Group)
+	must(err)
+	values, err := pgx.CollectRows(rows, pgx.RowTo[[]byte])
+	must(err)
+	var ids []string
+	for _, v := range values {
+		var ev ledger.Event
+		if json.Unmarshal(v, &ev) == nil && ev.EventID != "" {
+			ids = append(ids, ev.EventID)
+		}
+	}
+	var ledgerRows int
+	must(h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM ledger_entries WHERE event_id = ANY($1)`, ids).Scan(&ledgerRows))
+	if discarded != wantNew || newPermanent != 0 || ledgerRows != 0 || len(ids) == 0 {
+		t.Errorf("after the discard: %d discarded, %d new permanent, %d of %d events in the ledger; want %d, 0, 0 of some", discarded, newPermanent, ledgerRows, len(ids), wantNew)
+	}
+	must(h.Pool.QueryRow(context.Background(), `SELECT actor, reason FROM kafkapg.audit WHERE action = 'discard' ORDER BY id DESC LIMIT 1`).Scan(&actor, &reason))
+	if actor != "console:alice" || reason != "poison from the old producer, INC-43" {
+		t.Errorf("audit of the discard: %q %q, want console:alice and the reason given", actor, reason)
+	}
+}
+
+// browserT is a Chromium tab and the checks the browser tests make with it.
+type browserT struct {
+	t   *testing.T
+	ctx context.Context
+	dir string // where screenshots go
+}
+
+// newBrowser starts Chromium (see browser) with a tab 1280 pixels wide.
+func newBrowser(t *testing.T) *browserT {
+	b := &browserT{t: t, ctx: browser(t), dir: os.Getenv("KAFKAPG_SCREENSHOTS")}
+	if b.dir == "" {
+		b.dir = t.TempDir()
+	}
+	b.must(os.MkdirAll(b.dir, 0o755))
+	_, err := chromedp.Call(b.ctx, network.Enable, network.EnableParams{})
+	b.must(err)
+	b.must(chromedp.Do(b.ctx, chromedp.EmulateViewport(1280, 900)))
+	return b
+}
+
+func (b *browserT) must(err error) {
+	b.t.Helper()
+	if err != nil {
+		b.t.Fatal(err)
+	}
+}
+
+// as signs the tab in as a user (every request carries the user's basic credentials).
+func (b *browserT) as(user, password string) {
+	b.t.Helper()
+	auth := "Basic " + base64.StdEncoding.EncodeToString([]byte(user+":"+password))
+	_, err := chromedp.Call(b.ctx, network.SetExtraHTTPHeaders, network.SetExtraHTTPHeadersParams{Headers: network.Headers{"Authorization": auth}})
+	b.must(err)
+}
+
+// open navigates to url and waits until the page has loaded and cond (JavaScript) holds.
+func (b *browserT) open(url, cond string) {
+	b.t.Helper()
+	b.must(chromedp.Do(b.ctx, chromedp.Navigate(url)))
+	b.waitFor(`document.readyState === "complete" && (` + cond + `)`)
+}
+
+// text returns the text of the first element sel matches.
+func (b *browserT) text(sel string) string {
+	b.t.Helper()
+	v, err := chromedp.Run(b.ctx, chromedp.Text(chromedp.CSS(sel)))
+	b.must(err)
+	return v
+}
+
+// count returns how many elements sel matches.
+func (b *browserT) count(sel string) int {
+	b.t.Helper()
+	n, err := chromedp.Run(b.ctx, chromedp.Evaluate[int](fmt.Sprintf(`document.querySelectorAll(%q).length`, sel)))
+	b.must(err)
+	return n
+}
+
+// waitFor waits until a JavaScript condition holds: after a click, until the next page is the
+// one shown.
+func (b *browserT) waitFor(cond string) {
+	b.t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		ok, err := chromedp.Run(b.ctx, chromedp.Evaluate[bool](cond))
+		if err == nil && ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			b.t.Fatalf("waited 15s for %s (last error: %v)", cond, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// shot saves a screenshot of the whole page as name.png.
+func (b *browserT) shot(name string) {
+	b.t.Helper()
+	png, err := chromedp.Run(b.ctx, chromedp.FullScreenshot(100))
+	b.must(err)
+	b.must(os.WriteFile(filepath.Join(b.dir, name+".png"), png, 0o644))
 }
 
 // post sends a form as user and returns the status.
@@ -406,4 +530,150 @@ func TestParseUsers(t *testing.T) {
 			t.Errorf("ParseUsers(%q) = %v: the error echoes a password", tt.in, err)
 		}
 	}
+}
+
+// event is a ledger event of an account (its key): it fails its first fail attempts, or always
+// if poison.
+func event(id, account string, seq int64, fail int, poison bool) ledger.Item {
+	ev := ledger.Event{EventID: id, Account: account, Amount: seq * 10, Seq: seq, FailAttempts: fail, Poison: poison}
+	v, _ := json.Marshal(ev)
+	kind := ledger.KindOK
+	switch {
+	case poison:
+		kind = ledger.KindPoison
+	case fail > 0:
+		kind = ledger.KindFlaky
+	}
+	return ledger.Item{Kind: kind, Event: ev, Key: []byte(account), Value: v}
+}
+
+// TestConsoleRetryPathInABrowser: with ON_DEAD_LETTER=block and an hour-long retry tier, the
+// retry path page shows the tier's backlog and the held keys with the record each waits behind;
+// an operator releases the blocked key, after a dry run, and its held records are applied once
+// each, in order; a key whose record is in a tier is refused; the trace page draws a record's
+// way. Each step is checked in the database.
+func TestConsoleRetryPathInABrowser(t *testing.T) {
+	b := newBrowser(t)
+	k := testenv.NewKfake(t)
+	h := testkit.New(t, k, 1)
+	cfg := h.Config(ledger.Handler{})
+	cfg.RetryTiers = []time.Duration{time.Hour}
+	cfg.LocalAttempts = 1
+	cfg.OnDeadLetter = processor.OnDeadLetterBlock
+	k.CreateTopicNamed(t, h.DLQ(), 1)
+	h.Produce([]ledger.Item{
+		event("a1", "A", 1, 0, false),
+		event("a2", "A", 2, 0, true),  // poison: dead-lettered, blocks A
+		event("b1", "B", 1, 9, false), // fails: to the hour-long tier, B held behind it
+		event("a3", "A", 3, 0, false),
+		event("b2", "B", 2, 0, false),
+		event("a4", "A", 4, 0, false),
+		event("c1", "C", 1, 0, false),
+	})
+	r := h.Start(cfg)
+	applied := func() string {
+		t.Helper()
+		rows, err := h.Pool.Query(context.Background(), `SELECT event_id FROM ledger_entries ORDER BY applied_order`)
+		b.must(err)
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		b.must(err)
+		return strings.Join(ids, " ")
+	}
+	held := func() string {
+		t.Helper()
+		var s string
+		b.must(h.Pool.QueryRow(context.Background(), `SELECT coalesce(string_agg(convert_from(key, 'UTF8') || ':' || state, ' ' ORDER BY key), '')
+			FROM kafkapg.held_keys WHERE consumer_group = $1`, h.Group).Scan(&s))
+		return s
+	}
+	testenv.Eventually(t, 30*time.Second, func() error {
+		if got, want := applied()+" | "+held(), "a1 c1 | A:blocked B:retrying"; got != want {
+			return fmt.Errorf("applied | held keys: %q, want %q", got, want)
+		}
+		var outbox int
+		b.must(h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.outbox`).Scan(&outbox))
+		if outbox != 0 {
+			return fmt.Errorf("%d records wait in the outbox", outbox)
+		}
+		return nil
+	})
+	srv := serve(t, h, k, r.Reg)
+
+	// A viewer sees the tier's backlog and both keys, the longest held first, and cannot release.
+	b.as("victor", viewerPassword)
+	b.open(srv.URL+"/retry-path", `document.querySelector("#keys") !== null`)
+	if n := b.text("#tiers tbody tr td:nth-child(2)"); n != "1" {
+		t.Errorf("tier 1 shows %q records waiting, want 1", n)
+	}
+	keys, err := chromedp.Run(b.ctx, chromedp.Evaluate[[]string](`[...document.querySelectorAll("#keys tbody tr")].map(r => r.dataset.key + ":" + r.cells[2].textContent + ":" + r.cells[3].textContent)`))
+	b.must(err)
+	if got := strings.Join(keys, " "); got != "A:blocked:2 B:retrying:1" {
+		t.Errorf("held keys on the page: %q, want A:blocked:2 B:retrying:1", got)
+	}
+	if n := b.count("button.release"); n != 0 {
+		t.Errorf("a viewer is offered %d releases", n)
+	}
+	form := fmt.Sprintf("topic=%s&partition=0&key_hex=%x&reason=not+allowed", h.Topic, "A")
+	if code := post(t, srv.URL+"/keys/release", "victor", viewerPassword, form, nil); code != http.StatusForbidden {
+		t.Errorf("a viewer's release: %d, want 403", code)
+	}
+	if code := post(t, srv.URL+"/keys/release", "alice", operatorPassword, fmt.Sprintf("topic=%s&partition=0&key_hex=%x&reason=too+early", h.Topic, "B"), nil); code != http.StatusBadRequest {
+		t.Errorf("releasing a key whose record is in a tier (not stuck): %d, want 400", code)
+	}
+	if got := held(); got != "A:blocked B:retrying" {
+		t.Fatalf("after refused releases the held keys are %q", got)
+	}
+
+	// The operator releases A: the dry run says what it will do, then A's held records are
+	// applied, in order, once each; the audit trail names the operator.
+	b.as("alice", operatorPassword)
+	b.open(srv.URL+"/retry-path", `document.querySelector("button.release") !== null`)
+	b.shot("retry-path")
+	b.must(chromedp.Do(b.ctx, chromedp.Click(chromedp.CSS(`#keys tr[data-key="A"] button.release`))))
+	b.waitFor(`location.pathname === "/keys/confirm" && document.readyState === "complete" && document.querySelector("#would-release") !== null`)
+	if n := b.text("#release-held"); n != "2" {
+		t.Errorf("the dry run says %s held records, want 2", n)
+	}
+	if got := held(); got != "A:blocked B:retrying" {
+		t.Fatalf("the dry run changed the held keys: %q", got)
+	}
+	b.shot("release-confirm")
+	b.must(chromedp.Do(b.ctx,
+		chromedp.SetValue(chromedp.CSS("#reason"), "a2 was a test event, INC-44"),
+		chromedp.Click(chromedp.CSS("#confirm")),
+	))
+	b.waitFor(`location.pathname === "/keys/release" && document.readyState === "complete" && document.querySelector("#released") !== null`)
+	testenv.Eventually(t, 30*time.Second, func() error {
+		if got, want := applied()+" | "+held(), "a1 c1 a3 a4 | B:retrying"; got != want {
+			return fmt.Errorf("applied | held keys: %q, want %q", got, want)
+		}
+		return nil
+	})
+	var actor, reason string
+	b.must(h.Pool.QueryRow(context.Background(), `SELECT actor, reason FROM kafkapg.audit WHERE action = 'release_key' ORDER BY id DESC LIMIT 1`).Scan(&actor, &reason))
+	if actor != "console:alice" || reason != "a2 was a test event, INC-44" {
+		t.Errorf("audit of the release: %q %q, want console:alice and the reason given", actor, reason)
+	}
+
+	// The trace of key A: its four records, newest first; a2's path ends dead, a3's applied
+	// after its key's release; b1 (by offset) waits in tier 1.
+	b.open(srv.URL+"/trace", `document.querySelector("#trace-form") !== null`)
+	b.must(chromedp.Do(b.ctx,
+		chromedp.SetValue(chromedp.CSS(`#trace-form input[name="topic"]`), h.Topic),
+		chromedp.SetValue(chromedp.CSS(`#trace-form input[name="key"]`), "A"),
+		chromedp.Click(chromedp.CSS(`#trace-form button`)),
+	))
+	b.waitFor(`location.search.includes("key=A") && document.readyState === "complete" && document.querySelectorAll("section.trace").length > 0`)
+	paths, err := chromedp.Run(b.ctx, chromedp.Evaluate[[]string](`[...document.querySelectorAll("section.trace")].map(s => s.dataset.offset + ":" + [...s.querySelectorAll("ol.path li")].map(l => l.textContent).join(">"))`))
+	b.must(err)
+	want := "5:produced>applied 3:produced>applied 1:produced>failed>dead>released>dead 0:produced>applied"
+	if got := strings.Join(paths, " "); got != want {
+		t.Errorf("the trace of key A draws %q, want %q", got, want)
+	}
+	b.shot("trace-key")
+	b.open(fmt.Sprintf("%s/trace?topic=%s&partition=0&offset=2", srv.URL, h.Topic), `document.querySelectorAll("section.trace").length === 1`)
+	if got := b.text("section.trace ol.path"); !strings.Contains(got, "tier 1") || !strings.Contains(got, "in a tier") {
+		t.Errorf("the trace of b1 draws %q, want it sent to tier 1 and waiting there", got)
+	}
+	b.shot("trace")
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"html/template"
+	"strings"
 	"time"
 	"unicode/utf8"
 
@@ -81,14 +82,35 @@ var funcs = template.FuncMap{
 		}
 		return "0x" + hex.EncodeToString(b)
 	},
+	"rate": func(v float64) string {
+		if v >= 100 {
+			return fmt.Sprintf("%.0f", v)
+		}
+		return fmt.Sprintf("%.1f", v)
+	},
+	"hex": func(b []byte) string { return hex.EncodeToString(b) },
+	"dur": func(d time.Duration) string {
+		if d < time.Second {
+			return d.Round(time.Millisecond).String()
+		}
+		h := humanDuration(d) // 10m00s reads 10m, 24h00m 24h
+		return strings.TrimSuffix(strings.TrimSuffix(h, "00s"), "00m")
+	},
+	"tierTotal": func(tiers []tierRow) int {
+		n := 0
+		for _, t := range tiers {
+			n += t.Records
+		}
+		return n
+	},
 	"deref": func(p *int64) string {
 		if p == nil {
 			return "—"
 		}
 		return fmt.Sprint(*p)
 	},
-	"num": func(n int64) string {
-		s := fmt.Sprint(n)
+	"num": func(n any) string {
+		s := fmt.Sprint(n) // an integer of any type
 		var out []byte
 		for i := range len(s) {
 			if i > 0 && (len(s)-i)%3 == 0 && s[i-1] != '-' {

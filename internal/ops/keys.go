@@ -336,3 +336,9 @@ func errorText(class, msg string) string {
 
 // oneLine puts s on one line, its runs of white space (newlines too) made single spaces.
 func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }
+
+// RetryPath reads the group's retry path as a whole: the records in each retry tier and how
+// overdue the most overdue of them is, the held keys and records, the dead letters by status.
+func (o *Ops) RetryPath(ctx context.Context) (retrytopics.Stats, error) {
+	return o.store.Stats(ctx, o.pool)
+}

@@ -114,9 +114,29 @@ type RecordTrace struct {
 
 // TraceStep is a step of a record's way through kafkapg.
 type TraceStep struct {
-	At   time.Time `json:"at"`
-	What string    `json:"what"`
+	At time.Time `json:"at"`
+	// Kind is one of the Step* constants.
+	Kind string `json:"kind"`
+	// Tier is the retry tier a StepTier step sent the record to; 0 for other steps.
+	Tier int    `json:"tier,omitempty"`
+	What string `json:"what"`
 }
+
+// The kinds of a record's steps (TraceStep.Kind).
+const (
+	StepProduced     = "produced"      // the record's timestamp
+	StepFailed       = "failed"        // its first failure
+	StepTier         = "tier"          // sent to a retry tier
+	StepHeld         = "held"          // held behind its key
+	StepOutbox       = "outbox"        // a copy written to the outbox
+	StepRefused      = "refused"       // Kafka refused the copy for good
+	StepReleased     = "released"      // its key released by an operator
+	StepDeadLettered = "dead_lettered" // dead-lettered
+	StepReplayQueued = "replay_queued" // a replay brought it back
+	StepReplayed     = "replayed"      // applied by a replay
+	StepDiscarded    = "discarded"     // its dead letter discarded
+	StepApplied      = "applied"       // the partition's position passed it
+)
 
 // Trace answers, for the records q chooses, where each is now and how it got there, from the
 // group's tables and, through kc, the topic's log start and end offsets (nil kc: Postgres only).
@@ -542,6 +562,7 @@ func (o *Ops) traceEvents(ctx context.Context, tx pgx.Tx, f *traceFacts) error {
 			by = fmt.Sprintf(" by task %d", task)
 		}
 		var what string
+		kind := event
 		switch event {
 		case "dead_lettered":
 			what = fmt.Sprintf("dead-lettered at attempt %d (%s) as dead letter #%d", attempt, errorText(class, msg), id)
@@ -552,10 +573,10 @@ func (o *Ops) traceEvents(ctx context.Context, tx pgx.Tx, f *traceFacts) error {
 		case "discarded":
 			what = "dead letter discarded" + by
 		default:
-			what = event + by
+			what, kind = event+by, "other"
 		}
 		d := f.dead[byID[id]]
-		d.events = append(d.events, TraceStep{At: at, What: what})
+		d.events = append(d.events, TraceStep{At: at, Kind: kind, What: what})
 		f.dead[byID[id]] = d
 		return nil
 	})
@@ -608,8 +629,8 @@ func (f *traceFacts) heldKey(partition int32, key []byte) (HeldKey, bool) {
 // describe says where the record at org is now and how it got there.
 func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Record, bounds map[int32]logBounds) RecordTrace {
 	t := RecordTrace{Topic: q.Topic, Partition: org.partition, Offset: org.offset, Steps: []TraceStep{}}
-	step := func(at time.Time, format string, args ...any) {
-		t.Steps = append(t.Steps, TraceStep{At: at, What: fmt.Sprintf(format, args...)})
+	step := func(at time.Time, kind, format string, args ...any) {
+		t.Steps = append(t.Steps, TraceStep{At: at, Kind: kind, What: fmt.Sprintf(format, args...)})
 	}
 	known := false
 	setKey := func(k []byte) {
@@ -651,37 +672,38 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Rec
 		t.KeyText = KeyText(t.Key)
 	}
 	if produced > 0 {
-		step(time.UnixMilli(produced).UTC(), "produced (record timestamp)")
+		step(time.UnixMilli(produced).UTC(), StepProduced, "produced (record timestamp)")
 	}
 
 	// How it got there, in the order of the record's way (the times come from the clocks of
 	// several processes and Postgres, which need not agree to the millisecond).
 	switch {
 	case dead:
-		step(dl.firstFailed, "first failed")
+		step(dl.firstFailed, StepFailed, "first failed")
 		t.Steps = append(t.Steps, dl.events...)
 		if len(dl.events) == 0 {
-			step(dl.deadLettered, "dead-lettered at attempt %d (%s) as dead letter #%d", dl.attempts, errorText(dl.class, dl.message), dl.id)
+			step(dl.deadLettered, StepDeadLettered, "dead-lettered at attempt %d (%s) as dead letter #%d", dl.attempts, errorText(dl.class, dl.message), dl.id)
 		}
 	case inTier:
-		step(rt.firstFailed, "first failed")
+		step(rt.firstFailed, StepFailed, "first failed")
 	}
 	tier := rt.tier
 	if inTier {
-		step(rt.updated, "attempt %d failed (%s): sent to retry tier %d (%s), due %s", rt.attempt-1, errorText(rt.class, rt.message),
+		step(rt.updated, StepTier, "attempt %d failed (%s): sent to retry tier %d (%s), due %s", rt.attempt-1, errorText(rt.class, rt.message),
 			tier, retrytopics.TierTopic(q.Topic, o.group, tier), timeText(rt.due))
+		t.Steps[len(t.Steps)-1].Tier = tier
 	}
 	if held && hr.deadLetter == 0 {
-		step(hr.heldAt, "held behind its key")
+		step(hr.heldAt, StepHeld, "held behind its key")
 	}
 	for _, c := range copies {
-		step(c.createdAt, "copy written to the outbox, to be published to %s", o.topicRole(q.Topic, c.topic))
+		step(c.createdAt, StepOutbox, "copy written to the outbox, to be published to %s", o.topicRole(q.Topic, c.topic))
 		if c.refusedAt != nil {
-			step(*c.refusedAt, "Kafka refused the copy for good: %s", errorText("refused", derefString(c.refused)))
+			step(*c.refusedAt, StepRefused, "Kafka refused the copy for good: %s", errorText("refused", derefString(c.refused)))
 		}
 	}
 	for _, r := range f.releases[org] {
-		step(r.at, "its key was released by %s (%s): %s", safetext.Text(oneLine(r.actor), 80), r.why, safetext.Text(oneLine(r.reason), 200))
+		step(r.at, StepReleased, "its key was released by %s (%s): %s", safetext.Text(oneLine(r.actor), 80), r.why, safetext.Text(oneLine(r.reason), 200))
 	}
 
 	// Where it is now.
@@ -730,14 +752,14 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Rec
 
 // position describes a record that no table of the retry path holds, from the partition's
 // position and the broker's log bounds.
-func (o *Ops) position(org traceOrigin, pos tracePosition, bounds map[int32]logBounds, step func(time.Time, string, ...any)) (state, now string) {
+func (o *Ops) position(org traceOrigin, pos tracePosition, bounds map[int32]logBounds, step func(time.Time, string, string, ...any)) (state, now string) {
 	b, haveBounds := bounds[org.partition]
 	if haveBounds && org.offset >= b.end {
 		return TraceNotConsumed, fmt.Sprintf("not produced yet: the partition ends at offset %d", b.end)
 	}
 	gone := haveBounds && org.offset < b.start
 	if pos.next != nil && org.offset < *pos.next {
-		step(pos.updatedAt, "the partition's position passed it (the group's next offset is now %d)", *pos.next)
+		step(pos.updatedAt, StepApplied, "the partition's position passed it (the group's next offset is now %d)", *pos.next)
 		now = fmt.Sprintf("applied (the partition's position passed it by %s)", timeText(pos.updatedAt))
 		if gone {
 			return TraceBeyondRetention, now + fmt.Sprintf("; beyond the broker's retention now: the log starts at offset %d", b.start)

@@ -1,0 +1,106 @@
+package console
+
+import (
+	"encoding/hex"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/retrytopics"
+)
+
+// keysShown bounds the held keys the retry path page lists (the longest held first).
+const keysShown = 100
+
+type tierRow struct {
+	Tier    int
+	Records int
+	Overdue time.Duration
+}
+
+type retryPathData struct {
+	Stats retrytopics.Stats
+	Tiers []tierRow
+	Keys  []ops.HeldKey
+	// CanRelease: the signed-in user is an operator of a console that may act.
+	CanRelease bool
+}
+
+// retryPath shows the retry path: each tier's backlog and how overdue it is, and the held keys,
+// the longest held first, each with the record it waits behind.
+func (c *Console) retryPath(w http.ResponseWriter, r *http.Request) {
+	ctx := r.Context()
+	st, err := c.cfg.Ops.RetryPath(ctx)
+	if err != nil {
+		c.fail(w, err)
+		return
+	}
+	d := retryPathData{Stats: st, CanRelease: c.mayAct(r)}
+	for tier, ts := range st.Tiers {
+		d.Tiers = append(d.Tiers, tierRow{Tier: tier, Records: ts.Records, Overdue: ts.Overdue})
+	}
+	slices.SortFunc(d.Tiers, func(a, b tierRow) int { return a.Tier - b.Tier })
+	if d.Keys, err = c.cfg.Ops.Keys(ctx, keysShown); err != nil {
+		c.fail(w, err)
+		return
+	}
+	c.render(w, r, "retrypath", "Retry path", d)
+}
+
+type releaseData struct {
+	Release ops.Release
+	KeyHex  string
+}
+
+// confirmRelease shows what releasing a held key would do (ops.ReleaseKey's dry run) and asks
+// for the reason the audit trail records.
+func (c *Console) confirmRelease(w http.ResponseWriter, r *http.Request) {
+	topic, partition, key, ok := heldKeyOf(w, r)
+	if !ok {
+		return
+	}
+	rel, err := c.cfg.Ops.ReleaseKey(r.Context(), topic, partition, key, c.cfg.Stuck, false, ops.Actor{})
+	if err != nil {
+		c.fail(w, err)
+		return
+	}
+	c.render(w, r, "release", "Release a held key", releaseData{Release: rel, KeyHex: hex.EncodeToString(key)})
+}
+
+// release releases a held key in the name of the signed-in operator and shows what it did.
+func (c *Console) release(w http.ResponseWriter, r *http.Request) {
+	topic, partition, key, ok := heldKeyOf(w, r)
+	if !ok {
+		return
+	}
+	rel, err := c.cfg.Ops.ReleaseKey(r.Context(), topic, partition, key, c.cfg.Stuck, true,
+		ops.Actor{Name: "console:" + userOf(r).name, Reason: strings.TrimSpace(r.PostForm.Get("reason"))})
+	if err != nil {
+		c.fail(w, err)
+		return
+	}
+	c.render(w, r, "release", "Key released", releaseData{Release: rel, KeyHex: hex.EncodeToString(key)})
+}
+
+// heldKeyOf reads the held key a posted form names (topic, partition, key_hex); a bad one gets
+// 400.
+func heldKeyOf(w http.ResponseWriter, r *http.Request) (topic string, partition int32, key []byte, ok bool) {
+	if err := r.ParseForm(); err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return "", 0, nil, false
+	}
+	topic = r.PostForm.Get("topic")
+	p, err := strconv.ParseInt(r.PostForm.Get("partition"), 10, 32)
+	if topic == "" || err != nil || p < 0 {
+		http.Error(w, "topic and partition: want a topic and a partition number", http.StatusBadRequest)
+		return "", 0, nil, false
+	}
+	if key, err = hex.DecodeString(r.PostForm.Get("key_hex")); err != nil {
+		http.Error(w, "key_hex: want the key in hex", http.StatusBadRequest)
+		return "", 0, nil, false
+	}
+	return topic, int32(p), key, true
+}

@@ -1,0 +1,127 @@
+package console
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+
+	"github.com/kafkapg/kafkapg/internal/ops"
+)
+
+type traceData struct {
+	Form    map[string]string
+	Asked   bool // a search was made
+	Records []traced
+	Notes   []string
+	Error   string
+}
+
+// traced is a record's trace and its path: the kinds of its steps, then where it is now.
+type traced struct {
+	ops.RecordTrace
+	Path []pathStep
+}
+
+type pathStep struct {
+	Label string
+	Class string // kind-<step kind>, or now state-<state> for the last
+}
+
+// pathOf draws a record's path: a label per step, then where it is now (unless its last step
+// says so already).
+func pathOf(rt ops.RecordTrace) []pathStep {
+	var path []pathStep
+	for _, s := range rt.Steps {
+		path = append(path, pathStep{Label: stepLabel(s), Class: "kind-" + s.Kind})
+	}
+	now := pathStep{Label: stateLabel[rt.State], Class: "now state-" + rt.State}
+	if n := len(path); n > 0 && path[n-1].Label == now.Label {
+		path[n-1] = now
+	} else {
+		path = append(path, now)
+	}
+	return path
+}
+
+// trace finds records by topic, partition and offset, or by key, and draws each one's way
+// through kafkapg as a timeline (ops.Trace: Postgres, and Kafka for the records Postgres does
+// not keep).
+func (c *Console) trace(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	d := traceData{Form: map[string]string{"topic": q.Get("topic"), "partition": q.Get("partition"), "offset": q.Get("offset"), "key": q.Get("key")}}
+	if q.Get("topic") == "" {
+		c.render(w, r, "trace", "Trace a record", d)
+		return
+	}
+	d.Asked = true
+	tq, err := traceQueryOf(d.Form)
+	var res ops.TraceResult
+	if err == nil {
+		res, err = c.cfg.Ops.Trace(r.Context(), tq, c.cfg.Kafka)
+	}
+	if errors.Is(err, ops.ErrUsage) {
+		// The person's mistake: said on the page, with the form to correct it.
+		d.Error = err.Error()
+		w.WriteHeader(http.StatusBadRequest)
+		c.render(w, r, "trace", "Trace a record", d)
+		return
+	}
+	if err != nil {
+		c.fail(w, err)
+		return
+	}
+	for _, rt := range res.Records {
+		d.Records = append(d.Records, traced{RecordTrace: rt, Path: pathOf(rt)})
+	}
+	d.Notes = res.Notes
+	if c.cfg.Kafka == nil {
+		d.Notes = append(d.Notes, "This console does not read Kafka: records that Postgres does not keep are not found by key, and the broker's retention is not checked.")
+	}
+	c.render(w, r, "trace", "Trace a record", d)
+}
+
+// traceQueryOf reads a trace search: a key, or a partition and an offset.
+func traceQueryOf(f map[string]string) (ops.TraceQuery, error) {
+	tq := ops.TraceQuery{Topic: f["topic"]}
+	if f["offset"] == "" && f["key"] != "" {
+		tq.Key = []byte(f["key"])
+		return tq, nil
+	}
+	p, err := strconv.ParseInt(f["partition"], 10, 32)
+	if err != nil {
+		return tq, fmt.Errorf("%w: partition %q: want a partition number (or search by key)", ops.ErrUsage, f["partition"])
+	}
+	o, err := strconv.ParseInt(f["offset"], 10, 64)
+	if err != nil {
+		return tq, fmt.Errorf("%w: offset %q: want an offset (or search by key)", ops.ErrUsage, f["offset"])
+	}
+	tq.Partition, tq.Offset = int32(p), o
+	return tq, nil
+}
+
+// stepLabel is a step's name on a record's path.
+func stepLabel(s ops.TraceStep) string {
+	switch s.Kind {
+	case ops.StepTier:
+		return fmt.Sprintf("tier %d", s.Tier)
+	case ops.StepDeadLettered:
+		return "dead"
+	case ops.StepReplayQueued:
+		return "replay"
+	case ops.StepOutbox:
+		return "outbox"
+	}
+	return s.Kind
+}
+
+// stateLabel is where a record is now, on its path.
+var stateLabel = map[string]string{
+	ops.TraceNotConsumed:     "not consumed",
+	ops.TraceApplied:         "applied",
+	ops.TraceInTier:          "in a tier",
+	ops.TraceOutbox:          "in the outbox",
+	ops.TraceHeld:            "held",
+	ops.TraceDeadLettered:    "dead",
+	ops.TraceBeyondRetention: "beyond retention",
+}
