@@ -417,8 +417,7 @@ func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, reg prometh
 	sctx, stopSampling := context.WithCancel(ctx)
 	go samples.Run(sctx)
 	con, err := console.New(console.Config{
-		Ops: o, Pool: pool, Schema: env.DBSchema, Group: env.KafkaGroupID,
-		Admin: kadm.NewClient(cl), Kafka: cl, Stuck: env.stuckScope(), HideValues: env.ConsoleHideValues, Samples: samples,
+		Ops: o, Admin: kadm.NewClient(cl), Kafka: cl, Stuck: env.stuckScope(), HideValues: env.ConsoleHideValues, Samples: samples,
 		Users: users, Log: log, Run: tasks.run,
 	})
 	if err != nil {

@@ -47,7 +47,7 @@ func BenchmarkPages(b *testing.B) {
 		b.Fatal(err)
 	}
 	users, _ := console.ParseUsers("ann:viewer:ann-password-1")
-	c, err := console.New(console.Config{Ops: ops.New(pool, "kafkapg", "g"), Pool: pool, Schema: "kafkapg", Group: "g", Users: users, Log: slog.New(slog.DiscardHandler)})
+	c, err := console.New(console.Config{Ops: ops.New(pool, "kafkapg", "g"), Users: users, Log: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -23,8 +23,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -84,11 +82,8 @@ func ParseUsers(s string) ([]User, error) {
 
 // Config is what a Console serves.
 type Config struct {
-	Ops    *ops.Ops
-	Pool   *pgxpool.Pool
-	Schema string
-	Group  string
-	Admin  *kadm.Client // end offsets, for lag; nil: lag is not shown
+	Ops   *ops.Ops     // the group's operations (and its name)
+	Admin *kadm.Client // end offsets, for lag; nil: lag is not shown
 	// Kafka reads the records a trace looks for; nil: traces read Postgres only.
 	Kafka *kgo.Client
 	// Stuck is what counts as a stuck key (the retry tiers of each source topic, and how long
@@ -229,7 +224,7 @@ func (c *Console) render(w http.ResponseWriter, r *http.Request, name, title str
 	// A task's page reloads while it runs, and while a replay's records are on their way.
 	t, isTask := data.(ops.Task)
 	refresh := isTask && (t.Status == "running" || t.Action == ops.Replay && t.Pending > 0)
-	err := c.pages[name].Execute(&b, page{Refresh: refresh, Title: title, Nav: name, User: u.name, Role: u.role, Group: c.cfg.Group, Now: time.Now().UTC(), Data: data})
+	err := c.pages[name].Execute(&b, page{Refresh: refresh, Title: title, Nav: name, User: u.name, Role: u.role, Group: c.cfg.Ops.Group(), Now: time.Now().UTC(), Data: data})
 	if err != nil {
 		c.fail(w, fmt.Errorf("render %s: %w", name, err))
 		return
@@ -250,16 +245,13 @@ func (c *Console) fail(w http.ResponseWriter, err error) {
 	http.Error(w, err.Error(), status)
 }
 
-// partitionRow is a partition of the group on the overview.
+// partitionRow is a partition of the group on the overview: its position in Postgres, and the
+// broker's end offset.
 type partitionRow struct {
-	Topic     string
-	Partition int32
-	Owner     string
-	Next      *int64
-	End       int64
-	Lag       int64
-	HasLag    bool
-	Updated   time.Time
+	ops.Position
+	End    int64
+	Lag    int64
+	HasLag bool
 }
 
 type overviewData struct {
@@ -276,8 +268,8 @@ type overviewData struct {
 
 	Partitions []partitionRow
 	Counts     []ops.Count
-	Held       int64
-	Blocked    int64
+	Held       int
+	Blocked    int
 	Tasks      []ops.Task
 	TotalLag   int64
 	HasLag     bool
@@ -288,20 +280,13 @@ type overviewData struct {
 func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	var d overviewData
-	rows, err := c.cfg.Pool.Query(ctx, `SELECT topic, partition, owner, next_offset, updated_at FROM `+
-		pgx.Identifier{c.cfg.Schema, "offsets"}.Sanitize()+` WHERE consumer_group = $1 ORDER BY topic, partition`, c.cfg.Group)
+	positions, err := c.cfg.Ops.Positions(ctx)
 	if err != nil {
 		c.fail(w, err)
 		return
 	}
-	var p partitionRow
-	if _, err := pgx.ForEachRow(rows, []any{&p.Topic, &p.Partition, &p.Owner, &p.Next, &p.Updated}, func() error {
-		d.Partitions = append(d.Partitions, p)
-		p = partitionRow{}
-		return nil
-	}); err != nil {
-		c.fail(w, err)
-		return
+	for _, p := range positions {
+		d.Partitions = append(d.Partitions, partitionRow{Position: p})
 	}
 	if c.cfg.Admin != nil && len(d.Partitions) > 0 {
 		topics := map[string]bool{}
@@ -340,11 +325,12 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 			d.NewDeadLetters += n.N
 		}
 	}
-	if err := c.cfg.Pool.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE state = 'blocked') FROM `+
-		pgx.Identifier{c.cfg.Schema, "held_keys"}.Sanitize()+` WHERE consumer_group = $1`, c.cfg.Group).Scan(&d.Held, &d.Blocked); err != nil {
+	st, err := c.cfg.Ops.RetryPath(ctx)
+	if err != nil {
 		c.fail(w, err)
 		return
 	}
+	d.Held, d.Blocked = st.HeldKeys, st.BlockedKeys
 	if d.Tasks, err = c.cfg.Ops.Tasks(ctx, 5); err != nil {
 		c.fail(w, err)
 		return

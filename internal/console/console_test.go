@@ -38,20 +38,20 @@ const (
 
 // consoleOf starts a processor on a ledger workload with every kind of failure, waits until it
 // settled (dead letters included), and serves the console over its database.
-func consoleOf(t *testing.T) (*testkit.Harness, *httptest.Server, []ledger.Item) {
+func consoleOf(t *testing.T, opts ...func(*console.Config)) (*testkit.Harness, *httptest.Server, []ledger.Item) {
 	k := testenv.NewKfake(t)
 	h := testkit.New(t, k, 4)
 	items := testkit.Mixed(600, 11, "console")
 	h.Produce(items)
 	r := h.Start(h.Config(ledger.Handler{}))
-	srv := serve(t, h, k, r.Reg) // as in the service: the console samples the processor from its start
+	srv := serve(t, h, k, r.Reg, opts...) // as in the service: the console samples the processor from its start
 	h.WaitSettled(items, 1, 60*time.Second)
 	return h, srv, items
 }
 
 // serve serves the console over h's database, as the service does: the overview samples reg
-// (every 100 ms here), tasks run in the background.
-func serve(t *testing.T, h *testkit.Harness, k *testenv.Kafka, reg prometheus.Gatherer) *httptest.Server {
+// (every 100 ms here), tasks run in the background. opts change the configuration.
+func serve(t *testing.T, h *testkit.Harness, k *testenv.Kafka, reg prometheus.Gatherer, opts ...func(*console.Config)) *httptest.Server {
 	users, err := console.ParseUsers("alice:operator:" + operatorPassword + ", victor:viewer:" + viewerPassword)
 	if err != nil {
 		t.Fatal(err)
@@ -63,10 +63,9 @@ func serve(t *testing.T, h *testkit.Harness, k *testenv.Kafka, reg prometheus.Ga
 	kc := k.Client(t)
 	samples := console.NewSampler(reg, 100*time.Millisecond, time.Hour)
 	go samples.Run(ctx)
-	c, err := console.New(console.Config{
+	cfg := console.Config{
 		Samples: samples,
-		Ops:     o, Pool: h.Pool, Schema: "kafkapg", Group: h.Group,
-		Admin: kadm.NewClient(kc), Kafka: kc, Users: users, Log: slog.New(slog.DiscardHandler),
+		Ops:     o, Admin: kadm.NewClient(kc), Kafka: kc, Users: users, Log: slog.New(slog.DiscardHandler),
 		Stuck: retrytopics.StuckScope{Older: time.Hour, Tiers: map[string]int{h.Topic: 1}},
 		Run: func(id int64) {
 			tasks.Go(func() {
@@ -75,7 +74,11 @@ func serve(t *testing.T, h *testkit.Harness, k *testenv.Kafka, reg prometheus.Ga
 				}
 			})
 		},
-	})
+	}
+	for _, opt := range opts {
+		opt(&cfg)
+	}
+	c, err := console.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -135,6 +138,43 @@ func TestConsoleRefusesBadFilters(t *testing.T) {
 		if body := readAll(resp); resp.StatusCode != http.StatusBadRequest || !strings.Contains(body, want) {
 			t.Errorf("GET %s: %d %q, want 400 saying %q", path, resp.StatusCode, body, want)
 		}
+	}
+}
+
+// TestConsoleHidesValuesFromViewers: with HideValues a viewer sees a dead letter's size, not its
+// value nor its headers' values; an operator sees them.
+func TestConsoleHidesValuesFromViewers(t *testing.T) {
+	h, srv, _ := consoleOf(t, func(c *console.Config) { c.HideValues = true })
+	var id int64
+	var value []byte
+	if err := h.Pool.QueryRow(context.Background(), `SELECT id, value FROM kafkapg.dead_letters
+		WHERE consumer_group = $1 AND error_class = 'permanent' AND value IS NOT NULL AND convert_from(value, 'SQL_ASCII') LIKE '{%' ORDER BY id LIMIT 1`, h.Group).Scan(&id, &value); err != nil {
+		t.Fatal(err)
+	}
+	var ev ledger.Event
+	if err := json.Unmarshal(value, &ev); err != nil || ev.EventID == "" {
+		t.Fatalf("dead letter %d: value %q is not a ledger event", id, value)
+	}
+	get := func(user, password string) string {
+		req, _ := http.NewRequest("GET", fmt.Sprintf("%s/dead-letters/%d", srv.URL, id), nil)
+		req.SetBasicAuth(user, password)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body := readAll(resp)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("GET dead letter %d as %s: %d %s", id, user, resp.StatusCode, body)
+		}
+		return body
+	}
+	// The value's fields (the error message names the event, not its fields).
+	inValue := "&#34;amount&#34;: " + fmt.Sprint(ev.Amount)
+	if body := get("victor", viewerPassword); strings.Contains(body, inValue) || !strings.Contains(body, "value-hidden") {
+		t.Errorf("a viewer's page of dead letter %d shows its value (%s) or does not say it is hidden", id, inValue)
+	}
+	if body := get("alice", operatorPassword); !strings.Contains(body, inValue) {
+		t.Errorf("an operator's page of dead letter %d does not show its value (%s)", id, inValue)
 	}
 }
 

@@ -110,3 +110,27 @@ func (o *Ops) Audit(ctx context.Context, limit int) ([]AuditEntry, error) {
 	}
 	return out, nil
 }
+
+// Position is where the group stands in a source partition, as Postgres has it.
+type Position struct {
+	Topic     string    `json:"topic"`
+	Partition int32     `json:"partition"`
+	Owner     string    `json:"owner"` // the processor that claimed it last; "" if none
+	Next      *int64    `json:"next_offset"`
+	UpdatedAt time.Time `json:"updated_at"`
+}
+
+// Positions returns the group's source partitions with their positions, by topic and
+// partition.
+func (o *Ops) Positions(ctx context.Context) ([]Position, error) {
+	rows, err := o.pool.Query(ctx, `SELECT topic, partition, owner, next_offset, updated_at FROM `+o.table("offsets")+`
+		WHERE consumer_group = $1 ORDER BY topic, partition`, o.group)
+	if err != nil {
+		return nil, fmt.Errorf("read positions: %w", err)
+	}
+	ps, err := pgx.CollectRows(rows, pgx.RowToStructByPos[Position])
+	if err != nil {
+		return nil, fmt.Errorf("read positions: %w", err)
+	}
+	return ps, nil
+}
