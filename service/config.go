@@ -50,6 +50,7 @@ type env struct {
 	ConsoleAddr          string        `envconfig:"CONSOLE_ADDR"`
 	ConsoleUsers         string        `envconfig:"CONSOLE_USERS"`
 	ConsoleHideValues    bool          `envconfig:"CONSOLE_HIDE_VALUES"`
+	ConsoleSampleEvery   time.Duration `envconfig:"CONSOLE_SAMPLE_INTERVAL" default:"15s"`
 	BatchMaxRecords      int           `envconfig:"BATCH_MAX_RECORDS" default:"500" field:"BatchMaxRecords"`
 	BatchMaxWait         batchWait     `envconfig:"BATCH_MAX_WAIT" default:"20ms" field:"BatchMaxWait"`
 	RetryLocalAttempts   int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3" field:"LocalAttempts"`
@@ -254,6 +255,9 @@ func (e *env) validate(hs *registry) error {
 		if _, err := console.ParseUsers(e.ConsoleUsers); err != nil {
 			errs = append(errs, fmt.Errorf("CONSOLE_USERS: %w", err))
 		}
+	}
+	if e.ConsoleSampleEvery < time.Second || e.ConsoleSampleEvery > 5*time.Minute {
+		errs = append(errs, fmt.Errorf("CONSOLE_SAMPLE_INTERVAL=%s: want 1s to 5m (the console keeps an hour of samples)", e.ConsoleSampleEvery))
 	}
 	if e.Handler != "" && hs.get(e.Handler) == nil {
 		errs = append(errs, fmt.Errorf("HANDLER=%q is not a handler of this binary (it has: %s)", e.Handler, strings.Join(hs.names, ", ")))

@@ -412,8 +412,8 @@ func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, reg prometh
 	o := ops.New(pool, env.DBSchema, env.KafkaGroupID)
 	log = log.With("component", "console")
 	tasks := newTaskRunner(ctx, o, "console", log)
-	// The overview's chart and alerts come from this process's own metrics, sampled every 15 s.
-	samples := console.NewSampler(reg, 15*time.Second, time.Hour)
+	// The overview's chart and alerts come from this process's own metrics.
+	samples := console.NewSampler(reg, env.ConsoleSampleEvery, time.Hour)
 	sctx, stopSampling := context.WithCancel(ctx)
 	go samples.Run(sctx)
 	con, err := console.New(console.Config{

@@ -15,6 +15,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"syscall"
 	"time"
@@ -52,14 +53,25 @@ func main() {
 	events := flag.Int("events", 5000, "ledger events to produce")
 	partitions := flag.Int("partitions", 8, "partitions of the ledger topic")
 	keep := flag.Bool("keep", false, "keep the demo schema (kafkapg_demo) and the logs afterwards")
+	stay := flag.String("stay", "auto", "after the report, keep the processor and its console running on a trickle of new events until Ctrl-C: yes, no, or auto (yes when run in a terminal)")
 	flag.Parse()
-	if err := run(*events, int32(*partitions), *keep); err != nil {
+	stayOn := *stay == "yes"
+	switch *stay {
+	case "auto":
+		fi, _ := os.Stdout.Stat()
+		stayOn = fi != nil && fi.Mode()&os.ModeCharDevice != 0
+	case "yes", "no":
+	default:
+		fmt.Fprintf(os.Stderr, "-stay=%q: want yes, no or auto\n", *stay)
+		os.Exit(2)
+	}
+	if err := run(*events, int32(*partitions), *keep, stayOn); err != nil {
 		fmt.Fprintf(os.Stderr, "\ndemo failed: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(events int, partitions int32, keep bool) error {
+func run(events int, partitions int32, keep, stay bool) error {
 	dbURL := os.Getenv("DATABASE_URL")
 	if dbURL == "" {
 		return errors.New("DATABASE_URL is not set: run `make demo`, which starts a throwaway Postgres, or point DATABASE_URL at a database")
@@ -107,6 +119,7 @@ func run(events int, partitions int32, keep bool) error {
 	}
 	broker := exec.Command(filepath.Join(bin, "devbroker"), "-listen", brokerAddr)
 	broker.Stdout, broker.Stderr = logFile(work, "devbroker.log")
+	broker.SysProcAttr = ownGroup()
 	if err := broker.Start(); err != nil {
 		return fmt.Errorf("start devbroker: %w", err)
 	}
@@ -149,13 +162,13 @@ func run(events int, partitions int32, keep bool) error {
 		kinds[ledger.KindPoison], kinds[ledger.KindMalformed])
 
 	// The processor, configured only by environment variables, as in production.
-	httpAddr := "127.0.0.1:9090"
-	if l, err := net.Listen("tcp", httpAddr); err != nil {
-		if httpAddr, err = localrun.FreeAddr(); err != nil {
-			return err
-		}
-	} else {
-		l.Close()
+	httpAddr, err := addr("127.0.0.1:9090")
+	if err != nil {
+		return err
+	}
+	consoleAddr, err := addr("127.0.0.1:9091")
+	if err != nil {
+		return err
 	}
 	proc := exec.Command(filepath.Join(bin, "processor"))
 	proc.Env = append(os.Environ(),
@@ -170,9 +183,13 @@ func run(events int, partitions int32, keep bool) error {
 		"RETRY_BACKOFF_BASE=20ms",
 		"RETRY_BACKOFF_MAX=200ms",
 		"RETRY_TIERS="+tiers,
+		"CONSOLE_ADDR="+consoleAddr,
+		"CONSOLE_USERS="+consoleUser+":operator:"+consolePassword,
+		"CONSOLE_SAMPLE_INTERVAL=2s",
 	)
 	logOut, _ := logFile(work, "processor.log")
 	proc.Stdout, proc.Stderr = logOut, logOut
+	proc.SysProcAttr = ownGroup()
 	started := time.Now()
 	if err := proc.Start(); err != nil {
 		return fmt.Errorf("start processor: %w", err)
@@ -244,16 +261,6 @@ func run(events int, partitions int32, keep bool) error {
 		replayed, oerr = ledger.VerifyWith(ctx, pool, items, maxAttempt, ledger.VerifyOptions{Recovered: recovered})
 	}
 
-	sigAt := time.Now()
-	proc.Process.Signal(syscall.SIGTERM)
-	var exitErr error
-	select {
-	case exitErr = <-exited:
-	case <-time.After(15 * time.Second):
-		return errors.New("processor did not exit within 15s of SIGTERM")
-	}
-	shutdown := time.Since(sigAt)
-
 	fmt.Printf("applied    %d events exactly once into ledger_entries (%v from processor start)\n", rep.Applied, took.Round(time.Millisecond))
 	fmt.Printf("dead       %d records in topic %s (%d outlasted the tiers, %d poison, %d malformed), %d duplicates; %d rows in %s.dead_letters\n",
 		len(dlq), retrytopics.DLQTopic(topic, group), exhausted, kinds[ledger.KindPoison], kinds[ledger.KindMalformed], dups, deadRows, schema)
@@ -282,6 +289,24 @@ func run(events int, partitions int32, keep bool) error {
 	} else {
 		fmt.Printf("replay     WRONG: %v\n", oerr)
 	}
+	if !stay {
+		fmt.Printf("console    served at http://%s while the demo ran (run `make demo` in a terminal, or bin/demo -stay=yes, to keep it open at the end)\n", consoleAddr)
+	}
+	if stay {
+		if err := stayOpen(cl, consoleAddr, exited); err != nil {
+			return err
+		}
+	}
+
+	sigAt := time.Now()
+	proc.Process.Signal(syscall.SIGTERM)
+	var exitErr error
+	select {
+	case exitErr = <-exited:
+	case <-time.After(15 * time.Second):
+		return errors.New("processor did not exit within 15s of SIGTERM")
+	}
+	shutdown := time.Since(sigAt)
 	fmt.Printf("shutdown   SIGTERM -> exit %s in %v\n", exitStatus(exitErr), shutdown.Round(time.Millisecond))
 	if verr != nil || derr != nil || merr != nil || oerr != nil || exitErr != nil {
 		return errors.New("the demo found problems (above)")
@@ -289,6 +314,51 @@ func run(events int, partitions int32, keep bool) error {
 	ok = true
 	fmt.Println("\nok: every event applied exactly once or dead-lettered; nothing lost.")
 	return nil
+}
+
+// The demo console's user: an operator, on 127.0.0.1 only.
+const (
+	consoleUser     = "demo"
+	consolePassword = "kafkapg-demo"
+)
+
+// addr returns preferred if it is free, else a free address.
+func addr(preferred string) (string, error) {
+	l, err := net.Listen("tcp", preferred)
+	if err != nil {
+		return localrun.FreeAddr()
+	}
+	l.Close()
+	return preferred, nil
+}
+
+// stayOpen keeps the processor and its console running until Ctrl-C (or SIGTERM), producing a
+// trickle of new ledger events (some of them failing) so that the console's chart, rates and
+// retry path have something to show.
+func stayOpen(cl *kgo.Client, consoleAddr string, exited <-chan error) error {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	fmt.Printf("\nThe processor keeps running, with its console at http://%s (user %s, password %s),\n", consoleAddr, consoleUser, consolePassword)
+	fmt.Println("on a trickle of new events (about 50 a second, some failing). Ctrl-C ends the demo.")
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for round := 0; ; round++ {
+		select {
+		case <-ctx.Done():
+			fmt.Println()
+			return nil
+		case err := <-exited:
+			return fmt.Errorf("processor exited (%v)", err)
+		case <-tick.C:
+		}
+		items := ledger.Generate(ledger.GenConfig{
+			Events: 5, Accounts: 50, Seed: uint64(time.Now().UnixNano()), Prefix: fmt.Sprintf("live%d-", round),
+			PoisonPerMille: 10, MalformedPerMille: 10, FlakyPerMille: 50, MaxFailAttempts: maxAttempt + 1,
+		})
+		for _, it := range items {
+			cl.Produce(ctx, it.Record(topic), nil)
+		}
+	}
 }
 
 // metricCheck is one metric read from /metrics and the same figure computed from the database.
@@ -358,6 +428,10 @@ func logFile(dir, name string) (*os.File, *os.File) {
 	}
 	return f, f
 }
+
+// ownGroup puts a child in a process group of its own: Ctrl-C in the terminal reaches the demo
+// alone, which stops its children in order.
+func ownGroup() *syscall.SysProcAttr { return &syscall.SysProcAttr{Setpgid: true} }
 
 func stop(cmd *exec.Cmd, grace time.Duration) {
 	cmd.Process.Signal(syscall.SIGTERM)

@@ -123,7 +123,7 @@ func New(cfg Config) (*Console, error) {
 	for _, u := range cfg.Users {
 		c.users = append(c.users, hashedUser{u.Name, u.Role, sha256.Sum256([]byte(u.Password))})
 	}
-	for _, page := range []string{"overview", "deadletters", "deadletter", "confirm", "task", "retrypath", "release", "trace"} {
+	for _, page := range []string{"overview", "deadletters", "deadletter", "confirm", "task", "retrypath", "release", "trace", "error"} {
 		t, err := template.New("layout.html").Funcs(funcs).ParseFS(files, "templates/layout.html", "templates/"+page+".html")
 		if err != nil {
 			return nil, fmt.Errorf("console template %s: %w", page, err)
@@ -219,6 +219,11 @@ type page struct {
 }
 
 func (c *Console) render(w http.ResponseWriter, r *http.Request, name, title string, data any) {
+	c.renderStatus(w, r, http.StatusOK, name, title, data)
+}
+
+// renderStatus renders page name with data, answering status.
+func (c *Console) renderStatus(w http.ResponseWriter, r *http.Request, status int, name, title string, data any) {
 	u := userOf(r)
 	var b strings.Builder
 	// A task's page reloads while it runs, and while a replay's records are on their way.
@@ -226,23 +231,47 @@ func (c *Console) render(w http.ResponseWriter, r *http.Request, name, title str
 	refresh := isTask && (t.Status == "running" || t.Action == ops.Replay && t.Pending > 0)
 	err := c.pages[name].Execute(&b, page{Refresh: refresh, Title: title, Nav: name, User: u.name, Role: u.role, Group: c.cfg.Ops.Group(), Now: time.Now().UTC(), Data: data})
 	if err != nil {
-		c.fail(w, fmt.Errorf("render %s: %w", name, err))
+		c.fail(w, r, fmt.Errorf("render %s: %w", name, err))
 		return
 	}
 	w.Header().Set("Content-Type", "text/html; charset=utf-8")
 	w.Header().Set("Cache-Control", "no-store")
 	w.Header().Set("Content-Security-Policy", "default-src 'self'; style-src 'self'; img-src 'self' data:")
 	w.Header().Set("X-Frame-Options", "DENY")
+	w.WriteHeader(status)
 	fmt.Fprint(w, b.String())
 }
 
-func (c *Console) fail(w http.ResponseWriter, err error) {
-	c.cfg.Log.Error("console", "err", err)
-	status := http.StatusInternalServerError
-	if errors.Is(err, ops.ErrUsage) {
-		status = http.StatusBadRequest
+type errorData struct {
+	Message string
+	Back    string // the page to go back to
+}
+
+// fail answers an error. The user's mistakes (ops.ErrUsage: a bad filter, a key that cannot be
+// released, a reason missing) get 400 and a page saying what is wrong; anything else is logged
+// and gets 500.
+func (c *Console) fail(w http.ResponseWriter, r *http.Request, err error) {
+	if !errors.Is(err, ops.ErrUsage) {
+		c.cfg.Log.Error("console", "path", r.URL.Path, "err", err)
+		http.Error(w, err.Error(), http.StatusInternalServerError)
+		return
 	}
-	http.Error(w, err.Error(), status)
+	back := "/"
+	for _, prefix := range []string{"/dead-letters", "/retry-path", "/trace"} {
+		if strings.HasPrefix(r.URL.Path, prefix) {
+			back = prefix
+		}
+	}
+	switch {
+	case strings.HasPrefix(r.URL.Path, "/keys/"):
+		back = "/retry-path"
+	case strings.HasPrefix(r.URL.Path, "/tasks/"):
+		back = r.URL.Path
+		if r.Method != http.MethodGet {
+			back = strings.TrimSuffix(back, "/cancel")
+		}
+	}
+	c.renderStatus(w, r, http.StatusBadRequest, "error", "Not done", errorData{Message: err.Error(), Back: back})
 }
 
 // partitionRow is a partition of the group on the overview: its position in Postgres, and the
@@ -258,6 +287,7 @@ type overviewData struct {
 	// From the process's samples (Config.Samples).
 	Sampled        bool
 	Chart          template.HTML
+	Span           time.Duration // the chart's
 	Alerts         []Alert
 	Applied        float64 // per second, over the last 5 minutes
 	Failed         float64
@@ -282,7 +312,7 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 	var d overviewData
 	positions, err := c.cfg.Ops.Positions(ctx)
 	if err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	for _, p := range positions {
@@ -317,7 +347,7 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	if d.Counts, err = c.cfg.Ops.Summary(ctx, ops.Filter{}); err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	for _, n := range d.Counts {
@@ -327,18 +357,25 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 	}
 	st, err := c.cfg.Ops.RetryPath(ctx)
 	if err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	d.Held, d.Blocked = st.HeldKeys, st.BlockedKeys
 	if d.Tasks, err = c.cfg.Ops.Tasks(ctx, 5); err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	if s := c.cfg.Samples; s != nil {
 		samples, now := s.Samples(), time.Now()
 		d.Sampled, d.SampleInterval = true, s.every
-		d.Chart = Chart(samples, now, time.Hour)
+		// The last hour, or as much of it as the process has sampled, so that a young
+		// process's samples are not squeezed into the right edge: a multiple of 4 minutes, for
+		// the chart's four intervals of whole minutes.
+		d.Span = time.Hour
+		if len(samples) > 0 {
+			d.Span = min(now.Sub(samples[0].At).Truncate(4*time.Minute)+4*time.Minute, time.Hour)
+		}
+		d.Chart = Chart(samples, now, d.Span)
 		d.Alerts = Alerts(samples, now)
 		d.Applied, d.Failed, d.DeadLettered, d.HasRates = Rates(samples, 5*time.Minute)
 		if len(samples) > 0 {
@@ -374,7 +411,7 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	rows, err := c.cfg.Ops.ListBefore(ctx, f, before, listPage+1)
 	if err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	d := deadLettersData{Query: filterQuery(q).Encode(), Form: map[string]string{
@@ -387,7 +424,7 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 	}
 	d.Rows = rows
 	if d.Counts, err = c.cfg.Ops.Summary(ctx, f); err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	for _, n := range d.Counts {
@@ -431,7 +468,7 @@ func (c *Console) confirm(w http.ResponseWriter, r *http.Request) {
 	}
 	p, err := c.cfg.Ops.Preview(r.Context(), act, filterOf(r.PostForm), 5)
 	if err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	title := "Replay dead letters"
@@ -465,7 +502,7 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request) {
 	t, err := c.cfg.Ops.StartTask(r.Context(), act, filterOf(r.PostForm),
 		ops.Actor{Name: "console:" + userOf(r).name, Reason: strings.TrimSpace(r.PostForm.Get("reason"))}, 0)
 	if err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	c.cfg.Run(t.ID)
@@ -484,7 +521,7 @@ func (c *Console) task(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	c.render(w, r, "task", fmt.Sprintf("Task %d", id), t)
@@ -497,7 +534,7 @@ func (c *Console) cancel(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if _, err := c.cfg.Ops.Cancel(r.Context(), id, ops.Actor{Name: "console:" + userOf(r).name, Reason: "cancelled in the console"}); err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	http.Redirect(w, r, fmt.Sprintf("/tasks/%d", id), http.StatusSeeOther)
@@ -531,7 +568,7 @@ func (c *Console) deadLetter(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	d := deadLetterData{DL: dl}

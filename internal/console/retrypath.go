@@ -21,12 +21,21 @@ type tierRow struct {
 	Overdue time.Duration
 }
 
+// keyRow is a held key on the retry path page.
+type keyRow struct {
+	ops.HeldKey
+	// Releasable: the key is blocked, or has made no progress for Config.Stuck.Older (it may be
+	// stuck: the release's dry run says).
+	Releasable bool
+}
+
 type retryPathData struct {
 	Stats retrytopics.Stats
 	Tiers []tierRow
-	Keys  []ops.HeldKey
+	Keys  []keyRow
 	// CanRelease: the signed-in user is an operator of a console that may act.
 	CanRelease bool
+	StuckAfter time.Duration // Config.Stuck.Older
 }
 
 // retryPath shows the retry path: each tier's backlog and how overdue it is, and the held keys,
@@ -35,17 +44,21 @@ func (c *Console) retryPath(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	st, err := c.cfg.Ops.RetryPath(ctx)
 	if err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
-	d := retryPathData{Stats: st, CanRelease: c.mayAct(r)}
+	d := retryPathData{Stats: st, CanRelease: c.mayAct(r), StuckAfter: c.cfg.Stuck.Older}
 	for tier, ts := range st.Tiers {
 		d.Tiers = append(d.Tiers, tierRow{Tier: tier, Records: ts.Records, Overdue: ts.Overdue})
 	}
 	slices.SortFunc(d.Tiers, func(a, b tierRow) int { return a.Tier - b.Tier })
-	if d.Keys, err = c.cfg.Ops.Keys(ctx, keysShown); err != nil {
-		c.fail(w, err)
+	keys, err := c.cfg.Ops.Keys(ctx, keysShown)
+	if err != nil {
+		c.fail(w, r, err)
 		return
+	}
+	for _, k := range keys {
+		d.Keys = append(d.Keys, keyRow{HeldKey: k, Releasable: k.State == "blocked" || time.Since(k.UpdatedAt) >= c.cfg.Stuck.Older})
 	}
 	c.render(w, r, "retrypath", "Retry path", d)
 }
@@ -64,7 +77,7 @@ func (c *Console) confirmRelease(w http.ResponseWriter, r *http.Request) {
 	}
 	rel, err := c.cfg.Ops.ReleaseKey(r.Context(), topic, partition, key, c.cfg.Stuck, false, ops.Actor{})
 	if err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	c.render(w, r, "release", "Release a held key", releaseData{Release: rel, KeyHex: hex.EncodeToString(key)})
@@ -79,7 +92,7 @@ func (c *Console) release(w http.ResponseWriter, r *http.Request) {
 	rel, err := c.cfg.Ops.ReleaseKey(r.Context(), topic, partition, key, c.cfg.Stuck, true,
 		ops.Actor{Name: "console:" + userOf(r).name, Reason: strings.TrimSpace(r.PostForm.Get("reason"))})
 	if err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	c.render(w, r, "release", "Key released", releaseData{Release: rel, KeyHex: hex.EncodeToString(key)})

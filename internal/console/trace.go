@@ -63,12 +63,11 @@ func (c *Console) trace(w http.ResponseWriter, r *http.Request) {
 	if errors.Is(err, ops.ErrUsage) {
 		// The person's mistake: said on the page, with the form to correct it.
 		d.Error = err.Error()
-		w.WriteHeader(http.StatusBadRequest)
-		c.render(w, r, "trace", "Trace a record", d)
+		c.renderStatus(w, r, http.StatusBadRequest, "trace", "Trace a record", d)
 		return
 	}
 	if err != nil {
-		c.fail(w, err)
+		c.fail(w, r, err)
 		return
 	}
 	for _, rt := range res.Records {
