@@ -2,7 +2,6 @@ package processor_test
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -16,22 +15,9 @@ import (
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/testkit"
 	"github.com/kafkapg/kafkapg/processor"
 )
-
-// event returns a ledger item; fail makes it fail while its attempt is at most fail.
-func event(id, account string, seq int64, fail int, poison bool) ledger.Item {
-	ev := ledger.Event{EventID: id, Account: account, Amount: seq * 10, Seq: seq, FailAttempts: fail, Poison: poison}
-	v, _ := json.Marshal(ev)
-	kind := ledger.KindOK
-	switch {
-	case poison:
-		kind = ledger.KindPoison
-	case fail > 0:
-		kind = ledger.KindFlaky
-	}
-	return ledger.Item{Kind: kind, Event: ev, Key: []byte(account), Value: v}
-}
 
 // appliedOrder returns the applied events in the order they were applied, with their attempt.
 func (h *harness) appliedOrder() []string {
@@ -89,17 +75,17 @@ func TestReplayBlockedKeysAppliesEachOnceInOrder(t *testing.T) {
 		cfg.OnDeadLetter = processor.OnDeadLetterBlock
 		r := h.Start(cfg)
 
-		keyless := event("n1", "N", 1, 2, false)
+		keyless := testkit.Event("n1", "N", 1, 2, false)
 		keyless.Key = nil
 		items := []ledger.Item{
-			event("a1", "A", 1, 0, false),
-			event("a2", "A", 2, 2, false), // fails attempts 1 and 2 (tier 1): dead, blocks A; attempt 3 succeeds
-			event("b1", "B", 1, 0, true),  // poison: dead, blocks B; dead again when replayed
-			event("a3", "A", 3, 0, false),
+			testkit.Event("a1", "A", 1, 0, false),
+			testkit.Event("a2", "A", 2, 2, false), // fails attempts 1 and 2 (tier 1): dead, blocks A; attempt 3 succeeds
+			testkit.Event("b1", "B", 1, 0, true),  // poison: dead, blocks B; dead again when replayed
+			testkit.Event("a3", "A", 3, 0, false),
 			keyless,
-			event("b2", "B", 2, 0, false),
-			event("a4", "A", 4, 0, false),
-			event("c1", "C", 1, 0, false),
+			testkit.Event("b2", "B", 2, 0, false),
+			testkit.Event("a4", "A", 4, 0, false),
+			testkit.Event("c1", "C", 1, 0, false),
 		}
 		h.Produce(items)
 		testenv.Eventually(t, 30*time.Second, func() error {
@@ -217,10 +203,10 @@ func TestReplayedRecordGoesBeforeTheKeysLaterRecords(t *testing.T) {
 		h.Start(cfg)
 
 		first := []ledger.Item{
-			event("a1", "A", 1, 0, false),
-			event("a2", "A", 2, 1, false), // dead (skip): a3 goes on
-			event("a3", "A", 3, 0, false),
-			event("b1", "B", 1, 1, false),
+			testkit.Event("a1", "A", 1, 0, false),
+			testkit.Event("a2", "A", 2, 1, false), // dead (skip): a3 goes on
+			testkit.Event("a3", "A", 3, 0, false),
+			testkit.Event("b1", "B", 1, 1, false),
 		}
 		h.Produce(first)
 		testenv.Eventually(t, 30*time.Second, func() error {
@@ -259,7 +245,7 @@ func TestReplayedRecordGoesBeforeTheKeysLaterRecords(t *testing.T) {
 			t.Fatalf("two tasks queued %v dead letters; want 2 in all (each row once)", done)
 		}
 		// Produced right after the replay: it must wait behind the replayed a2.
-		later := []ledger.Item{event("a4", "A", 4, 0, false)}
+		later := []ledger.Item{testkit.Event("a4", "A", 4, 0, false)}
 		h.Produce(later)
 		testenv.Eventually(t, 30*time.Second, func() error {
 			order := h.appliedOrder()

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/testkit"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -181,14 +182,14 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 		r := h.Start(cfg)
 
 		items := []ledger.Item{
-			event("a1", "A", 1, 0, false),
-			event("a2", "A", 2, 0, true), // poison: dead-lettered, blocks A
-			event("b1", "B", 1, 0, false),
-			event("a3", "A", 3, 0, false),
-			event("c1", "C", 1, 5, false), // exhausts the tier: dead-lettered, blocks C
-			event("b2", "B", 2, 0, false),
-			event("a4", "A", 4, 0, false),
-			event("c2", "C", 2, 0, false),
+			testkit.Event("a1", "A", 1, 0, false),
+			testkit.Event("a2", "A", 2, 0, true), // poison: dead-lettered, blocks A
+			testkit.Event("b1", "B", 1, 0, false),
+			testkit.Event("a3", "A", 3, 0, false),
+			testkit.Event("c1", "C", 1, 5, false), // exhausts the tier: dead-lettered, blocks C
+			testkit.Event("b2", "B", 2, 0, false),
+			testkit.Event("a4", "A", 4, 0, false),
+			testkit.Event("c2", "C", 2, 0, false),
 		}
 		h.Produce(items)
 		applied := func() []string {

@@ -320,19 +320,8 @@ func TestConsoleInABrowser(t *testing.T) {
 		t.Fatal("the workload dead-lettered nothing retryable: the replay would prove nothing")
 	}
 	b.as("alice", operatorPassword)
-	must(chromedp.Do(ctx, chromedp.Navigate(srv.URL+"/dead-letters?class=retryable&status=new")))
-	waitFor(`document.readyState === "complete" && document.querySelector("#replay") !== null`)
-	must(chromedp.Do(ctx, chromedp.Click(chromedp.CSS("#replay"))))
-	waitFor(`location.pathname === "/dead-letters/confirm" && document.readyState === "complete" && document.querySelector("#would") !== null`)
-	if would := text("#would"); would != fmt.Sprint(wantReplay) {
-		t.Errorf("the dry run says %s dead letters would be replayed; the database has %d", would, wantReplay)
-	}
-	shot("replay-confirm")
-	must(chromedp.Do(ctx,
-		chromedp.SetValue(chromedp.CSS("#reason"), "downstream fixed, INC-42"),
-		chromedp.Click(chromedp.CSS("#confirm")),
-	))
-	waitFor(`location.pathname.startsWith("/tasks/") && document.querySelector("#task-status") !== null && document.querySelector("#task-status").textContent === "done"`)
+	b.open(srv.URL+"/dead-letters?class=retryable&status=new", `document.querySelector("#replay") !== null`)
+	b.actOnAll("replay", wantReplay, "downstream fixed, INC-42")
 	waitFor(fmt.Sprintf(`document.querySelector("#task-outcome") !== null && document.querySelector("#task-outcome").textContent.startsWith("%d applied")`, wantReplay))
 	shot("replay-task")
 	var replayed, stillNew int
@@ -376,17 +365,7 @@ func TestConsoleInABrowser(t *testing.T) {
 	// The operator discards every new permanent dead letter: the dry run counts them, the task
 	// discards exactly those, and nothing of them reaches the ledger.
 	b.open(srv.URL+"/dead-letters?class=permanent&status=new", `document.querySelector("#discard") !== null`)
-	must(chromedp.Do(ctx, chromedp.Click(chromedp.CSS("#discard"))))
-	waitFor(`location.pathname === "/dead-letters/confirm" && document.readyState === "complete" && document.querySelector("#would") !== null`)
-	if would := text("#would"); would != fmt.Sprint(wantNew) {
-		t.Errorf("the dry run says %s dead letters would be discarded; the database has %d", would, wantNew)
-	}
-	shot("discard-confirm")
-	must(chromedp.Do(ctx,
-		chromedp.SetValue(chromedp.CSS("#reason"), "poison from the old producer, INC-43"),
-		chromedp.Click(chromedp.CSS("#confirm")),
-	))
-	waitFor(`location.pathname.startsWith("/tasks/") && document.querySelector("#task-status") !== null && document.querySelector("#task-status").textContent === "done"`)
+	b.actOnAll("discard", wantNew, "poison from the old producer, INC-43")
 	var discarded, newPermanent int
 	must(h.Pool.QueryRow(context.Background(), `SELECT count(*) FILTER (WHERE status = 'discarded'), count(*) FILTER (WHERE status = 'new' AND error_class = 'permanent')
 		FROM kafkapg.dead_letters WHERE consumer_group = $1`, h.Group).Scan(&discarded, &newPermanent))
@@ -495,6 +474,24 @@ func (b *browserT) shot(name string) {
 	b.must(os.WriteFile(filepath.Join(b.dir, name+".png"), png, 0o644))
 }
 
+// actOnAll replays or discards (action) all the dead letters the filter shown matches: it
+// checks that the dry run counts want of them, gives the reason, confirms, and waits until the
+// task is done. It saves screenshots of the confirmation and of the task.
+func (b *browserT) actOnAll(action string, want int, reason string) {
+	b.t.Helper()
+	b.must(chromedp.Do(b.ctx, chromedp.Click(chromedp.CSS("#"+action))))
+	b.waitFor(`location.pathname === "/dead-letters/confirm" && document.readyState === "complete" && document.querySelector("#would") !== null`)
+	if would := b.text("#would"); would != fmt.Sprint(want) {
+		b.t.Errorf("the dry run says %s dead letters would be %sed; the database has %d", would, strings.TrimSuffix(action, "e"), want)
+	}
+	b.shot(action + "-confirm")
+	b.must(chromedp.Do(b.ctx,
+		chromedp.SetValue(chromedp.CSS("#reason"), reason),
+		chromedp.Click(chromedp.CSS("#confirm")),
+	))
+	b.waitFor(`location.pathname.startsWith("/tasks/") && document.querySelector("#task-status") !== null && document.querySelector("#task-status").textContent === "done"`)
+}
+
 // post sends a form as user and returns the status.
 func post(t *testing.T, url, user, password, form string, headers map[string]string) int {
 	t.Helper()
@@ -573,21 +570,6 @@ func TestParseUsers(t *testing.T) {
 	}
 }
 
-// event is a ledger event of an account (its key): it fails its first fail attempts, or always
-// if poison.
-func event(id, account string, seq int64, fail int, poison bool) ledger.Item {
-	ev := ledger.Event{EventID: id, Account: account, Amount: seq * 10, Seq: seq, FailAttempts: fail, Poison: poison}
-	v, _ := json.Marshal(ev)
-	kind := ledger.KindOK
-	switch {
-	case poison:
-		kind = ledger.KindPoison
-	case fail > 0:
-		kind = ledger.KindFlaky
-	}
-	return ledger.Item{Kind: kind, Event: ev, Key: []byte(account), Value: v}
-}
-
 // TestConsoleRetryPathInABrowser: with ON_DEAD_LETTER=block and an hour-long retry tier, the
 // retry path page shows the tier's backlog and the held keys with the record each waits behind;
 // an operator releases the blocked key, after a dry run, and its held records are applied once
@@ -603,13 +585,13 @@ func TestConsoleRetryPathInABrowser(t *testing.T) {
 	cfg.OnDeadLetter = processor.OnDeadLetterBlock
 	k.CreateTopicNamed(t, h.DLQ(), 1)
 	h.Produce([]ledger.Item{
-		event("a1", "A", 1, 0, false),
-		event("a2", "A", 2, 0, true),  // poison: dead-lettered, blocks A
-		event("b1", "B", 1, 9, false), // fails: to the hour-long tier, B held behind it
-		event("a3", "A", 3, 0, false),
-		event("b2", "B", 2, 0, false),
-		event("a4", "A", 4, 0, false),
-		event("c1", "C", 1, 0, false),
+		testkit.Event("a1", "A", 1, 0, false),
+		testkit.Event("a2", "A", 2, 0, true),  // poison: dead-lettered, blocks A
+		testkit.Event("b1", "B", 1, 9, false), // fails: to the hour-long tier, B held behind it
+		testkit.Event("a3", "A", 3, 0, false),
+		testkit.Event("b2", "B", 2, 0, false),
+		testkit.Event("a4", "A", 4, 0, false),
+		testkit.Event("c1", "C", 1, 0, false),
 	})
 	r := h.Start(cfg)
 	applied := func() string {

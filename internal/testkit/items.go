@@ -1,6 +1,10 @@
 package testkit
 
-import "github.com/kafkapg/kafkapg/examples/ledger"
+import (
+	"encoding/json"
+
+	"github.com/kafkapg/kafkapg/examples/ledger"
+)
 
 // TiersMaxAttempt is the last delivery attempt with three retry tiers.
 const TiersMaxAttempt = 4
@@ -20,4 +24,19 @@ func Mixed(events int, seed uint64, prefix string) []ledger.Item {
 		Events: events, Accounts: 40, Seed: seed, Prefix: prefix,
 		PoisonPerMille: 10, MalformedPerMille: 10, FlakyPerMille: 20,
 	})
+}
+
+// Event is a ledger event of an account (its key), for tests that choose each record: it fails
+// its first fail delivery attempts, or every one if poison.
+func Event(id, account string, seq int64, fail int, poison bool) ledger.Item {
+	ev := ledger.Event{EventID: id, Account: account, Amount: seq * 10, Seq: seq, FailAttempts: fail, Poison: poison}
+	v, _ := json.Marshal(ev)
+	kind := ledger.KindOK
+	switch {
+	case poison:
+		kind = ledger.KindPoison
+	case fail > 0:
+		kind = ledger.KindFlaky
+	}
+	return ledger.Item{Kind: kind, Event: ev, Key: []byte(account), Value: v}
 }
