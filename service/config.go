@@ -49,6 +49,7 @@ type env struct {
 	PprofAddr            string        `envconfig:"PPROF_ADDR"`
 	ConsoleAddr          string        `envconfig:"CONSOLE_ADDR"`
 	ConsoleUsers         string        `envconfig:"CONSOLE_USERS"`
+	ConsoleTokens        string        `envconfig:"CONSOLE_TOKENS"`
 	ConsoleHideValues    bool          `envconfig:"CONSOLE_HIDE_VALUES"`
 	ConsoleSampleEvery   time.Duration `envconfig:"CONSOLE_SAMPLE_INTERVAL" default:"15s"`
 	BatchMaxRecords      int           `envconfig:"BATCH_MAX_RECORDS" default:"500" field:"BatchMaxRecords"`
@@ -249,11 +250,11 @@ func (e *env) validate(hs *registry) error {
 		errs = append(errs, errors.New("OPERATOR_TOKEN must be at least 16 characters (it guards replays of records): generate one, e.g. openssl rand -hex 32"))
 	}
 	switch {
-	case e.ConsoleAddr != "" && e.ConsoleUsers == "":
-		errs = append(errs, errors.New("CONSOLE_ADDR is set but CONSOLE_USERS is not: every console page needs a user (name:role:password, role viewer or operator)"))
-	case e.ConsoleUsers != "":
-		if _, err := console.ParseUsers(e.ConsoleUsers); err != nil {
-			errs = append(errs, fmt.Errorf("CONSOLE_USERS: %w", err))
+	case e.ConsoleAddr != "" && e.ConsoleUsers == "" && e.ConsoleTokens == "":
+		errs = append(errs, errors.New("CONSOLE_ADDR is set but CONSOLE_USERS is not: every console page needs a user (name:role:password, role viewer or operator) or a token of CONSOLE_TOKENS"))
+	default:
+		if _, _, err := e.consoleLogins(); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	if e.ConsoleSampleEvery < time.Second || e.ConsoleSampleEvery > 5*time.Minute {
@@ -615,4 +616,19 @@ func (e *env) handlersUsed() []string {
 		}
 	}
 	return slices.Sorted(maps.Keys(used))
+}
+
+// consoleLogins parses CONSOLE_USERS and CONSOLE_TOKENS (either may be empty).
+func (e *env) consoleLogins() (users, tokens []console.User, err error) {
+	if e.ConsoleUsers != "" {
+		if users, err = console.ParseUsers(e.ConsoleUsers); err != nil {
+			return nil, nil, fmt.Errorf("CONSOLE_USERS: %w", err)
+		}
+	}
+	if e.ConsoleTokens != "" {
+		if tokens, err = console.ParseTokens(e.ConsoleTokens); err != nil {
+			return nil, nil, fmt.Errorf("CONSOLE_TOKENS: %w", err)
+		}
+	}
+	return users, tokens, nil
 }

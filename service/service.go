@@ -400,9 +400,9 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 // serveConsole serves the operator console on CONSOLE_ADDR (see package console). It returns a
 // function that stops it.
 func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, reg prometheus.Gatherer, log *slog.Logger) (stop func(), err error) {
-	users, err := console.ParseUsers(env.ConsoleUsers)
+	users, tokens, err := env.consoleLogins()
 	if err != nil {
-		return nil, &configError{fmt.Errorf("CONSOLE_USERS: %w", err)}
+		return nil, &configError{err}
 	}
 	c := &opsCmd{env: env}
 	cl, err := c.kafka()
@@ -418,7 +418,7 @@ func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, reg prometh
 	go samples.Run(sctx)
 	con, err := console.New(console.Config{
 		Ops: o, Admin: kadm.NewClient(cl), Kafka: cl, Stuck: env.stuckScope(), HideValues: env.ConsoleHideValues, Samples: samples,
-		Users: users, Log: log, Run: tasks.run,
+		Users: users, Tokens: tokens, Log: log, Run: tasks.run,
 	})
 	if err != nil {
 		stopSampling()
@@ -433,7 +433,7 @@ func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, reg prometh
 	}
 	srv := &http.Server{Handler: con.Handler(), ReadHeaderTimeout: 5 * time.Second}
 	go srv.Serve(ln)
-	log.Info("console listening", "addr", ln.Addr().String(), "users", len(users))
+	log.Info("console listening", "addr", ln.Addr().String(), "users", len(users), "tokens", len(tokens))
 	return func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 		defer cancel()

@@ -48,7 +48,15 @@ type User struct {
 // ParseUsers reads CONSOLE_USERS: comma-separated name:role:password entries (the password is
 // everything after the second colon). Names must be unique, roles viewer or operator, and
 // passwords at least 12 characters.
-func ParseUsers(s string) ([]User, error) {
+func ParseUsers(s string) ([]User, error) { return parseLogins(s, "user", "password", 12) }
+
+// ParseTokens reads CONSOLE_TOKENS: comma-separated name:role:token entries, like ParseUsers's,
+// with tokens of at least 16 characters. A request that carries "Authorization: Bearer <token>"
+// is the token's name, with its role: for scripts, and for an authenticating proxy in front of
+// the console that sets the header.
+func ParseTokens(s string) ([]User, error) { return parseLogins(s, "token", "token", 16) }
+
+func parseLogins(s, what, secret string, minLen int) ([]User, error) {
 	var users []User
 	seen := map[string]bool{}
 	for i, entry := range strings.Split(s, ",") {
@@ -59,23 +67,23 @@ func ParseUsers(s string) ([]User, error) {
 		name, rest, ok1 := strings.Cut(entry, ":")
 		role, password, ok2 := strings.Cut(rest, ":")
 		if !ok1 || !ok2 || name == "" {
-			// Nothing of the entry is echoed: it may be a password.
-			return nil, fmt.Errorf("entry %d: want name:role:password", i+1)
+			// Nothing of the entry is echoed: it may be a secret.
+			return nil, fmt.Errorf("entry %d: want name:role:%s", i+1, secret)
 		}
 		if Role(role) != Viewer && Role(role) != Operator {
-			return nil, fmt.Errorf("user %q: role %q: want viewer or operator", name, role)
+			return nil, fmt.Errorf("%s %q: role %q: want viewer or operator", what, name, role)
 		}
-		if len(password) < 12 {
-			return nil, fmt.Errorf("user %q: the password must be at least 12 characters", name)
+		if len(password) < minLen {
+			return nil, fmt.Errorf("%s %q: the %s must be at least %d characters", what, name, secret, minLen)
 		}
 		if seen[name] {
-			return nil, fmt.Errorf("user %q is listed twice", name)
+			return nil, fmt.Errorf("%s %q is listed twice", what, name)
 		}
 		seen[name] = true
 		users = append(users, User{Name: name, Role: Role(role), Password: password})
 	}
 	if len(users) == 0 {
-		return nil, errors.New("no users: want name:role:password entries")
+		return nil, fmt.Errorf("no %ss: want name:role:%s entries", what, secret)
 	}
 	return users, nil
 }
@@ -94,7 +102,8 @@ type Config struct {
 	Samples *Sampler
 	// HideValues hides record values and header values from viewers (operators see them).
 	HideValues bool
-	Users      []User
+	Users      []User // who may sign in with a password (basic authentication)
+	Tokens     []User // who may send a bearer token (Password is the token)
 	Log        *slog.Logger
 	// Run runs a task StartTask created (in the background, as the JSON API does); nil: the
 	// console cannot act, only browse.
@@ -103,9 +112,10 @@ type Config struct {
 
 // Console serves the pages.
 type Console struct {
-	cfg   Config
-	users []hashedUser
-	pages map[string]*template.Template
+	cfg    Config
+	users  []hashedUser
+	tokens []hashedUser
+	pages  map[string]*template.Template
 }
 
 type hashedUser struct {
@@ -122,6 +132,9 @@ func New(cfg Config) (*Console, error) {
 	c := &Console{cfg: cfg, pages: map[string]*template.Template{}}
 	for _, u := range cfg.Users {
 		c.users = append(c.users, hashedUser{u.Name, u.Role, sha256.Sum256([]byte(u.Password))})
+	}
+	for _, u := range cfg.Tokens {
+		c.tokens = append(c.tokens, hashedUser{u.Name, u.Role, sha256.Sum256([]byte(u.Password))})
 	}
 	for _, page := range []string{"overview", "deadletters", "deadletter", "confirm", "task", "retrypath", "release", "trace", "error"} {
 		t, err := template.New("layout.html").Funcs(funcs).ParseFS(files, "templates/layout.html", "templates/"+page+".html")
@@ -155,35 +168,47 @@ func (c *Console) Handler() http.Handler {
 type ctxKey struct{}
 
 // authenticate lets through requests with a console user's credentials (HTTP basic
-// authentication); others get 401 and nothing else.
+// authentication) or a console token; others get 401 and nothing else.
 func (c *Console) authenticate(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		u, ok := c.user(r)
 		if !ok {
 			w.Header().Set("WWW-Authenticate", `Basic realm="kafkapg console", charset="UTF-8"`)
-			http.Error(w, "kafkapg console: sign in with a user of CONSOLE_USERS", http.StatusUnauthorized)
+			http.Error(w, "kafkapg console: sign in with a user of CONSOLE_USERS (or send a token of CONSOLE_TOKENS)", http.StatusUnauthorized)
 			return
 		}
 		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), ctxKey{}, u)))
 	})
 }
 
-// user returns the user whose credentials r carries. Every user's password is compared, in
-// constant time, whatever matches.
+// user returns the user whose credentials r carries: a bearer token, or a name and password.
+// Every secret is compared, in constant time, whatever matches.
 func (c *Console) user(r *http.Request) (hashedUser, bool) {
+	if token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "); ok {
+		return match(c.tokens, "", token, false)
+	}
 	name, password, ok := r.BasicAuth()
 	if !ok {
 		return hashedUser{}, false
 	}
-	sum := sha256.Sum256([]byte(password))
+	return match(c.users, name, password, true)
+}
+
+// match returns the login of logins whose secret is secret (and, if byName, whose name is name).
+func match(logins []hashedUser, name, secret string, byName bool) (hashedUser, bool) {
+	sum := sha256.Sum256([]byte(secret))
 	var found hashedUser
-	match := 0
-	for _, u := range c.users {
-		if subtle.ConstantTimeCompare(sum[:], u.password[:])&subtle.ConstantTimeCompare([]byte(name), []byte(u.name)) == 1 {
-			found, match = u, 1
+	n := 0
+	for _, u := range logins {
+		ok := subtle.ConstantTimeCompare(sum[:], u.password[:])
+		if byName {
+			ok &= subtle.ConstantTimeCompare([]byte(name), []byte(u.name))
+		}
+		if ok == 1 {
+			found, n = u, n+1
 		}
 	}
-	return found, match == 1
+	return found, n == 1 // a token two logins share names no one
 }
 
 func userOf(r *http.Request) hashedUser { u, _ := r.Context().Value(ctxKey{}).(hashedUser); return u }

@@ -35,6 +35,8 @@ import (
 const (
 	operatorPassword = "operator-password-1"
 	viewerPassword   = "viewer-password-12"
+	viewerToken      = "token-of-a-viewer-0123"
+	operatorToken    = "token-of-an-operator-4567"
 )
 
 // consoleOf starts a processor on a ledger workload with every kind of failure, waits until it
@@ -57,6 +59,10 @@ func serve(t *testing.T, h *testkit.Harness, k *testenv.Kafka, reg prometheus.Ga
 	if err != nil {
 		t.Fatal(err)
 	}
+	tokens, err := console.ParseTokens("tina:viewer:" + viewerToken + ",otto:operator:" + operatorToken)
+	if err != nil {
+		t.Fatal(err)
+	}
 	o := ops.New(h.Pool, "kafkapg", h.Group)
 	ctx, cancel := context.WithCancel(context.Background())
 	var tasks sync.WaitGroup
@@ -66,7 +72,7 @@ func serve(t *testing.T, h *testkit.Harness, k *testenv.Kafka, reg prometheus.Ga
 	go samples.Run(ctx)
 	cfg := console.Config{
 		Samples: samples,
-		Ops:     o, Admin: kadm.NewClient(kc), Kafka: kc, Users: users, Log: slog.New(slog.DiscardHandler),
+		Ops:     o, Admin: kadm.NewClient(kc), Kafka: kc, Users: users, Tokens: tokens, Log: slog.New(slog.DiscardHandler),
 		Stuck: retrytopics.StuckScope{Older: time.Hour, Tiers: map[string]int{h.Topic: 1}},
 		Run: func(id int64) {
 			tasks.Go(func() {
@@ -92,29 +98,70 @@ func serve(t *testing.T, h *testkit.Harness, k *testenv.Kafka, reg prometheus.Ga
 // nothing of the group's data.
 func TestConsoleNeedsAUser(t *testing.T) {
 	h, srv, _ := consoleOf(t)
-	for _, path := range []string{"/", "/dead-letters", "/dead-letters/1", "/static/console.css"} {
-		for _, auth := range []struct{ name, user, password string }{
-			{"none", "", ""},
-			{"wrong password", "alice", viewerPassword},
-			{"unknown user", "mallory", operatorPassword},
+	for _, path := range []string{"/", "/dead-letters", "/dead-letters/1", "/retry-path", "/trace", "/static/console.css"} {
+		for _, auth := range []struct{ name, user, password, header string }{
+			{name: "none"},
+			{name: "wrong password", user: "alice", password: viewerPassword},
+			{name: "unknown user", user: "mallory", password: operatorPassword},
+			{name: "wrong token", header: "Bearer token-of-nobody-000000"},
+			{name: "a password as a token", header: "Bearer " + operatorPassword},
+			{name: "a token as a password", user: "otto", password: operatorToken},
 		} {
 			req, _ := http.NewRequest("GET", srv.URL+path, nil)
 			if auth.user != "" {
 				req.SetBasicAuth(auth.user, auth.password)
 			}
+			if auth.header != "" {
+				req.Header.Set("Authorization", auth.header)
+			}
 			resp, err := http.DefaultClient.Do(req)
 			if err != nil {
 				t.Fatal(err)
 			}
-			var body strings.Builder
-			_, _ = fmt.Fprint(&body, readAll(resp))
+			body := readAll(resp)
 			if resp.StatusCode != http.StatusUnauthorized {
 				t.Errorf("GET %s with %s: %d, want 401", path, auth.name, resp.StatusCode)
 			}
-			if strings.Contains(body.String(), h.Topic) || strings.Contains(body.String(), h.Group) {
-				t.Errorf("GET %s with %s: the answer names the topic or group: %q", path, auth.name, body.String())
+			if strings.Contains(body, h.Topic) || strings.Contains(body, h.Group) {
+				t.Errorf("GET %s with %s: the answer names the topic or group: %q", path, auth.name, body)
 			}
 		}
+	}
+}
+
+// TestConsoleTokens: a token of CONSOLE_TOKENS signs its holder in with its role: a viewer's
+// browses and may not act; an operator's acts, in its name.
+func TestConsoleTokens(t *testing.T) {
+	h, srv, _ := consoleOf(t)
+	do := func(method, path, token, form string) (int, string) {
+		t.Helper()
+		req, _ := http.NewRequest(method, srv.URL+path, strings.NewReader(form))
+		req.Header.Set("Authorization", "Bearer "+token)
+		if form != "" {
+			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.StatusCode, readAll(resp)
+	}
+	if code, body := do("GET", "/", viewerToken, ""); code != http.StatusOK || !strings.Contains(body, "tina · viewer") {
+		t.Errorf("GET / with a viewer's token: %d, signed in as tina? %v", code, strings.Contains(body, "tina · viewer"))
+	}
+	form := "action=discard&class=permanent&status=new&reason=by+token"
+	if code, _ := do("POST", "/dead-letters/act", viewerToken, form); code != http.StatusForbidden {
+		t.Errorf("a viewer's token discards: %d, want 403", code)
+	}
+	if code, _ := do("POST", "/dead-letters/act", operatorToken, form); code != http.StatusSeeOther && code != http.StatusOK {
+		t.Errorf("an operator's token discards: %d, want a redirect to the task", code)
+	}
+	var actor string
+	testenv.Eventually(t, 15*time.Second, func() error {
+		return h.Pool.QueryRow(context.Background(), `SELECT actor FROM kafkapg.audit WHERE action = 'discard'`).Scan(&actor)
+	})
+	if actor != "console:otto" {
+		t.Errorf("the discard is audited as %q, want console:otto", actor)
 	}
 }
 
@@ -545,6 +592,9 @@ func browser(t *testing.T) context.Context {
 
 // TestParseUsers: CONSOLE_USERS's entries, and errors that never echo a password.
 func TestParseUsers(t *testing.T) {
+	if _, err := console.ParseTokens("bot:viewer:fifteen-chars-n"); err == nil || !strings.Contains(err.Error(), `token "bot": the token must be at least 16 characters`) || strings.Contains(err.Error(), "fifteen") {
+		t.Errorf("a short token: %v", err)
+	}
 	users, err := console.ParseUsers(" ann:operator:pass:with:colons , bob:viewer:another-password")
 	if err != nil {
 		t.Fatal(err)
