@@ -103,6 +103,7 @@ func TestLoadEnvDefaults(t *testing.T) {
 		KafkaRebalanceTimeout: 30 * time.Second,
 		Handler:               "ledger",
 		HTTPAddr:              ":9090",
+		ConsoleSampleEvery:    15 * time.Second,
 		BatchMaxRecords:       500,
 		BatchMaxWait:          batchWait(20 * time.Millisecond),
 		RetryLocalAttempts:    3,
