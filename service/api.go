@@ -161,7 +161,7 @@ func fail(w http.ResponseWriter, err error) {
 }
 
 // queryFilter reads a filter from the query string: topic, key, key_hex, class, status,
-// since, until (RFC 3339), error, id (repeatable or comma-separated).
+// since, until (RFC 3339, or a duration ago), error, id (repeatable or comma-separated).
 func queryFilter(r *http.Request) (ops.Filter, error) {
 	q := r.URL.Query()
 	f := ops.Filter{Topic: q.Get("topic"), Class: q.Get("class"), Status: q.Get("status"), Error: q.Get("error")}
@@ -183,9 +183,9 @@ func queryFilter(r *http.Request) (ops.Filter, error) {
 		to   *time.Time
 	}{{"since", &f.Since}, {"until", &f.Until}} {
 		if s := q.Get(p.name); s != "" {
-			t, err := time.Parse(time.RFC3339, s)
+			t, err := ops.ParseWhen(p.name, s, time.Now())
 			if err != nil {
-				return f, fmt.Errorf("%w: %s %q is not an RFC 3339 time", ops.ErrUsage, p.name, s)
+				return f, err
 			}
 			*p.to = t
 		}

@@ -114,13 +114,7 @@ func parseWhen(name, s string) (time.Time, error) {
 	if s == "" {
 		return time.Time{}, nil
 	}
-	if d, err := time.ParseDuration(s); err == nil && d > 0 {
-		return time.Now().Add(-d), nil
-	}
-	if t, err := time.Parse(time.RFC3339, s); err == nil {
-		return t, nil
-	}
-	return time.Time{}, usagef("--%s %q: want an RFC 3339 time (2026-12-01T10:00:00Z) or a duration ago (24h)", name, s)
+	return ops.ParseWhen("--"+name, s, time.Now())
 }
 
 // idList is a repeatable, comma-separated list of ids.

@@ -414,8 +414,10 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 const listPage = 50
 
 type deadLettersData struct {
-	Query   string // the filter as a query, for the action forms
-	Form    map[string]string
+	Form map[string]string // the filter as typed, for its inputs
+	// Hidden is the filter for the replay and discard forms: times made absolute, so that the
+	// confirmation and the task act on the window the list showed.
+	Hidden  map[string]string
 	Rows    []ops.DeadLetter
 	Counts  []ops.Count
 	Older   string // the next page's query, or ""
@@ -424,7 +426,11 @@ type deadLettersData struct {
 
 func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	f := filterOf(q)
+	f, err := filterOf(q)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
 	var before int64
 	if b := q.Get("before"); b != "" {
 		var err error
@@ -439,8 +445,15 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, err)
 		return
 	}
-	d := deadLettersData{Query: filterQuery(q).Encode(), Form: map[string]string{
-		"topic": f.Topic, "class": f.Class, "status": f.Status, "error": f.Error, "key": q.Get("key")}}
+	d := deadLettersData{Form: map[string]string{}, Hidden: map[string]string{}}
+	for k, v := range filterQuery(q) {
+		d.Form[k], d.Hidden[k] = v[0], v[0]
+	}
+	for name, t := range map[string]time.Time{"since": f.Since, "until": f.Until} {
+		if !t.IsZero() {
+			d.Hidden[name] = t.UTC().Format(time.RFC3339)
+		}
+	}
 	if len(rows) > listPage {
 		rows = rows[:listPage]
 		older := r.URL.Query()
@@ -458,19 +471,30 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 	c.render(w, r, "deadletters", "Dead letters", d)
 }
 
-// filterOf reads a dead-letter filter from a query or a form.
-func filterOf(q url.Values) ops.Filter {
+// filterOf reads a dead-letter filter from a query or a form; a time it cannot read is an
+// ops.ErrUsage error.
+func filterOf(q url.Values) (ops.Filter, error) {
 	f := ops.Filter{Topic: q.Get("topic"), Class: q.Get("class"), Status: q.Get("status"), Error: q.Get("error")}
 	if k := q.Get("key"); k != "" {
 		f.Key, f.HasKey = []byte(k), true
 	}
-	return f
+	now := time.Now()
+	for name, to := range map[string]*time.Time{"since": &f.Since, "until": &f.Until} {
+		if s := q.Get(name); s != "" {
+			t, err := ops.ParseWhen(name, s, now)
+			if err != nil {
+				return f, err
+			}
+			*to = t
+		}
+	}
+	return f, nil
 }
 
 // filterQuery keeps the filter's fields of q.
 func filterQuery(q url.Values) url.Values {
 	out := url.Values{}
-	for _, k := range []string{"topic", "key", "class", "status", "error"} {
+	for _, k := range []string{"topic", "key", "class", "status", "since", "until", "error"} {
 		if v := q.Get(k); v != "" {
 			out.Set(k, v)
 		}
@@ -491,7 +515,12 @@ func (c *Console) confirm(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	p, err := c.cfg.Ops.Preview(r.Context(), act, filterOf(r.PostForm), 5)
+	f, err := filterOf(r.PostForm)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	p, err := c.cfg.Ops.Preview(r.Context(), act, f, 5)
 	if err != nil {
 		c.fail(w, r, err)
 		return
@@ -524,7 +553,12 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	t, err := c.cfg.Ops.StartTask(r.Context(), act, filterOf(r.PostForm),
+	f, err := filterOf(r.PostForm)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
+	t, err := c.cfg.Ops.StartTask(r.Context(), act, f,
 		ops.Actor{Name: "console:" + userOf(r).name, Reason: strings.TrimSpace(r.PostForm.Get("reason"))}, 0)
 	if err != nil {
 		c.fail(w, r, err)

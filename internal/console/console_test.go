@@ -170,12 +170,13 @@ func TestConsoleTokens(t *testing.T) {
 func TestConsoleRefusesBadFilters(t *testing.T) {
 	_, srv, _ := consoleOf(t)
 	for path, want := range map[string]string{
-		"/dead-letters?error=a%00b":   "error: not valid text",
-		"/dead-letters?topic=%ff%fe":  "topic: not valid text",
-		"/dead-letters?status=gone":   `status "gone"`,
-		"/dead-letters/0":             "dead letter id: want a positive number",
-		"/tasks/x":                    "task id: want a positive number",
-		"/dead-letters?before=banana": "before: want a dead letter id",
+		"/dead-letters?error=a%00b":     "error: not valid text",
+		"/dead-letters?topic=%ff%fe":    "topic: not valid text",
+		"/dead-letters?status=gone":     `status "gone"`,
+		"/dead-letters/0":               "dead letter id: want a positive number",
+		"/tasks/x":                      "task id: want a positive number",
+		"/dead-letters?before=banana":   "before: want a dead letter id",
+		"/dead-letters?since=yesterday": `since "yesterday": want an RFC 3339 time`,
 	} {
 		req, _ := http.NewRequest("GET", srv.URL+path, nil)
 		req.SetBasicAuth("victor", viewerPassword)
@@ -308,9 +309,10 @@ func TestConsoleInABrowser(t *testing.T) {
 		chromedp.WaitVisible(chromedp.CSS("form.filter")),
 		chromedp.SetValue(chromedp.CSS(`select[name="status"]`), "new"),
 		chromedp.SetValue(chromedp.CSS(`input[name="class"]`), "permanent"),
+		chromedp.SetValue(chromedp.CSS(`input[name="since"]`), "1h"),
 		chromedp.Click(chromedp.CSS(`form.filter button`)),
 	))
-	waitFor(`location.search.includes("class=permanent") && document.readyState === "complete" && document.querySelector("#matched") !== null`)
+	waitFor(`location.search.includes("class=permanent") && location.search.includes("since=1h") && document.readyState === "complete" && document.querySelector("#matched") !== null`)
 	if matched := text("#matched"); !strings.HasPrefix(matched, fmt.Sprintf("%d dead letters match", wantNew)) {
 		t.Errorf("the page says %q; the database has %d new permanent dead letters", matched, wantNew)
 	}
@@ -318,6 +320,14 @@ func TestConsoleInABrowser(t *testing.T) {
 		t.Errorf("the list shows %d dead letters, want %d", rows, min(wantNew, 50))
 	}
 	shot("dead-letters")
+	filtered, err := chromedp.Run(ctx, chromedp.Evaluate[string](`location.href`))
+	must(err)
+	// A window in which nothing was dead-lettered shows nothing.
+	b.open(srv.URL+"/dead-letters?status=new&since=2099-01-01T00:00:00Z", `document.querySelector("#matched") !== null`)
+	if matched := text("#matched"); !strings.HasPrefix(matched, "0 dead letters match") {
+		t.Errorf("dead letters since 2099: the page says %q", matched)
+	}
+	b.open(filtered, `document.querySelector("#dead-letters tbody tr a") !== null`)
 
 	// The newest of them: its record and value as the database has them.
 	var topic string
