@@ -194,7 +194,10 @@ func TestDuplicateRetryCopiesInOneBatchApplyOnce(t *testing.T) {
 			}
 			return nil
 		}})
-		cfg.RetryTiers = []time.Duration{500 * time.Millisecond}
+		// Long enough that the test stops the processor before the record is due, on a busy CI
+		// machine against real Kafka too (500 ms was not: the record was applied, correctly, on
+		// time, before the stop).
+		cfg.RetryTiers = []time.Duration{5 * time.Second}
 		cfg.LocalAttempts = 1
 		r := h.Start(cfg)
 		waitJoined(t, r) // the tier topic exists
