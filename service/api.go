@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"crypto/subtle"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -160,46 +159,6 @@ func fail(w http.ResponseWriter, err error) {
 	}
 }
 
-// queryFilter reads a filter from the query string: topic, key, key_hex, class, status,
-// since, until (RFC 3339, or a duration ago), error, id (repeatable or comma-separated).
-func queryFilter(r *http.Request) (ops.Filter, error) {
-	q := r.URL.Query()
-	f := ops.Filter{Topic: q.Get("topic"), Class: q.Get("class"), Status: q.Get("status"), Error: q.Get("error")}
-	if q.Has("key") && q.Has("key_hex") {
-		return f, fmt.Errorf("%w: key and key_hex: give one of them", ops.ErrUsage)
-	}
-	if q.Has("key") {
-		f.Key, f.HasKey = []byte(q.Get("key")), true
-	}
-	if q.Has("key_hex") {
-		b, err := hex.DecodeString(q.Get("key_hex"))
-		if err != nil {
-			return f, fmt.Errorf("%w: key_hex: %v", ops.ErrUsage, err)
-		}
-		f.Key, f.HasKey = b, true
-	}
-	for _, p := range []struct {
-		name string
-		to   *time.Time
-	}{{"since", &f.Since}, {"until", &f.Until}} {
-		if s := q.Get(p.name); s != "" {
-			t, err := ops.ParseWhen(p.name, s, time.Now())
-			if err != nil {
-				return f, err
-			}
-			*p.to = t
-		}
-	}
-	for _, v := range q["id"] {
-		var ids idList
-		if err := ids.Set(v); err != nil {
-			return f, fmt.Errorf("%w: id: %v", ops.ErrUsage, err)
-		}
-		f.IDs = append(f.IDs, ids...)
-	}
-	return f, f.Validate()
-}
-
 func limit(r *http.Request, def int) (int, error) {
 	s := r.URL.Query().Get("limit")
 	if s == "" {
@@ -213,7 +172,7 @@ func limit(r *http.Request, def int) (int, error) {
 }
 
 func (a *api) list(w http.ResponseWriter, r *http.Request) {
-	f, err := queryFilter(r)
+	f, err := ops.FilterFromQuery(r.URL.Query(), time.Now())
 	if err != nil {
 		fail(w, err)
 		return
@@ -228,7 +187,7 @@ func (a *api) list(w http.ResponseWriter, r *http.Request) {
 }
 
 func (a *api) summary(w http.ResponseWriter, r *http.Request) {
-	f, err := queryFilter(r)
+	f, err := ops.FilterFromQuery(r.URL.Query(), time.Now())
 	if err != nil {
 		fail(w, err)
 		return

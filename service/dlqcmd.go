@@ -122,14 +122,9 @@ type idList []int64
 
 func (l *idList) String() string { return fmt.Sprint([]int64(*l)) }
 func (l *idList) Set(s string) error {
-	for _, p := range strings.Split(s, ",") {
-		n, err := strconv.ParseInt(strings.TrimSpace(p), 10, 64)
-		if err != nil || n <= 0 {
-			return fmt.Errorf("%q is not an id", p)
-		}
-		*l = append(*l, n)
-	}
-	return nil
+	ids, err := ops.ParseIDs(s)
+	*l = append(*l, ids...)
+	return err
 }
 
 func dlqList(ctx context.Context, c *opsCmd, args []string) error {

@@ -183,6 +183,16 @@ func TestOperatorAPI(t *testing.T) {
 	if code, body := call("GET", "/api/v1/dead-letters?class=retryable&limit=1", token, ""); code != 200 || strings.Count(body, `"id"`) != 1 {
 		t.Errorf("GET list with a filter and a limit: %d %s", code, body)
 	}
+	_, all := call("GET", "/api/v1/dead-letters", token, "")
+	if code, body := call("GET", "/api/v1/dead-letters?since=24h", token, ""); code != 200 || strings.Count(body, `"id"`) != strings.Count(all, `"id"`) {
+		t.Errorf("GET list since a duration ago: %d %s; want all %d", code, body, strings.Count(all, `"id"`))
+	}
+	if code, body := call("GET", "/api/v1/dead-letters?since=2099-01-01T00:00:00Z", token, ""); code != 200 || strings.Count(body, `"id"`) != 0 {
+		t.Errorf("GET list since 2099: %d %s; want none", code, body)
+	}
+	if code, body := call("GET", "/api/v1/dead-letters?until=yesterday", token, ""); code != 400 || !strings.Contains(body, `until \"yesterday\"`) {
+		t.Errorf("GET list with a bad time: %d %s; want 400 naming it", code, body)
+	}
 	if code, body := call("GET", "/api/v1/dead-letters?status=bogus", token, ""); code != 400 || !strings.Contains(body, "bogus") {
 		t.Errorf("GET list with a bad status: %d %s; want 400 naming it", code, body)
 	}

@@ -21,9 +21,9 @@ import (
 
 // BenchmarkPages times the console's pages, server side (the request to the last byte), with
 // BENCH_DEAD_LETTERS (default 100000) dead letters in the table, one a second up to now: 10
-// topics, three classes, most new, some replayed and discarded, each with a history row; and a key blocked behind every
-// hundredth of them, ten records held behind each (ON_DEAD_LETTER=block). The bar: well
-// under a second.
+// topics, three classes, most new, some replayed and discarded, each with a history row; and a
+// key blocked behind every hundredth of them, ten records held behind each
+// (ON_DEAD_LETTER=block). The bar: well under a second.
 func BenchmarkPages(b *testing.B) {
 	n := 100_000
 	if v, err := strconv.Atoi(os.Getenv("BENCH_DEAD_LETTERS")); err == nil && v > 0 {

@@ -296,7 +296,9 @@ func (c *Console) fail(w http.ResponseWriter, r *http.Request, err error) {
 			back = strings.TrimSuffix(back, "/cancel")
 		}
 	}
-	c.renderStatus(w, r, http.StatusBadRequest, "error", "Not done", errorData{Message: err.Error(), Back: back})
+	// The person reading it needs the mistake, not the error's kind.
+	msg := strings.TrimPrefix(err.Error(), ops.ErrUsage.Error()+": ")
+	c.renderStatus(w, r, http.StatusBadRequest, "error", "Not done", errorData{Message: msg, Back: back})
 }
 
 // partitionRow is a partition of the group on the overview: its position in Postgres, and the
@@ -414,10 +416,10 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 const listPage = 50
 
 type deadLettersData struct {
-	Form map[string]string // the filter as typed, for its inputs
-	// Hidden is the filter for the replay and discard forms: times made absolute, so that the
-	// confirmation and the task act on the window the list showed.
-	Hidden  map[string]string
+	Form map[string]string // the filter's fields as typed, for its inputs
+	// Filter is the filter as the replay and discard forms carry it (ops.Filter.Query): times
+	// made absolute, so that the confirmation and the task act on the window the list showed.
+	Filter  url.Values
 	Rows    []ops.DeadLetter
 	Counts  []ops.Count
 	Older   string // the next page's query, or ""
@@ -445,14 +447,9 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, err)
 		return
 	}
-	d := deadLettersData{Form: map[string]string{}, Hidden: map[string]string{}}
-	for k, v := range filterQuery(q) {
-		d.Form[k], d.Hidden[k] = v[0], v[0]
-	}
-	for name, t := range map[string]time.Time{"since": f.Since, "until": f.Until} {
-		if !t.IsZero() {
-			d.Hidden[name] = t.UTC().Format(time.RFC3339)
-		}
+	d := deadLettersData{Form: map[string]string{}, Filter: f.Query()}
+	for _, k := range []string{"topic", "key", "class", "status", "since", "until", "error"} {
+		d.Form[k] = q.Get(k)
 	}
 	if len(rows) > listPage {
 		rows = rows[:listPage]
@@ -471,41 +468,24 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 	c.render(w, r, "deadletters", "Dead letters", d)
 }
 
-// filterOf reads a dead-letter filter from a query or a form; a time it cannot read is an
-// ops.ErrUsage error.
+// filterOf reads a dead-letter filter from the list's query or an action's form, as the JSON API
+// does (ops.FilterFromQuery), except that an empty field means any: a form sends every input.
 func filterOf(q url.Values) (ops.Filter, error) {
-	f := ops.Filter{Topic: q.Get("topic"), Class: q.Get("class"), Status: q.Get("status"), Error: q.Get("error")}
-	if k := q.Get("key"); k != "" {
-		f.Key, f.HasKey = []byte(k), true
-	}
-	now := time.Now()
-	for name, to := range map[string]*time.Time{"since": &f.Since, "until": &f.Until} {
-		if s := q.Get(name); s != "" {
-			t, err := ops.ParseWhen(name, s, now)
-			if err != nil {
-				return f, err
+	set := url.Values{}
+	for k, vs := range q {
+		for _, v := range vs {
+			if v != "" {
+				set.Add(k, v)
 			}
-			*to = t
 		}
 	}
-	return f, nil
-}
-
-// filterQuery keeps the filter's fields of q.
-func filterQuery(q url.Values) url.Values {
-	out := url.Values{}
-	for _, k := range []string{"topic", "key", "class", "status", "since", "until", "error"} {
-		if v := q.Get(k); v != "" {
-			out.Set(k, v)
-		}
-	}
-	return out
+	return ops.FilterFromQuery(set, time.Now())
 }
 
 type confirmData struct {
 	Action  ops.Action
 	Preview ops.Preview
-	Fields  url.Values // the filter, carried to the action
+	Filter  url.Values // the filter, carried to the action (ops.Filter.Query)
 }
 
 // confirm shows what a replay or discard of a filter would do (the dry run's counts and a
@@ -529,7 +509,7 @@ func (c *Console) confirm(w http.ResponseWriter, r *http.Request) {
 	if act == ops.Discard {
 		title = "Discard dead letters"
 	}
-	c.render(w, r, "confirm", title, confirmData{Action: act, Preview: p, Fields: filterQuery(r.PostForm)})
+	c.render(w, r, "confirm", title, confirmData{Action: act, Preview: p, Filter: f.Query()})
 }
 
 // actionOf parses a posted form and reads its action; a bad one gets 400.

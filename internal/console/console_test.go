@@ -9,9 +9,11 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -135,16 +137,7 @@ func TestConsoleTokens(t *testing.T) {
 	h, srv, _ := consoleOf(t)
 	do := func(method, path, token, form string) (int, string) {
 		t.Helper()
-		req, _ := http.NewRequest(method, srv.URL+path, strings.NewReader(form))
-		req.Header.Set("Authorization", "Bearer "+token)
-		if form != "" {
-			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return resp.StatusCode, readAll(resp)
+		return send(t, method, srv.URL+path, token, form)
 	}
 	if code, body := do("GET", "/", viewerToken, ""); code != http.StatusOK || !strings.Contains(body, "tina · viewer") {
 		t.Errorf("GET / with a viewer's token: %d, signed in as tina? %v", code, strings.Contains(body, "tina · viewer"))
@@ -165,6 +158,100 @@ func TestConsoleTokens(t *testing.T) {
 	}
 }
 
+// send sends a request with a bearer token, form as its body when not empty, and returns the
+// status and the body.
+func send(t *testing.T, method, url, token, form string) (int, string) {
+	t.Helper()
+	req, _ := http.NewRequest(method, url, strings.NewReader(form))
+	req.Header.Set("Authorization", "Bearer "+token)
+	if form != "" {
+		req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, readAll(resp)
+}
+
+// hiddenInputs returns the hidden inputs of the first form in page whose action is action.
+func hiddenInputs(t *testing.T, page, action string) url.Values {
+	t.Helper()
+	i := strings.Index(page, `action="`+action+`"`)
+	if i < 0 {
+		t.Fatalf("no form to %s in the page", action)
+	}
+	form := page[i : i+strings.Index(page[i:], "</form>")]
+	out := url.Values{}
+	for _, m := range regexp.MustCompile(`<input type="hidden" name="([^"]+)" value="([^"]*)">`).FindAllStringSubmatch(form, -1) {
+		out.Add(m[1], html.UnescapeString(m[2]))
+	}
+	return out
+}
+
+// TestConsoleCarriesTheFilterToTheAction: the replay and discard forms carry the filter the list
+// showed: a time typed as a duration ago, made absolute; ids from the address, to the
+// confirmation and on to the task, which acts on those dead letters and no others.
+func TestConsoleCarriesTheFilterToTheAction(t *testing.T) {
+	h, srv, _ := consoleOf(t)
+	ctx := context.Background()
+
+	// The list, as the filter form sends it: every input, most of them empty.
+	code, page := send(t, "GET", srv.URL+"/dead-letters?topic=&key=&class=permanent&status=new&since=1h&until=&error=", operatorToken, "")
+	if code != http.StatusOK {
+		t.Fatalf("GET /dead-letters: %d", code)
+	}
+	carried := hiddenInputs(t, page, "/dead-letters/confirm")
+	if carried.Has("key") || carried.Has("topic") {
+		t.Errorf("empty inputs carried as a filter: %v (an empty key would choose the empty key)", carried)
+	}
+	since, err := time.Parse(time.RFC3339Nano, carried.Get("since"))
+	if err != nil || time.Since(since) < time.Hour-time.Minute || time.Since(since) > time.Hour+time.Minute {
+		t.Errorf("since=1h carried as %q (%v), want the time an hour before the page", carried.Get("since"), err)
+	}
+	if carried.Get("class") != "permanent" || carried.Get("status") != "new" {
+		t.Errorf("the filter carried is %v", carried)
+	}
+
+	// Two dead letters by id: the confirmation's dry run counts two, and carries both ids on.
+	rows, err := h.Pool.Query(ctx, `SELECT id FROM kafkapg.dead_letters WHERE consumer_group = $1 AND status = 'new' ORDER BY id LIMIT 2`, h.Group)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil || len(ids) != 2 {
+		t.Fatalf("two new dead letters: %v, %v", ids, err)
+	}
+	var others int
+	if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.dead_letters WHERE consumer_group = $1 AND status = 'new'`, h.Group).Scan(&others); err != nil {
+		t.Fatal(err)
+	}
+	others -= 2
+	code, page = send(t, "POST", srv.URL+"/dead-letters/confirm", operatorToken, fmt.Sprintf("action=discard&id=%d&id=%d", ids[0], ids[1]))
+	if code != http.StatusOK || !strings.Contains(page, `<strong id="would">2</strong>`) {
+		t.Fatalf("the confirmation of two ids: %d, would discard two? %v", code, strings.Contains(page, `<strong id="would">2</strong>`))
+	}
+	carried = hiddenInputs(t, page, "/dead-letters/act")
+	if got := carried["id"]; fmt.Sprint(got) != fmt.Sprint([]string{fmt.Sprint(ids[0]), fmt.Sprint(ids[1])}) {
+		t.Errorf("the confirmation carries ids %v, want %v", got, ids)
+	}
+	carried.Set("reason", "two by id")
+	if code, _ := send(t, "POST", srv.URL+"/dead-letters/act", operatorToken, carried.Encode()); code != http.StatusOK && code != http.StatusSeeOther {
+		t.Fatalf("the discard: %d", code)
+	}
+	testenv.Eventually(t, 15*time.Second, func() error {
+		var discarded, stillNew int
+		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE status = 'discarded' AND id = ANY($2)), count(*) FILTER (WHERE status = 'new')
+			FROM kafkapg.dead_letters WHERE consumer_group = $1`, h.Group, ids).Scan(&discarded, &stillNew); err != nil {
+			return err
+		}
+		if discarded != 2 || stillNew != others {
+			return fmt.Errorf("%d of the two discarded, %d others still new, want 2 and %d", discarded, stillNew, others)
+		}
+		return nil
+	})
+}
+
 // TestConsoleRefusesBadFilters: a filter Postgres could not compare (a NUL, invalid UTF-8) or a
 // bad id is the user's mistake, answered with 400 naming it, not a server error.
 func TestConsoleRefusesBadFilters(t *testing.T) {
@@ -177,6 +264,8 @@ func TestConsoleRefusesBadFilters(t *testing.T) {
 		"/tasks/x":                      "task id: want a positive number",
 		"/dead-letters?before=banana":   "before: want a dead letter id",
 		"/dead-letters?since=yesterday": `since "yesterday": want an RFC 3339 time`,
+		"/dead-letters?id=1,x":          `id: "x" is not an id`,
+		"/dead-letters?key_hex=zz":      "key_hex: encoding/hex",
 	} {
 		req, _ := http.NewRequest("GET", srv.URL+path, nil)
 		req.SetBasicAuth("victor", viewerPassword)
@@ -184,8 +273,12 @@ func TestConsoleRefusesBadFilters(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if body := html.UnescapeString(readAll(resp)); resp.StatusCode != http.StatusBadRequest || !strings.Contains(body, want) {
+		body := html.UnescapeString(readAll(resp))
+		if resp.StatusCode != http.StatusBadRequest || !strings.Contains(body, want) {
 			t.Errorf("GET %s: %d %q, want 400 saying %q", path, resp.StatusCode, body, want)
+		}
+		if strings.Contains(body, "usage: ") {
+			t.Errorf("GET %s: the page says %q; a person needs the mistake, not the error's kind", path, body)
 		}
 	}
 }

@@ -357,16 +357,3 @@ func (o *Ops) Preview(ctx context.Context, act Action, f Filter, sample int) (Pr
 	}
 	return p, nil
 }
-
-// ParseWhen reads the time of a filter's field (Filter.Since, Filter.Until) called name: an
-// RFC 3339 time, or a duration ago ("24h": 24 hours before now). Anything else is an ErrUsage
-// error that names the field.
-func ParseWhen(name, s string, now time.Time) (time.Time, error) {
-	if d, err := time.ParseDuration(s); err == nil && d > 0 {
-		return now.Add(-d), nil
-	}
-	if t, err := time.Parse(time.RFC3339, s); err == nil {
-		return t, nil
-	}
-	return time.Time{}, usage("%s %q: want an RFC 3339 time (2026-12-01T10:00:00Z) or a duration ago (24h)", name, s)
-}
