@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
@@ -100,6 +101,16 @@ func stopsWhileAMemberIsSilent(t *testing.T, k *testenv.Kafka, protocol processo
 	if took > 5*time.Second {
 		t.Errorf("A took %v to stop; the target is 5 s", took)
 	}
+
+	// Should the events not flow, say who holds what: each partition's position in Postgres, and
+	// the group as the broker sees it (a flake on real Kafka's consumer protocol, 2026-12-01,
+	// left no trace of which partitions stuck, or where).
+	defer func() {
+		if t.Failed() {
+			t.Logf("positions in Postgres: %s", h.Positions())
+			t.Logf("the group, as the broker describes it: %s", describeConsumerGroup(t, k, h.Group))
+		}
+	}()
 
 	// Everything, A's old partitions included, must now flow through B well within A's
 	// session timeout.
@@ -234,4 +245,38 @@ func TestShutdownIsBoundedWhateverIsStuck(t *testing.T) {
 		}
 		net.Restore()
 	})
+}
+
+// describeConsumerGroup is the broker's account of a consumer-protocol group: its state and
+// epochs, and each member's assignment and target assignment. For a classic group it says why
+// it could not.
+func describeConsumerGroup(t *testing.T, k *testenv.Kafka, group string) string {
+	t.Helper()
+	req := kmsg.NewPtrConsumerGroupDescribeRequest()
+	req.Groups = []string{group}
+	resp, err := req.RequestWith(context.Background(), k.Client(t))
+	if err != nil {
+		return "describe: " + err.Error()
+	}
+	var b strings.Builder
+	for _, g := range resp.Groups {
+		if err := kerr.ErrorForCode(g.ErrorCode); err != nil {
+			fmt.Fprintf(&b, "%s: %v; ", g.Group, err)
+			continue
+		}
+		fmt.Fprintf(&b, "state %s, epoch %d, assignment epoch %d;", g.State, g.Epoch, g.AssignmentEpoch)
+		for _, m := range g.Members {
+			fmt.Fprintf(&b, " member %s (%s, epoch %d): assigned %s, target %s;", m.MemberID, m.ClientID, m.MemberEpoch,
+				assignmentString(m.Assignment), assignmentString(m.TargetAssignment))
+		}
+	}
+	return b.String()
+}
+
+func assignmentString(a kmsg.Assignment) string {
+	var parts []string
+	for _, tp := range a.TopicPartitions {
+		parts = append(parts, fmt.Sprintf("%s%v", tp.Topic, tp.Partitions))
+	}
+	return "[" + strings.Join(parts, " ") + "]"
 }
