@@ -8,10 +8,13 @@
 // a batch is either applied and skipped past, or neither. Kafka's own committed offset is only
 // advisory (lag tools read it); on assignment a worker resumes from next_offset.
 //
-// A partition's first owner resolves where it starts (Kafka's committed offset if the group has
-// one, otherwise the log's start or end as configured; a retry tier always from its start) and
-// stores it at once (SetStart), before it fetches: every later owner starts from the same place,
-// however many rebalances happen before the first record is applied.
+// A partition's first owner resolves where it starts (Kafka's committed offset if another
+// consumer of the group made it, otherwise the log's start or end as configured; a retry tier
+// always from its start) and stores it at once (SetStart), as the partition's next offset and as
+// its start_offset, before it fetches: every later owner starts from the same place, however many
+// rebalances happen before the first record is applied. kafkapg writes start_offset into the
+// metadata of the offsets it commits to Kafka, so that a database that forgets the partition
+// starts it there again rather than at kafkapg's own Kafka commit (see processor.resolveStarts).
 //
 // # Fencing: why a stale owner cannot apply twice
 //
@@ -65,6 +68,7 @@
 // Fencing protects the effects written through the transaction the processor opens. A handler
 // that calls an external service (an HTTP request, an e-mail) from inside the transaction may do
 // so more than once: the transaction can be rolled back (fenced, crashed, failed) after the call.
-// Kafka's committed offset may lag Postgres or, after a restore of the database, lead it; it is
-// never used when Postgres has a position.
+// Kafka's committed offset may lag Postgres or, after a restore of the database or a failover to
+// an asynchronous standby, lead it; it is never used when Postgres has a position, and an offset
+// kafkapg committed is never used as a start.
 package offsets

@@ -39,6 +39,10 @@ type Position struct {
 	Token     int64
 	Next      int64
 	Known     bool
+	// Start is where the partition's first owner started it (see Store.SetStart); meaningful only
+	// when StartKnown is true (partitions first claimed before kafkapg kept it have none).
+	Start      int64
+	StartKnown bool
 	// KeysEpoch is the row's keys_epoch as the owner last read it with its held keys (see
 	// ErrKeysChanged).
 	KeysEpoch int64
@@ -81,11 +85,11 @@ func NewStore(schema, group string) *Store {
 			ORDER BY topic, partition
 			ON CONFLICT (consumer_group, topic, partition) DO UPDATE
 			SET owner_token = o.owner_token + 1, owner = EXCLUDED.owner, claimed_at = now()
-			RETURNING topic, partition, owner_token, next_offset, keys_epoch`,
+			RETURNING topic, partition, owner_token, next_offset, keys_epoch, start_offset`,
 		advanceSQL: `UPDATE ` + t + ` SET next_offset = $5, updated_at = now()
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3
 			AND owner_token = $4 AND next_offset IS NOT DISTINCT FROM $6 AND keys_epoch = $7`,
-		readSQL: `SELECT owner_token, next_offset, keys_epoch FROM ` + t + `
+		readSQL: `SELECT owner_token, next_offset, keys_epoch, start_offset FROM ` + t + `
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
 		listSQL: `SELECT topic, partition, next_offset FROM ` + t + `
 			WHERE consumer_group = $1 AND topic = ANY($2) AND next_offset IS NOT NULL`,
@@ -95,7 +99,7 @@ func NewStore(schema, group string) *Store {
 			JOIN pg_stat_activity AS a ON a.backend_xid = o.xmax
 			WHERE o.consumer_group = $1 AND (o.topic, o.partition) IN (SELECT * FROM unnest($2::text[], $3::int[]))
 			AND a.state IN ('idle in transaction', 'idle in transaction (aborted)') AND a.pid <> pg_backend_pid()`,
-		startSQL: `UPDATE ` + t + ` AS o SET next_offset = s.next, updated_at = now()
+		startSQL: `UPDATE ` + t + ` AS o SET next_offset = s.next, start_offset = s.next, updated_at = now()
 			FROM unnest($2::text[], $3::int[], $4::bigint[], $5::bigint[]) AS s(topic, partition, token, next)
 			WHERE o.consumer_group = $1 AND o.topic = s.topic AND o.partition = s.partition
 			AND o.owner_token = s.token AND o.next_offset IS NULL
@@ -126,13 +130,16 @@ func (s *Store) Claim(ctx context.Context, q Querier, owner string, parts []Part
 	got := make(map[Partition]Position, len(parts))
 	for rows.Next() {
 		var pos Position
-		var next *int64
-		if err := rows.Scan(&pos.Topic, &pos.Partition, &pos.Token, &next, &pos.KeysEpoch); err != nil {
+		var next, start *int64
+		if err := rows.Scan(&pos.Topic, &pos.Partition, &pos.Token, &next, &pos.KeysEpoch, &start); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("claim: %w", err)
 		}
 		if next != nil {
 			pos.Next, pos.Known = *next, true
+		}
+		if start != nil {
+			pos.Start, pos.StartKnown = *start, true
 		}
 		got[pos.TP()] = pos
 	}
@@ -185,9 +192,9 @@ func (s *Store) EndStaleHolders(ctx context.Context, q Querier, parts []Partitio
 }
 
 // SetStart stores the positions of partitions that have none yet: where their first owner
-// resolved to start (see the package doc). Each position in starts must carry the token of its
+// resolved to start (see the package doc), as their next offset and their start. Each position in starts must carry the token of its
 // claim; a partition claimed by another owner since, or given a position meanwhile, is left
-// alone. It returns starts with Known set for the positions it stored.
+// alone. It returns starts with Known and StartKnown set for the positions it stored.
 func (s *Store) SetStart(ctx context.Context, q Querier, starts []Position) ([]Position, error) {
 	if len(starts) == 0 {
 		return nil, nil
@@ -213,7 +220,9 @@ func (s *Store) SetStart(ctx context.Context, q Querier, starts []Position) ([]P
 	}
 	out := make([]Position, len(starts))
 	for i, p := range starts {
-		p.Known = stored[p.TP()]
+		if stored[p.TP()] {
+			p.Known, p.Start, p.StartKnown = true, p.Next, true
+		}
 		out[i] = p
 	}
 	return out, nil
@@ -252,8 +261,8 @@ func (s *Store) CheckAdvance(ctx context.Context, tx pgx.Tx, pos Position, next 
 		return nil
 	}
 	var token, epoch int64
-	var stored *int64
-	err := tx.QueryRow(ctx, s.readSQL, s.group, pos.Topic, pos.Partition).Scan(&token, &stored, &epoch)
+	var stored, start *int64
+	err := tx.QueryRow(ctx, s.readSQL, s.group, pos.Topic, pos.Partition).Scan(&token, &stored, &epoch, &start)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return fmt.Errorf("advance %s: offsets row is missing (deleted while owned?): %w", pos.TP(), ErrFenced)
@@ -276,8 +285,8 @@ func (s *Store) CheckAdvance(ctx context.Context, tx pgx.Tx, pos Position, next 
 // Load returns the stored position of one partition, without claiming it (for tools and tests).
 func (s *Store) Load(ctx context.Context, q Querier, p Partition) (Position, error) {
 	pos := Position{Topic: p.Topic, Partition: p.Partition}
-	var next *int64
-	err := q.QueryRow(ctx, s.readSQL, s.group, p.Topic, p.Partition).Scan(&pos.Token, &next, &pos.KeysEpoch)
+	var next, start *int64
+	err := q.QueryRow(ctx, s.readSQL, s.group, p.Topic, p.Partition).Scan(&pos.Token, &next, &pos.KeysEpoch, &start)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return pos, nil
 	}
@@ -286,6 +295,9 @@ func (s *Store) Load(ctx context.Context, q Querier, p Partition) (Position, err
 	}
 	if next != nil {
 		pos.Next, pos.Known = *next, true
+	}
+	if start != nil {
+		pos.Start, pos.StartKnown = *start, true
 	}
 	return pos, nil
 }

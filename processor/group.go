@@ -164,7 +164,9 @@ func (p *Processor) newClient() (*kgo.Client, error) {
 		// the rest of the group, nor a member that wants to leave.
 		opts = append(opts, kgo.ServerSideBalancer())
 	}
-	opts = append(opts, kgo.WithContext(p.clientCtx))
+	// Every offset committed to Kafka, automatically or on revoke, says that kafkapg committed it
+	// and where its partition was first started (see kafkacommit.go).
+	opts = append(opts, kgo.WithContext(kgo.PreCommitFnContext(p.clientCtx, p.stampCommit)))
 	opts = append(opts, p.cfg.KafkaOptions...)
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {
@@ -282,6 +284,7 @@ func (p *Processor) claimAssigned(ctx context.Context, assigned map[string]map[i
 			// Not expected: revoke stops workers. Stop it now; its next transaction is fenced.
 			old.stop()
 		}
+		p.rememberStart(pos)
 		w := newWorker(p, cl, pos)
 		p.workers[pos.TP()] = w
 		go w.run()
@@ -346,17 +349,25 @@ func (p *Processor) endStaleHolders(ctx context.Context, parts []offsets.Partiti
 
 // resolveStarts gives the claimed partitions that have no position in Postgres yet one, and stores
 // it, so that wherever and whenever the partition is assigned next, it starts from the same offset:
-// Kafka's committed offset if the group has one (a consumer before kafkapg, or a restored
-// database), otherwise the start of the log, or its end for a source topic with
+// Kafka's committed offset if the group has one from another consumer (the service the group ran
+// before kafkapg), otherwise the start of the log, or its end for a source topic with
 // StartOffset = StartLatest. A retry tier always starts from the beginning: its records must never
 // be skipped.
+//
+// An offset that kafkapg itself committed to Kafka is never taken for a start: Postgres having no
+// position for such a partition means the database forgot it (see kafkacommit.go), and the
+// partition starts again where it was first started, as its commit's metadata says (the start of
+// the log if it says nothing, or if retention has deleted the records from there).
 func (p *Processor) resolveStarts(ctx context.Context, cl *kgo.Client, assigned map[string]map[int32]kgo.Offset, claims []offsets.Position) ([]offsets.Position, error) {
 	var starts []offsets.Position
 	topics := map[string]bool{}
+	committed := false
 	for _, pos := range claims {
 		if !pos.Known {
 			starts = append(starts, pos)
 			topics[pos.Topic] = true
+			// ConsumeResetOffset is AtStart (-2): anything else is an offset committed to Kafka.
+			committed = committed || assigned[pos.Topic][pos.Partition].EpochOffset().Offset >= 0
 		}
 	}
 	if len(starts) == 0 {
@@ -380,19 +391,55 @@ func (p *Processor) resolveStarts(ctx context.Context, cl *kgo.Client, assigned 
 			return nil, fmt.Errorf("list end offsets: %w", err)
 		}
 	}
-	for i, pos := range starts {
-		listed := first
-		if _, tier := p.tierOf[pos.Topic]; !tier && p.cfg.StartOffset == StartLatest {
-			listed = end
+	// The commits' metadata says whether kafkapg made them: the group's offsets again, with it.
+	var metas kadm.OffsetResponses
+	if committed {
+		if metas, err = adm.FetchOffsetsForTopics(ctx, p.cfg.Group, names...); err == nil {
+			err = metas.Error()
 		}
-		o, ok := listed.Lookup(pos.Topic, pos.Partition)
+		if err != nil {
+			return nil, fmt.Errorf("fetch committed offsets: %w", err)
+		}
+	}
+	for i, pos := range starts {
+		logStart, ok := first.Lookup(pos.Topic, pos.Partition)
 		if !ok {
 			return nil, fmt.Errorf("no offsets listed for %s", pos.TP())
 		}
-		starts[i].Next = o.Offset
-		// ConsumeResetOffset is AtStart (-2): anything else is the offset committed to Kafka.
-		if committed := assigned[pos.Topic][pos.Partition].EpochOffset().Offset; committed >= 0 {
-			starts[i].Next = committed
+		starts[i].Next = logStart.Offset
+		if _, tier := p.tierOf[pos.Topic]; !tier && p.cfg.StartOffset == StartLatest {
+			o, ok := end.Lookup(pos.Topic, pos.Partition)
+			if !ok {
+				return nil, fmt.Errorf("no offsets listed for %s", pos.TP())
+			}
+			starts[i].Next = o.Offset
+		}
+		c := assigned[pos.Topic][pos.Partition].EpochOffset().Offset
+		meta := ""
+		if r, ok := metas.Lookup(pos.Topic, pos.Partition); ok && r.Err == nil {
+			c, meta = r.At, r.Metadata
+		}
+		if c < 0 {
+			continue
+		}
+		ours, firstStart, known := parseCommitMeta(meta)
+		if !ours {
+			starts[i].Next = c
+			continue
+		}
+		from := logStart.Offset
+		if known && firstStart > from {
+			from = firstStart
+		}
+		starts[i].Next = from
+		p.metrics.forgotten.Inc()
+		p.log.Warn("postgres has no position for this partition, but kafka holds an offset kafkapg committed for it: the database forgot it "+
+			"(restored from a backup, or failed over to a standby that had not received it); starting again where it was first started, "+
+			"to apply again what the database lost", "topic", pos.Topic, "partition", pos.Partition, "kafka_committed", c,
+			"first_started_at", fmtStart(firstStart, known), "log_start", logStart.Offset, "from_offset", from)
+		if known && firstStart < logStart.Offset {
+			p.log.Error("records the database forgot were deleted by retention before they could be applied again: they are lost",
+				"topic", pos.Topic, "partition", pos.Partition, "first_started_at", firstStart, "log_start", logStart.Offset, "lost_records", logStart.Offset-firstStart)
 		}
 	}
 	stored, err := p.store.SetStart(ctx, p.pool, starts)
@@ -412,6 +459,14 @@ func (p *Processor) resolveStarts(ctx context.Context, cl *kgo.Client, assigned 
 		}
 	}
 	return out, nil
+}
+
+// fmtStart formats the start a commit's metadata recorded.
+func fmtStart(start int64, known bool) string {
+	if !known {
+		return "not recorded (the start of the log)"
+	}
+	return strconv.FormatInt(start, 10)
 }
 
 func (p *Processor) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {

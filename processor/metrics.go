@@ -19,6 +19,7 @@ type metrics struct {
 	published       *prometheus.CounterVec
 	infraRetries    prometheus.Counter
 	fenced          prometheus.Counter
+	forgotten       prometheus.Counter
 	txDuration      prometheus.Histogram
 	batchRecords    prometheus.Histogram
 	assigned        prometheus.Gauge
@@ -104,6 +105,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		fenced: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "fenced_transactions_total",
 			Help: "Transactions rolled back because another owner had claimed the partition.",
+		}),
+		forgotten: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: ns, Name: "forgotten_partitions_total",
+			Help: "Partitions Postgres had no position for although Kafka held an offset kafkapg committed for them (a failover to a standby that lacked it, a restore from a backup): started again where they were first started.",
 		}),
 		consumed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "records_consumed_total",
@@ -234,7 +239,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"topic", "partition"}),
 	}
 	for _, c := range []prometheus.Collector{m.breakerOpen, m.breakerOpened, m.breakerWaiting, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
-		m.fenced, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
+		m.fenced, m.forgotten, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.recordsHeld, m.duplicates, m.replayed, m.deadLetters, m.tasks, m.interrupted, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors, m.stuckKeys,
 		m.outboxWaiting, m.outboxAside, m.outboxOldest, m.publishWait, m.dupKeys, m.keysPruned} {

@@ -65,6 +65,10 @@ type Processor struct {
 	// lameDuck is set when shutdown begins: Ready fails from then on.
 	lameDuck atomic.Bool
 
+	// starts holds where each partition claimed here was first started (offsets.Partition ->
+	// int64), for the metadata of the offsets committed to Kafka (see kafkacommit.go).
+	starts sync.Map
+
 	lastStuck map[string]int // stuck keys by reason at the last refreshStats
 	signalled atomic.Int64   // when Run's context ended, in Unix nanoseconds (the shutdown bound counts from it)
 
@@ -300,7 +304,7 @@ func (p *Processor) shutdown(ctx context.Context, cl *kgo.Client, relay *sink.Re
 
 	// Kafka's committed offsets are advisory: do not let a commit that waits for a rebalance in
 	// progress (the group is rejoining) eat the time left for leaving the group.
-	cctx, ccancel := context.WithTimeout(sctx, min(time.Second, max(time.Until(deadlineOf(sctx))/4, 0)))
+	cctx, ccancel := context.WithTimeout(kgo.PreCommitFnContext(sctx, p.stampCommit), min(time.Second, max(time.Until(deadlineOf(sctx))/4, 0)))
 	if err := cl.CommitMarkedOffsets(cctx); err != nil {
 		p.log.Warn("final kafka offset commit failed (advisory only; postgres holds the positions)", "err", err)
 	}

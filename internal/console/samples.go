@@ -40,6 +40,7 @@ type Sample struct {
 	ByTopic      map[string]Counts
 
 	Fenced         float64 // kafkapg_fenced_transactions_total
+	Forgotten      float64 // kafkapg_forgotten_partitions_total
 	InfraRetries   float64 // kafkapg_infrastructure_retries_total
 	InternalErrors float64 // kafkapg_internal_errors_total
 
@@ -122,6 +123,8 @@ func (s *Sample) add(name string, v float64, label func(string) string) {
 		count(func(c *Counts) { c.DeadLettered += v })
 	case "kafkapg_fenced_transactions_total":
 		s.Fenced += v
+	case "kafkapg_forgotten_partitions_total":
+		s.Forgotten += v
 	case "kafkapg_infrastructure_retries_total":
 		s.InfraRetries += v
 	case "kafkapg_internal_errors_total":
@@ -527,6 +530,9 @@ var rules = []rule{
 	})},
 	{"KafkapgFencedTransactions", "warning", 0, counterRule(15*time.Minute, func(s Sample) float64 { return s.Fenced }, func(inc, _ float64) (bool, string) {
 		return inc > 10, fmt.Sprintf("%s transactions were fenced in 15 minutes: replicas keep losing partitions", humanNum(inc))
+	})},
+	{"KafkapgDatabaseForgotPartitions", "warning", 0, counterRule(time.Hour, func(s Sample) float64 { return s.Forgotten }, func(inc, _ float64) (bool, string) {
+		return inc > 0, fmt.Sprintf("Postgres had forgotten %s partitions that Kafka remembered (a failover or a restore): they were started again from where they first started", humanNum(inc))
 	})},
 	{"KafkapgInfrastructureRetries", "warning", 10 * time.Minute, counterRule(5*time.Minute, func(s Sample) float64 { return s.InfraRetries }, func(_, rate float64) (bool, string) {
 		return rate > 0.2, fmt.Sprintf("kafkapg retries %s transactions per second in place: Postgres or a dependency fails", humanNum(rate))

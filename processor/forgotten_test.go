@@ -1,0 +1,174 @@
+package processor_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kadm"
+
+	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/testkit"
+	"github.com/kafkapg/kafkapg/processor"
+)
+
+// TestForgottenPartitionsAreAppliedAgain: a database can forget what Kafka remembers. Here a group
+// applies a workload (retries, dead letters and all) to one database, whose kafkapg tables and
+// ledger are then lost: the database is restored from a backup taken before the partitions' first
+// claim, or failed over to an asynchronous standby that never received them. Kafka still holds the
+// offsets kafkapg committed after Postgres's commits. Resolving the partitions' start from those
+// would skip every record the database lost (before the fix: 0 of them applied again); each must
+// be applied again, exactly once, from where the partitions were first started.
+func TestForgottenPartitionsAreAppliedAgain(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := testkit.New(t, k, 3)
+		items := testkit.FlakyMix(300, 24, "forgot")
+		cfg := h.Config(ledger.Handler{})
+		cfg.RetryTiers = []time.Duration{100 * time.Millisecond, 200 * time.Millisecond, 300 * time.Millisecond}
+		r := h.Start(cfg)
+		h.Produce(items)
+		h.WaitSettled(items, testkit.TiersMaxAttempt, 90*time.Second)
+		r.Stop(t) // its last act commits the offsets to Kafka
+
+		adm := kadm.NewClient(k.Client(t))
+		committed, err := adm.FetchOffsetsForTopics(context.Background(), h.Group, h.Topic)
+		if err == nil {
+			err = committed.Error()
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		for p := range int32(3) {
+			o, ok := committed.Lookup(h.Topic, p)
+			if !ok || o.At <= 0 {
+				t.Fatalf("partition %d: kafka holds no committed offset (%+v): the scenario needs one", p, o)
+			}
+			if o.Metadata != "kafkapg start=0" {
+				t.Errorf("partition %d: committed with metadata %q, want %q", p, o.Metadata, "kafkapg start=0")
+			}
+		}
+
+		// The database that forgot: kafkapg's and the ledger's tables as they were before the
+		// partitions were first claimed.
+		forgot := testkit.New(t, k, 1)
+		forgot.Topic, forgot.Group = h.Topic, h.Group
+		cfg2 := forgot.Config(ledger.Handler{})
+		cfg2.RetryTiers = cfg.RetryTiers
+		r2 := forgot.Start(cfg2)
+		forgot.WaitSettled(items, testkit.TiersMaxAttempt, 90*time.Second)
+		// Every event applied once and in order, one dead_letters row each; the dead-letter topic
+		// holds the first database's dead letters too.
+		forgot.Verify(items, testkit.TiersMaxAttempt, true)
+		if n := r2.Counter("kafkapg_forgotten_partitions_total"); n != 3+3*3 {
+			t.Errorf("kafkapg_forgotten_partitions_total = %v, want 12 (3 source partitions, 3 of each of 3 tiers)", n)
+		}
+	})
+}
+
+// TestStartsFromAnotherConsumersCommits: a group that another consumer ran before kafkapg (the
+// service kafkapg replaces) keeps its place: its committed offsets, which kafkapg did not make,
+// are where the partitions start.
+func TestStartsFromAnotherConsumersCommits(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := testkit.New(t, k, 2)
+		var before, after []ledger.Item
+		for i := range 20 {
+			before = append(before, testkit.Event(fmt.Sprintf("before-%d", i), fmt.Sprintf("a%d", i%4), int64(i), 0, false))
+			after = append(after, testkit.Event(fmt.Sprintf("after-%d", i), fmt.Sprintf("a%d", i%4), int64(100+i), 0, false))
+		}
+		h.Produce(before)
+		adm := kadm.NewClient(k.Client(t))
+		ctx := context.Background()
+		ends, err := adm.ListEndOffsets(ctx, h.Topic)
+		if err == nil {
+			err = ends.Error()
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		offs := kadm.Offsets{}
+		ends.Each(func(o kadm.ListedOffset) {
+			offs.Add(kadm.Offset{Topic: o.Topic, Partition: o.Partition, At: o.Offset, LeaderEpoch: -1, Metadata: "the old service"})
+		})
+		if resp, err := adm.CommitOffsets(ctx, h.Group, offs); err != nil || resp.Error() != nil {
+			t.Fatalf("commit the old service's offsets: %v %v", err, resp.Error())
+		}
+		h.Start(h.Config(ledger.Handler{}))
+		h.Produce(after)
+		h.WaitApplied(len(after), 30*time.Second)
+		expectOnly(t, h, "after", len(after))
+	})
+}
+
+// TestForgottenPartitionsKeepTheirLatestStart: with KAFKA_START_OFFSET=latest a partition starts
+// at the end of its log the first time the group is assigned it. When the database forgets it,
+// it starts there again: the records before that point were never the group's to apply, and
+// those after it are applied again (the start of the log would apply the former; the end of the
+// log now, or Kafka's commit, would skip the latter).
+func TestForgottenPartitionsKeepTheirLatestStart(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := testkit.New(t, k, 2)
+		var before, after []ledger.Item
+		for i := range 20 {
+			before = append(before, testkit.Event(fmt.Sprintf("before-%d", i), fmt.Sprintf("a%d", i%4), int64(i), 0, false))
+			after = append(after, testkit.Event(fmt.Sprintf("after-%d", i), fmt.Sprintf("a%d", i%4), int64(100+i), 0, false))
+		}
+		h.Produce(before)
+		cfg := h.Config(ledger.Handler{})
+		cfg.StartOffset = processor.StartLatest
+		r := h.Start(cfg)
+		testenv.Eventually(t, 30*time.Second, func() error {
+			var n int
+			if err := h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.offsets
+				WHERE consumer_group = $1 AND topic = $2 AND next_offset IS NOT NULL`, h.Group, h.Topic).Scan(&n); err != nil {
+				return err
+			}
+			if n < 2 {
+				return fmt.Errorf("%d of 2 partitions have a position: %s", n, h.Positions())
+			}
+			return nil
+		})
+		h.Produce(after)
+		h.WaitApplied(len(after), 30*time.Second)
+		r.Stop(t)
+
+		forgot := testkit.New(t, k, 1)
+		forgot.Topic, forgot.Group = h.Topic, h.Group
+		cfg2 := forgot.Config(ledger.Handler{})
+		cfg2.StartOffset = processor.StartLatest
+		forgot.Start(cfg2)
+		forgot.WaitApplied(len(after), 30*time.Second)
+		expectOnly(t, forgot, "after", len(after))
+	})
+}
+
+// expectOnly checks, after a moment for anything else to arrive, that the ledger holds n events,
+// all with ids starting with prefix.
+func expectOnly(t *testing.T, h *testkit.Harness, prefix string, n int) {
+	t.Helper()
+	time.Sleep(500 * time.Millisecond)
+	rows, err := h.Pool.Query(context.Background(), `SELECT event_id FROM ledger_entries ORDER BY event_id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := 0
+	for _, id := range ids {
+		if !strings.HasPrefix(id, prefix) {
+			bad++
+		}
+	}
+	if len(ids) != n || bad > 0 {
+		t.Errorf("applied %d events, %d of them not %s-*: want the %d %s-* events", len(ids), bad, prefix, n, prefix)
+	}
+}
