@@ -138,6 +138,14 @@ type Config struct {
 	// DisableTopicCreation stops the processor from creating missing retry-tier and dead-letter
 	// topics; a missing one is then an error at startup.
 	DisableTopicCreation bool
+	// TopicReplicationFactor is the replication factor of the retry-tier and dead-letter topics
+	// the processor creates. Defaults to (0) the source topic's: their records are worth as much.
+	// -1 leaves it to the broker's default.replication.factor, which is 1 unless the cluster
+	// sets it: such a topic loses its records with one broker's disk.
+	TopicReplicationFactor int16
+	// TopicMinInsyncReplicas is the min.insync.replicas of the topics the processor creates.
+	// Defaults to (0) the source topic's own setting, if it has one, and otherwise the broker's.
+	TopicMinInsyncReplicas int
 
 	// MaxRecordBytes bounds the key and value of a record, together. A larger record is
 	// dead-lettered at once (ErrRecordTooLarge, class permanent) without reaching the handler;
@@ -462,6 +470,15 @@ func (c *Config) validate() error {
 			}
 			bad("Handler", "required: topic %q has no handler in TopicPolicies", t)
 		}
+	}
+	if c.TopicReplicationFactor < -1 {
+		bad("TopicReplicationFactor", "must be at least 1, or 0 (the source topic's) or -1 (the broker's default), got %d", c.TopicReplicationFactor)
+	}
+	if c.TopicMinInsyncReplicas < 0 {
+		bad("TopicMinInsyncReplicas", "must be at least 1, or 0 (the source topic's, or the broker's default), got %d", c.TopicMinInsyncReplicas)
+	}
+	if c.TopicReplicationFactor > 0 && c.TopicMinInsyncReplicas > int(c.TopicReplicationFactor) {
+		bad("TopicMinInsyncReplicas", "is %d, more than TopicReplicationFactor %d: no write could succeed", c.TopicMinInsyncReplicas, c.TopicReplicationFactor)
 	}
 	if c.StartOffset != StartEarliest && c.StartOffset != StartLatest {
 		bad("StartOffset", "must be %q or %q, got %q", StartEarliest, StartLatest, c.StartOffset)

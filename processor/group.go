@@ -180,7 +180,15 @@ func (p *Processor) newClient() (*kgo.Client, error) {
 // retry or dead-letter topic that it may not create is an error.
 func (p *Processor) ensureTopics(ctx context.Context, adm *kadm.Client) error {
 	for failures := 1; ; failures++ {
-		created, missing, err := retrytopics.EnsureTopics(ctx, adm, p.cfg.Group, p.tierCounts(), !p.cfg.DisableTopicCreation)
+		created, missing, err := retrytopics.EnsureTopics(ctx, adm, p.cfg.Group, p.tierCounts(), retrytopics.EnsureOptions{
+			Create:            !p.cfg.DisableTopicCreation,
+			ReplicationFactor: p.cfg.TopicReplicationFactor,
+			MinInsyncReplicas: p.cfg.TopicMinInsyncReplicas,
+			UnderReplicated: func(topic string, replicas int, source string, sourceReplicas int) {
+				p.log.Warn("a retry or dead-letter topic has fewer replicas than its source topic: it loses its records with fewer brokers' disks; "+
+					"raise its replication factor (kafka-reassign-partitions)", "topic", topic, "replicas", replicas, "source_topic", source, "source_replicas", sourceReplicas)
+			},
+		})
 		for _, t := range created {
 			p.log.Info("created topic", "topic", t)
 		}

@@ -3,12 +3,15 @@ package retrytopics_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/kafkapg/kafkapg/internal/testenv"
 	"github.com/kafkapg/kafkapg/retrytopics"
@@ -51,7 +54,7 @@ func TestEnsureTopics(t *testing.T) {
 	k.CreateTopicNamed(t, "refunds", 1)
 	sources := []string{"orders", "ghost", "refunds"}
 
-	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf(sources, 0), true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf(sources, 0), retrytopics.EnsureOptions{Create: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,7 +75,7 @@ func TestEnsureTopics(t *testing.T) {
 	}
 
 	// Idempotent: the second call finds everything in place.
-	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf(sources, 0), true)
+	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf(sources, 0), retrytopics.EnsureOptions{Create: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,7 +88,7 @@ func TestEnsureTopics(t *testing.T) {
 
 	// Once the source appears, its DLQ is created.
 	k.CreateTopicNamed(t, "ghost", 2)
-	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf(sources, 0), true)
+	created, missing, err = retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf(sources, 0), retrytopics.EnsureOptions{Create: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -97,7 +100,7 @@ func TestEnsureTopics(t *testing.T) {
 	}
 
 	// Another group gets DLQs of its own.
-	created, _, err = retrytopics.EnsureTopics(ctx, newAdmin(t, k), "audit", tiersOf([]string{"orders"}, 0), true)
+	created, _, err = retrytopics.EnsureTopics(ctx, newAdmin(t, k), "audit", tiersOf([]string{"orders"}, 0), retrytopics.EnsureOptions{Create: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -124,7 +127,7 @@ func TestEnsureTopicsLostRace(t *testing.T) {
 		t.Fatalf("the admin client's metadata is not stale (err %v): the race is not staged, the test would prove nothing", err)
 	}
 
-	created, missing, err := retrytopics.EnsureTopics(ctx, stale, "billing", tiersOf([]string{"orders"}, 0), true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, stale, "billing", tiersOf([]string{"orders"}, 0), retrytopics.EnsureOptions{Create: true})
 	if err != nil {
 		t.Fatalf("err = %v, want TopicAlreadyExists treated as success", err)
 	}
@@ -144,7 +147,7 @@ func TestEnsureTopicsKeepsExisting(t *testing.T) {
 	k.CreateTopicNamed(t, "orders.billing.dlq", 1)
 	k.CreateTopicNamed(t, "gone.billing.dlq", 1)
 
-	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders", "gone"}, 0), true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders", "gone"}, 0), retrytopics.EnsureOptions{Create: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -162,7 +165,7 @@ func TestEnsureTopicsNoSources(t *testing.T) {
 	defer cancel()
 	k := testenv.NewKfake(t)
 	k.CreateTopicNamed(t, "orders", 3)
-	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf(nil, 0), true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf(nil, 0), retrytopics.EnsureOptions{Create: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -179,7 +182,7 @@ func TestEnsureTopicsContextDone(t *testing.T) {
 	k := testenv.NewKfake(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders"}, 0), true)
+	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders"}, 0), retrytopics.EnsureOptions{Create: true})
 	if err == nil {
 		t.Fatal("EnsureTopics with a cancelled context returned no error")
 	}
@@ -196,7 +199,7 @@ func TestEnsureTopicsTiers(t *testing.T) {
 	k.CreateTopicNamed(t, "orders", 3)
 
 	// Creation disabled: every missing retry and dead-letter topic is named in the error.
-	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders"}, 2), false)
+	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders"}, 2), retrytopics.EnsureOptions{})
 	if !errors.Is(err, retrytopics.ErrTopicMissing) {
 		t.Fatalf("err = %v, want ErrTopicMissing", err)
 	}
@@ -209,7 +212,7 @@ func TestEnsureTopicsTiers(t *testing.T) {
 		t.Errorf("a topic was created although creation is disabled")
 	}
 
-	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders"}, 2), true)
+	created, missing, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders"}, 2), retrytopics.EnsureOptions{Create: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -223,7 +226,7 @@ func TestEnsureTopicsTiers(t *testing.T) {
 		}
 	}
 	// Now everything exists: creation disabled is fine.
-	if _, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders"}, 2), false); err != nil {
+	if _, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders"}, 2), retrytopics.EnsureOptions{}); err != nil {
 		t.Errorf("with all topics present and creation disabled: %v", err)
 	}
 }
@@ -235,4 +238,87 @@ func tiersOf(sources []string, n int) map[string]int {
 		out[s] = n
 	}
 	return out
+}
+
+// TestEnsureTopicsReplicateLikeTheirSource: on a cluster of three brokers whose defaults are
+// Apache Kafka's own (default.replication.factor=1), the tiers and the dead-letter topic of a
+// source topic with three replicas and min.insync.replicas=2 get the same, not the broker's one
+// replica; settings override both; an existing tier with fewer replicas than its source is named.
+func TestEnsureTopicsReplicateLikeTheirSource(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	k := testenv.NewKfake(t, kfake.NumBrokers(3))
+	adm := newAdmin(t, k)
+	two := "2"
+	for _, src := range []struct {
+		name string
+		rf   int16
+		cfg  map[string]*string
+	}{{"orders", 3, map[string]*string{"min.insync.replicas": &two}}, {"refunds", 3, nil}, {"audit", 1, nil}} {
+		if resp, err := adm.CreateTopic(ctx, 2, src.rf, src.cfg, src.name); err != nil || resp.Err != nil {
+			t.Fatalf("create %s: %v %v", src.name, err, resp.Err)
+		}
+	}
+	// A tier created by hand, with one replica, before kafkapg ran.
+	if resp, err := adm.CreateTopic(ctx, 2, 1, nil, "refunds.billing.retry.1"); err != nil || resp.Err != nil {
+		t.Fatalf("create refunds.billing.retry.1: %v %v", err, resp.Err)
+	}
+	var weak []string
+	_, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"orders", "refunds", "audit"}, 1), retrytopics.EnsureOptions{
+		Create: true,
+		UnderReplicated: func(topic string, replicas int, source string, sourceReplicas int) {
+			weak = append(weak, fmt.Sprintf("%s %d<%d", topic, replicas, sourceReplicas))
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"refunds.billing.retry.1 1<3"}; !slices.Equal(weak, want) {
+		t.Errorf("under-replicated topics reported: %q, want %q", weak, want)
+	}
+	check := func(topic string, wantRF int, wantMinInsync string) {
+		t.Helper()
+		adm := newAdmin(t, k)
+		d, err := adm.ListTopics(ctx, topic)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rf := 0
+		for _, p := range d[topic].Partitions {
+			rf = max(rf, len(p.Replicas))
+		}
+		rcs, err := adm.DescribeTopicConfigs(ctx, topic)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rc, err := rcs.On(topic, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		minInsync := ""
+		for _, c := range rc.Configs {
+			if c.Key == "min.insync.replicas" && c.Source == kmsg.ConfigSourceDynamicTopicConfig {
+				minInsync = c.MaybeValue()
+			}
+		}
+		if rf != wantRF || minInsync != wantMinInsync {
+			t.Errorf("%s: replication factor %d, min.insync.replicas %q set on the topic; want %d, %q", topic, rf, minInsync, wantRF, wantMinInsync)
+		}
+	}
+	check("orders.billing.retry.1", 3, "2")
+	check("orders.billing.dlq", 3, "2")
+	check("refunds.billing.dlq", 3, "")
+	check("audit.billing.dlq", 1, "")
+
+	// Settings win over the source.
+	if resp, err := adm.CreateTopic(ctx, 1, 1, nil, "payments"); err != nil || resp.Err != nil {
+		t.Fatalf("create payments: %v %v", err, resp.Err)
+	}
+	if _, _, err := retrytopics.EnsureTopics(ctx, newAdmin(t, k), "billing", tiersOf([]string{"payments"}, 0), retrytopics.EnsureOptions{
+		Create: true, ReplicationFactor: 3, MinInsyncReplicas: 2,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	check("payments.billing.dlq", 3, "2")
 }

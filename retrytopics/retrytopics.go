@@ -13,6 +13,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/kafkapg/kafkapg/internal/safetext"
 )
@@ -226,12 +227,33 @@ func targets(source, group string, tiers int) []string {
 // dead-letter topic does not exist and creating it is not allowed.
 var ErrTopicMissing = errors.New("topic does not exist")
 
-// EnsureTopics checks that the retry-tier and dead-letter topics of every source topic exist
-// (see targets); tiers gives each source topic's number of retry tiers. If create is true it creates missing ones with the source topic's partition count
-// and the broker's default replication factor; otherwise a missing one is an error wrapping
+// EnsureOptions says what EnsureTopics may do about missing topics, and how it creates them.
+type EnsureOptions struct {
+	// Create lets it create missing retry-tier and dead-letter topics; without it, a missing one is
+	// an error wrapping ErrTopicMissing.
+	Create bool
+	// ReplicationFactor of the topics it creates: 0 (the default) takes the source topic's (the
+	// most replicas any of its partitions has), -1 the broker's default.replication.factor
+	// (Apache Kafka's own default is 1: a tier or dead-letter topic on one broker loses its records
+	// with that broker's disk).
+	ReplicationFactor int16
+	// MinInsyncReplicas of the topics it creates: 0 (the default) takes the source topic's own
+	// min.insync.replicas if it sets one, and otherwise leaves the broker's default.
+	MinInsyncReplicas int
+	// UnderReplicated, if not nil, is told of each retry-tier or dead-letter topic that exists with
+	// fewer replicas than its source topic (created by hand, or by a release that took the broker's
+	// default).
+	UnderReplicated func(topic string, replicas int, source string, sourceReplicas int)
+}
+
+// EnsureTopics checks that the retry-tier and dead-letter topics of every source topic exist (see
+// targets); tiers gives each source topic's number of retry tiers. Missing ones are created, if
+// o.Create, with the source topic's partition count and the replication o asks for (by default the
+// source topic's replication factor and min.insync.replicas: records in a tier or the dead-letter
+// topic are worth as much as the source's); otherwise a missing one is an error wrapping
 // ErrTopicMissing. A source topic that does not exist yet is reported in missing and skipped:
 // retry later.
-func EnsureTopics(ctx context.Context, adm *kadm.Client, group string, tiers map[string]int, create bool) (created, missing []string, err error) {
+func EnsureTopics(ctx context.Context, adm *kadm.Client, group string, tiers map[string]int, o EnsureOptions) (created, missing []string, err error) {
 	sources := slices.Sorted(maps.Keys(tiers))
 	want := map[string]string{} // target -> source
 	for _, s := range sources {
@@ -255,6 +277,7 @@ func EnsureTopics(ctx context.Context, adm *kadm.Client, group string, tiers map
 			missing = append(missing, s)
 		}
 	}
+	configs := map[string]map[string]*string{} // by source, read once
 	for _, t := range slices.Sorted(maps.Keys(want)) {
 		src := want[t]
 		d, ok := details[t]
@@ -263,21 +286,35 @@ func EnsureTopics(ctx context.Context, adm *kadm.Client, group string, tiers map
 			return nil, nil, err
 		}
 		if !gone {
+			if have, srcHave := replicas(d), replicas(details[src]); o.UnderReplicated != nil && !slices.Contains(missing, src) && have < srcHave {
+				o.UnderReplicated(t, have, src, srcHave)
+			}
 			continue
 		}
 		if slices.Contains(missing, src) {
 			continue
 		}
-		if !create {
+		if !o.Create {
 			absent = append(absent, t)
 			continue
 		}
-		resp, err := adm.CreateTopic(ctx, int32(len(details[src].Partitions)), -1, nil, t)
+		rf := o.ReplicationFactor
+		if rf == 0 {
+			rf = int16(replicas(details[src]))
+		}
+		cfg, ok := configs[src]
+		if !ok {
+			if cfg, err = topicConfigs(ctx, adm, src, o); err != nil {
+				return created, missing, err
+			}
+			configs[src] = cfg
+		}
+		resp, err := adm.CreateTopic(ctx, int32(len(details[src].Partitions)), rf, cfg, t)
 		if err == nil {
 			err = resp.Err
 		}
 		if err != nil && !errors.Is(err, kerr.TopicAlreadyExists) {
-			return created, missing, fmt.Errorf("create topic %s: %w", t, err)
+			return created, missing, fmt.Errorf("create topic %s (replication factor %d%s): %w", t, rf, describeMinInsync(cfg), err)
 		}
 		if err == nil {
 			created = append(created, t)
@@ -287,4 +324,48 @@ func EnsureTopics(ctx context.Context, adm *kadm.Client, group string, tiers map
 		return created, missing, fmt.Errorf("%w: %s (creating topics is disabled)", ErrTopicMissing, strings.Join(absent, ", "))
 	}
 	return created, missing, nil
+}
+
+// replicas returns the most replicas any partition of a topic has.
+func replicas(d kadm.TopicDetail) int {
+	n := 0
+	for _, p := range d.Partitions {
+		n = max(n, len(p.Replicas))
+	}
+	return n
+}
+
+// minInsync is the topic configuration EnsureTopics sets on the topics it creates.
+const minInsync = "min.insync.replicas"
+
+// topicConfigs returns the configuration of the topics EnsureTopics creates for source: o's
+// min.insync.replicas, or the source topic's own, if it sets one.
+func topicConfigs(ctx context.Context, adm *kadm.Client, source string, o EnsureOptions) (map[string]*string, error) {
+	if o.MinInsyncReplicas > 0 {
+		return map[string]*string{minInsync: kadm.StringPtr(strconv.Itoa(o.MinInsyncReplicas))}, nil
+	}
+	rcs, err := adm.DescribeTopicConfigs(ctx, source)
+	if err == nil {
+		var rc kadm.ResourceConfig
+		if rc, err = rcs.On(source, nil); err == nil {
+			err = rc.Err
+		}
+		for _, c := range rc.Configs {
+			if c.Key == minInsync && c.Source == kmsg.ConfigSourceDynamicTopicConfig && c.Value != nil {
+				return map[string]*string{minInsync: kadm.StringPtr(*c.Value)}, nil
+			}
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read the configuration of topic %s (to create its retry and dead-letter topics alike): %w", source, err)
+	}
+	return nil, nil
+}
+
+// describeMinInsync describes the min.insync.replicas of configs, for an error.
+func describeMinInsync(configs map[string]*string) string {
+	if v := configs[minInsync]; v != nil {
+		return ", " + minInsync + " " + *v
+	}
+	return ""
 }
