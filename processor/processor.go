@@ -19,6 +19,7 @@ import (
 	"github.com/twmb/franz-go/plugin/kprom"
 
 	"github.com/kafkapg/kafkapg/internal/backoff"
+	"github.com/kafkapg/kafkapg/internal/pooler"
 	"github.com/kafkapg/kafkapg/internal/schema"
 	"github.com/kafkapg/kafkapg/offsets"
 	"github.com/kafkapg/kafkapg/retrytopics"
@@ -58,8 +59,11 @@ type Processor struct {
 	clientCtx context.Context
 	cutClient context.CancelFunc
 	relay     atomic.Pointer[sink.Relay]
-	joined    atomic.Bool
-	running   atomic.Bool
+	// pooled says that the pool reaches Postgres through a pooler in transaction mode (see
+	// checkPooler): the relay polls instead of LISTENing.
+	pooled  atomic.Bool
+	joined  atomic.Bool
+	running atomic.Bool
 	// waiting says what startup is waiting for (Kafka, a source topic), for Ready.
 	waiting atomic.Pointer[string]
 	// lameDuck is set when shutdown begins: Ready fails from then on.
@@ -179,6 +183,12 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schemaName string) error {
 func (p *Processor) Run(ctx context.Context) error {
 	if !p.running.CompareAndSwap(false, true) {
 		return errors.New("processor: Run called twice")
+	}
+	if err := p.checkPooler(ctx); err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
 	}
 	cl, err := p.newClient()
 	if err != nil {
@@ -369,12 +379,64 @@ func (p *Processor) shutdownRelay(ctx context.Context, cl *kgo.Client, stopRelay
 }
 
 // listenConfig is the connection the relay LISTENs on: one like the pool's, unless
-// OutboxListenDisabled.
+// OutboxListenDisabled, or the pool reaches Postgres through a pooler in transaction mode, which
+// passes no notifications on.
 func (p *Processor) listenConfig() *pgx.ConnConfig {
-	if p.cfg.OutboxListenDisabled {
+	if p.cfg.OutboxListenDisabled || p.pooled.Load() {
 		return nil
 	}
 	return p.pool.Config().ConnConfig.Copy()
+}
+
+// checkPooler finds out, waiting for Postgres if it must, whether the pool reaches it through a
+// pooler in transaction mode (PgBouncer), and refuses a pool that cannot work through it: one
+// that prepares named statements (pgx's default query mode), or a pooler in statement mode.
+func (p *Processor) checkPooler(ctx context.Context) error {
+	cc := p.pool.Config().ConnConfig
+	for failures := 1; ; failures++ {
+		kind, err := pooler.Detect(ctx, cc)
+		mode := cc.DefaultQueryExecMode
+		if err == nil && kind == pooler.Transaction {
+			mode, err = p.queryExecMode(ctx)
+		}
+		switch {
+		case errors.Is(err, pooler.ErrStatementMode):
+			return fmt.Errorf("processor: %w", err)
+		case err == nil && kind == pooler.Transaction && pooler.NamedStatements(mode):
+			return fmt.Errorf("processor: postgres is reached through a connection pooler in transaction mode (PgBouncer?), where pgx's default query mode, " +
+				"which prepares named statements, fails (prepared statement \"stmtcache_...\" already exists): give the pool a mode without them, " +
+				"default_query_exec_mode=cache_describe in the connection string (or pgxpool.Config.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheDescribe)")
+		case err == nil:
+			p.waiting.Store(nil)
+			if kind == pooler.Transaction {
+				p.pooled.Store(true)
+				p.log.Info("postgres is reached through a connection pooler in transaction mode: the outbox relay polls for records other processes emit, instead of LISTENing",
+					"query_exec_mode", mode.String(), "poll_interval", p.cfg.OutboxPollInterval)
+			}
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		why := fmt.Sprintf("waiting for postgres: %v", err)
+		p.waiting.Store(&why)
+		d := p.backoff.Delay(failures)
+		p.log.Warn("cannot reach postgres yet; retrying", "err", err, "retry_in", d)
+		if !backoff.Sleep(ctx, nil, d) {
+			return ctx.Err()
+		}
+	}
+}
+
+// queryExecMode returns the query mode of the pool's connections: its configuration's, unless a
+// BeforeConnect hook (the service's, see package pooler) changes it for each connection.
+func (p *Processor) queryExecMode(ctx context.Context) (pgx.QueryExecMode, error) {
+	conn, err := p.pool.Acquire(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Release()
+	return conn.Conn().Config().DefaultQueryExecMode, nil
 }
 
 func deadlineOf(ctx context.Context) time.Time {

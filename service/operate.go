@@ -45,11 +45,14 @@ func operate(ctx context.Context, cmd string, args []string, hs *registry, stdou
 	if err != nil {
 		return err
 	}
-	pool, err := openPool(ctx, &e.dbEnv)
+	pool, adapt, err := openPool(ctx, &e.dbEnv)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
+	if err := adapt(ctx, nil); err != nil {
+		return fmt.Errorf("database: %w", err)
+	}
 	// Tools see the same tables as the processors: bring them up to date first (a no-op when
 	// they are).
 	if err := processor.Migrate(ctx, pool, e.DBSchema); err != nil {

@@ -306,7 +306,7 @@ func TestSecretsStayOutOfLogs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := openPool(context.Background(), &e.dbEnv); err == nil {
+	if _, _, err := openPool(context.Background(), &e.dbEnv); err == nil {
 		t.Fatal("openPool accepted a malformed DATABASE_URL")
 	} else if strings.Contains(err.Error(), password) {
 		t.Errorf("the error for a malformed DATABASE_URL shows the password: %v", err)

@@ -52,6 +52,7 @@ import (
 	"github.com/kafkapg/kafkapg/internal/backoff"
 	"github.com/kafkapg/kafkapg/internal/console"
 	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/internal/pooler"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -236,11 +237,14 @@ func migrateOnly(ctx context.Context, stderr io.Writer) error {
 		return err
 	}
 	log := slog.New(slog.NewTextHandler(stderr, nil))
-	pool, err := openPool(ctx, env)
+	pool, adapt, err := openPool(ctx, env)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
+	if err := adapt(ctx, log); err != nil {
+		return fmt.Errorf("database: %w", err)
+	}
 	if err := processor.Migrate(ctx, pool, env.DBSchema); err != nil {
 		return err
 	}
@@ -258,15 +262,54 @@ func newLogger(env *env, w io.Writer) *slog.Logger {
 	return slog.New(slog.NewJSONHandler(w, opts))
 }
 
-func openPool(ctx context.Context, env *dbEnv) (*pgxpool.Pool, error) {
+// openPool returns the pool on DATABASE_URL, and adapt, which must run (once Postgres answers)
+// before the pool is used: it finds out whether DATABASE_URL leads to a connection pooler in
+// transaction mode (PgBouncer) and then, unless DATABASE_URL chose a query mode, switches the
+// pool to one that works through it (see package pooler). openPool itself connects nowhere.
+func openPool(ctx context.Context, env *dbEnv) (pool *pgxpool.Pool, adapt func(context.Context, *slog.Logger) error, err error) {
 	cfg, err := pgxpool.ParseConfig(env.DatabaseURL)
 	if err != nil {
-		return nil, &configError{fmt.Errorf("DATABASE_URL is not a valid connection string: %v", err)}
+		return nil, nil, &configError{fmt.Errorf("DATABASE_URL is not a valid connection string: %v", err)}
 	}
 	if !strings.Contains(env.DatabaseURL, "pool_max_conns") {
 		cfg.MaxConns = env.DBMaxConns
 	}
-	return pgxpool.NewWithConfig(ctx, cfg)
+	chosen := strings.Contains(env.DatabaseURL, "default_query_exec_mode")
+	var pooled atomic.Bool
+	cfg.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
+		if pooled.Load() && !chosen {
+			cc.DefaultQueryExecMode = pooler.QueryExecMode
+		}
+		return nil
+	}
+	if pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
+		return nil, nil, err
+	}
+	adapt = func(ctx context.Context, log *slog.Logger) error {
+		kind, err := pooler.Detect(ctx, cfg.ConnConfig)
+		if errors.Is(err, pooler.ErrStatementMode) {
+			return &configError{fmt.Errorf("DATABASE_URL: %v", err)}
+		}
+		if err != nil || kind != pooler.Transaction {
+			return err
+		}
+		if chosen && pooler.NamedStatements(cfg.ConnConfig.DefaultQueryExecMode) {
+			return &configError{errors.New("DATABASE_URL leads to a connection pooler in transaction mode (PgBouncer?), where its default_query_exec_mode=cache_statement " +
+				"(named prepared statements) fails: use default_query_exec_mode=cache_describe, or leave it out and kafkapg chooses")}
+		}
+		pooled.Store(true)
+		pool.Reset() // connections made before this have the old mode
+		mode := pooler.QueryExecMode.String()
+		if chosen {
+			mode = cfg.ConnConfig.DefaultQueryExecMode.String()
+		}
+		if log != nil {
+			log.Info("DATABASE_URL leads to a connection pooler in transaction mode (PgBouncer?): statements are sent unnamed (no prepared statements kept on the server), "+
+				"and the outbox relay polls instead of LISTENing", "query_exec_mode", mode)
+		}
+		return nil
+	}
+	return pool, adapt, nil
 }
 
 // serve runs the processor service until ctx is done: it waits for Postgres, migrates, sets up
@@ -288,7 +331,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		}
 		log.Info("soft memory limit", "gomemlimit_bytes", limit, "gogc", gogc, "max_buffered_bytes", env.MaxBufferedBytes)
 	}
-	pool, err := openPool(ctx, &env.dbEnv)
+	pool, adapt, err := openPool(ctx, &env.dbEnv)
 	if err != nil {
 		return err
 	}
@@ -364,10 +407,22 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 
 	// Postgres may not be up yet (pods start in any order): wait for it with backoff.
 	policy := backoff.Policy{Base: env.RetryBackoffBase, Max: env.RetryBackoffMax}
+	adapted := false
 	for failures := 1; ; failures++ {
-		err := processor.Migrate(ctx, pool, env.DBSchema)
+		var err error
+		if !adapted {
+			err = adapt(ctx, log)
+			adapted = err == nil
+		}
+		if err == nil {
+			err = processor.Migrate(ctx, pool, env.DBSchema)
+		}
 		if err == nil {
 			break
+		}
+		var cerr *configError
+		if errors.As(err, &cerr) {
+			return err
 		}
 		if ctx.Err() != nil {
 			return nil

@@ -1,0 +1,142 @@
+// Package pooler finds out whether connections reach Postgres through a connection pooler in
+// transaction mode (PgBouncer, and poolers like it: pgcat, Odyssey, RDS Proxy, Supavisor), where
+// each transaction of a client may run on another server session, and says what that means for
+// pgx.
+//
+// Through such a pooler, anything scoped to a server session outlives the client's transaction
+// on a session another client gets next: pgx's default query mode (named prepared statements,
+// cached per client connection) fails with `prepared statement "stmtcache_…" already exists`
+// (42P05) or `does not exist` (26000), LISTEN hears nothing, and session settings leak. kafkapg
+// uses only transaction-scoped settings (SET LOCAL) and advisory locks (pg_advisory_xact_lock); it
+// needs a query mode without named statements and polls instead of LISTENing.
+package pooler
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Kind is how a client's connection reaches Postgres.
+type Kind int
+
+const (
+	// Direct: a connection is one server session for its whole life (Postgres itself, or a pooler
+	// in session mode).
+	Direct Kind = iota
+	// Transaction: a pooler in transaction mode; each transaction may run on another session.
+	Transaction
+	// Statement: a pooler in statement mode, which refuses transactions of more than one
+	// statement: kafkapg cannot work through it.
+	Statement
+)
+
+func (k Kind) String() string {
+	switch k {
+	case Transaction:
+		return "a pooler in transaction mode"
+	case Statement:
+		return "a pooler in statement mode"
+	}
+	return "direct"
+}
+
+// ErrStatementMode says that Postgres is reached through a pooler in statement mode.
+var ErrStatementMode = errors.New("postgres is reached through a connection pooler in statement mode, which refuses transactions: " +
+	"kafkapg commits each batch's effects and its offset in one transaction; use the pooler's transaction or session mode")
+
+// wait is how long the probe waits for a statement that a direct session runs at once (see Detect).
+const wait = 2 * time.Second
+
+// Detect tells how connections made with cfg reach Postgres. It opens two connections of its own
+// (simple protocol: no prepared statements), and watches the server session (pg_backend_pid)
+// each of their transactions runs on while the other holds a transaction open. A direct
+// connection always runs on its own session; through a pooler in transaction mode, a session one
+// client released is handed to the other (or, with a pool of one session, the second client's
+// statement waits for the first's transaction). Neither happens to direct connections, so the
+// answer Transaction is never wrong; a pooler that happened to give each client the same session
+// every time would be taken for Direct, which it then is, as far as these connections can tell.
+func Detect(ctx context.Context, cfg *pgx.ConnConfig) (Kind, error) {
+	c := cfg.Copy()
+	c.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+	c.StatementCacheCapacity, c.DescriptionCacheCapacity = 0, 0
+	a, err := pgx.ConnectConfig(ctx, c)
+	if err != nil {
+		return Direct, err
+	}
+	defer a.Close(context.WithoutCancel(ctx))
+	b, err := pgx.ConnectConfig(ctx, c)
+	if err != nil {
+		return Direct, err
+	}
+	defer b.Close(context.WithoutCancel(ctx))
+
+	var pidA, pidB int32 // each client's first session
+	for range 3 {
+		a1, err := backend(ctx, a)
+		if err != nil {
+			return Direct, err
+		}
+		// b holds a session in a transaction while a asks again.
+		if _, err := b.Exec(ctx, "BEGIN"); err != nil {
+			if statementMode(err) {
+				return Statement, ErrStatementMode
+			}
+			return Direct, err
+		}
+		b1, err := backend(ctx, b)
+		if err != nil {
+			return Direct, err
+		}
+		wctx, cancel := context.WithTimeout(ctx, wait)
+		a2, err := backend(wctx, a)
+		cancel()
+		if err != nil && ctx.Err() == nil && errors.Is(wctx.Err(), context.DeadlineExceeded) {
+			return Transaction, nil // a's statement waited for b's transaction: they share one session
+		}
+		if err != nil {
+			return Direct, err
+		}
+		if _, err := b.Exec(ctx, "COMMIT"); err != nil {
+			return Direct, err
+		}
+		if pidA == 0 {
+			pidA, pidB = a1, b1
+		}
+		if a1 != pidA || a2 != pidA || b1 != pidB || a1 == b1 {
+			return Transaction, nil
+		}
+	}
+	return Direct, nil
+}
+
+func backend(ctx context.Context, conn *pgx.Conn) (int32, error) {
+	var pid int32
+	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		return 0, fmt.Errorf("pooler probe: %w", err)
+	}
+	return pid, nil
+}
+
+// statementMode reports whether err is a statement-mode pooler refusing a transaction
+// (PgBouncer: "transaction blocks not allowed in statement pooling mode").
+func statementMode(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return strings.Contains(pgErr.Message, "statement pooling mode")
+	}
+	return strings.Contains(err.Error(), "statement pooling mode")
+}
+
+// NamedStatements reports whether mode prepares named statements on the server, which a pooler in
+// transaction mode cannot keep.
+func NamedStatements(mode pgx.QueryExecMode) bool { return mode == pgx.QueryExecModeCacheStatement }
+
+// QueryExecMode is the query mode kafkapg uses through a pooler in transaction mode: statements are
+// sent unnamed, with their descriptions cached in the client (one round trip, binary formats).
+const QueryExecMode = pgx.QueryExecModeCacheDescribe

@@ -1,0 +1,64 @@
+package pooler_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/kafkapg/kafkapg/internal/pgcluster"
+	"github.com/kafkapg/kafkapg/internal/pooler"
+)
+
+// TestDetect runs the probe against Postgres itself and through PgBouncer in each of its modes,
+// with a pool of several server sessions and of one.
+func TestDetect(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	srv, err := pgcluster.Start(ctx, pgcluster.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Close)
+
+	detect := func(t *testing.T, url string) (pooler.Kind, error) {
+		t.Helper()
+		cfg, err := pgx.ParseConfig(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return pooler.Detect(ctx, cfg)
+	}
+	t.Run("direct", func(t *testing.T) {
+		if kind, err := detect(t, srv.URL("postgres")); err != nil || kind != pooler.Direct {
+			t.Errorf("Detect = %v, %v; want direct", kind, err)
+		}
+	})
+	for _, tc := range []struct {
+		mode     string
+		poolSize int
+		want     pooler.Kind
+		wantErr  error
+	}{
+		{"transaction", 20, pooler.Transaction, nil},
+		{"transaction", 1, pooler.Transaction, nil},
+		{"session", 20, pooler.Direct, nil},
+		{"statement", 20, pooler.Statement, pooler.ErrStatementMode},
+	} {
+		t.Run(tc.mode, func(t *testing.T) {
+			b, err := pgcluster.StartBouncer(ctx, pgcluster.BouncerOptions{Backend: srv.Addr(), PoolMode: tc.mode, DefaultPoolSize: tc.poolSize})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(b.Close)
+			start := time.Now()
+			kind, err := detect(t, b.URL("postgres"))
+			if kind != tc.want || !errors.Is(err, tc.wantErr) {
+				t.Errorf("Detect through PgBouncer (%s mode, pool of %d) = %v, %v; want %v, %v", tc.mode, tc.poolSize, kind, err, tc.want, tc.wantErr)
+			}
+			t.Logf("%s mode, pool of %d: %v in %v", tc.mode, tc.poolSize, kind, time.Since(start).Round(time.Millisecond))
+		})
+	}
+}
