@@ -11,13 +11,13 @@ import (
 
 // Proxy forwards TCP connections to an upstream address until told to misbehave.
 type Proxy struct {
-	ln       net.Listener
-	upstream string
+	ln net.Listener
 
-	mu      sync.Mutex
-	refuse  bool
-	conns   map[net.Conn]struct{}
-	stalled chan struct{} // non-nil while stalled: copying waits until it is closed
+	mu       sync.Mutex
+	upstream string // where new connections go (Retarget)
+	refuse   bool
+	conns    map[net.Conn]struct{}
+	stalled  chan struct{} // non-nil while stalled: copying waits until it is closed
 }
 
 // Listen starts a proxy on addr ("127.0.0.1:0" picks a free port) that forwards connections to
@@ -96,14 +96,26 @@ func (p *Proxy) accept() {
 	}
 }
 
+// Retarget makes the proxy forward new connections to upstream, and drops the ones it has: what a
+// virtual IP or a cloud endpoint does when it moves to a database's new primary.
+func (p *Proxy) Retarget(upstream string) {
+	p.mu.Lock()
+	p.upstream = upstream
+	p.mu.Unlock()
+	p.Drop()
+}
+
 func (p *Proxy) serve(down net.Conn) {
-	up, err := net.Dial("tcp", p.upstream)
+	p.mu.Lock()
+	target := p.upstream
+	p.mu.Unlock()
+	up, err := net.Dial("tcp", target)
 	if err != nil {
 		down.Close()
 		return
 	}
 	p.mu.Lock()
-	if p.refuse { // cut (or closed) while we dialed: this pair must not survive it
+	if p.refuse || p.upstream != target { // cut, closed or retargeted while we dialed: this pair must not survive it
 		p.mu.Unlock()
 		down.Close()
 		up.Close()

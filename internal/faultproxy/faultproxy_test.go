@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"io"
 	"net"
+	"strings"
 	"testing"
 	"time"
 )
@@ -85,5 +86,54 @@ func TestFaults(t *testing.T) {
 	p.Restore()
 	if err := roundTrip(dial(t, p), 2*time.Second); err != nil {
 		t.Fatalf("after Restore from a cut: %v", err)
+	}
+}
+
+// TestRetarget: after Retarget, the connections to the old upstream are gone and new ones reach
+// the new upstream (which, unlike the old one, answers in upper case).
+func TestRetarget(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				r := bufio.NewReader(c)
+				for {
+					line, err := r.ReadString('\n')
+					if err != nil {
+						c.Close()
+						return
+					}
+					c.Write([]byte(strings.ToUpper(line)))
+				}
+			}()
+		}
+	}()
+	p, err := Listen("127.0.0.1:0", echo(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	old := dial(t, p)
+	if err := roundTrip(old, 2*time.Second); err != nil {
+		t.Fatalf("forwarding: %v", err)
+	}
+	p.Retarget(ln.Addr().String())
+	if err := roundTrip(old, 2*time.Second); err == nil {
+		t.Error("a connection to the old upstream survived Retarget")
+	}
+	c := dial(t, p)
+	c.SetDeadline(time.Now().Add(2 * time.Second))
+	c.Write([]byte("ping\n"))
+	got, err := bufio.NewReader(c).ReadString('\n')
+	if err != nil || got != "PING\n" {
+		t.Errorf("after Retarget: %q, %v; want the new upstream's PING", got, err)
 	}
 }
