@@ -115,7 +115,17 @@ func measure(b *testing.B, name, topic string, want int, variant func(*pgxpool.P
 // skew the ratios.
 func measureTable(b *testing.B, name, topic string, want int, table string, variant func(*pgxpool.Pool) func(context.Context) error) float64 {
 	b.Helper()
+	return measureVia(b, name, topic, want, table, nil, variant)
+}
+
+// measureVia is measureTable on a pool whose URL via rewrites (to go through PgBouncer, say) if
+// it is not nil.
+func measureVia(b *testing.B, name, topic string, want int, table string, via func(url string) string, variant func(*pgxpool.Pool) func(context.Context) error) float64 {
+	b.Helper()
 	_, url := testenv.Postgres(b)
+	if via != nil {
+		url = via(url)
+	}
 	ctx := context.Background()
 	pool := benchPool(b, url)
 	defer pool.Close()
