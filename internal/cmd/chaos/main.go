@@ -23,7 +23,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"math/rand/v2"
@@ -51,6 +50,10 @@ func main() {
 	flag.StringVar(&c.handler, "handler", "ledger", "the processors' HANDLER: ledger, ledger-careless (no unique constraint, binary errors, own timeouts, swallowed errors),"+
 		" or ledger-forward (a chain: stage 1 forwards a posting per event to stage 2, HANDLER=ledger-post; a tenth of the events sent twice)")
 	flag.IntVar(&c.postProcs, "post-procs", 2, "stage 2 processes (HANDLER=ledger-post), with -handler ledger-forward")
+	flag.StringVar(&c.postgres, "postgres", pgDirect, "how the processors reach Postgres: "+pgDirect+" (DATABASE_URL), "+pgBouncer+" (DATABASE_URL behind PgBouncer in transaction mode), "+
+		pgSyncHA+" or "+pgAsyncHA+" (a primary and a standby of the suite's own, failed over again and again; DATABASE_URL is not used)")
+	flag.StringVar(&c.kafkaCluster, "kafka-cluster", "", "the state directory of a three-broker cluster that `scripts/kafka.sh cluster start` runs (/tmp/kafkapg-kafka-cluster):"+
+		" run against it, with broker faults (kill, controlled shutdown, freeze, a rolling restart) instead of broker cuts; KAFKA_BROKERS is not used")
 	flag.StringVar(&c.protocol, "group-protocol", "auto", "the processors' KAFKA_GROUP_PROTOCOL: auto (the consumer protocol where the broker offers it) or classic")
 	flag.Parse()
 	if c.handler != "ledger" && c.handler != "ledger-careless" && c.handler != chainHandler {
@@ -82,7 +85,10 @@ type config struct {
 	keep       bool
 	handler    string
 	protocol   string
-	postProcs  int // stage 2's, in a chain
+	postgres   string // the Postgres topology (pgDirect, ...)
+	// kafkaCluster is the state directory of the three-broker cluster to run against, if any.
+	kafkaCluster string
+	postProcs    int // stage 2's, in a chain
 }
 
 // chain reports whether the run is a chain of two stages.
@@ -102,9 +108,6 @@ const (
 
 func run(ctx context.Context, c config) error {
 	dbURL := os.Getenv("DATABASE_URL")
-	if dbURL == "" {
-		return errors.New("DATABASE_URL is not set: run `make chaos`, which starts a throwaway Postgres")
-	}
 	bin, err := localrun.BinDir("chaos")
 	if err != nil {
 		return err
@@ -113,7 +116,12 @@ func run(ctx context.Context, c config) error {
 	if err != nil {
 		return err
 	}
-	s := &suite{cfg: c, rng: rand.New(rand.NewPCG(c.seed, c.seed^0x5851f42d4c957f2d)), bin: bin, work: work}
+	// The Postgres servers and PgBouncer of the suite's own run as the postgres user (when this is
+	// root) and keep their data and logs here.
+	if err := os.Chmod(work, 0o755); err != nil {
+		return err
+	}
+	s := &suite{cfg: c, rng: rand.New(rand.NewPCG(c.seed, c.seed^0x5851f42d4c957f2d)), bin: bin, work: work, stats: stats{brokerFaults: map[string]int{}}}
 	defer s.close()
 	procs := fmt.Sprintf("%d processes (HANDLER=%s", c.procs, c.handler)
 	if c.chain() {
@@ -150,6 +158,7 @@ func run(ctx context.Context, c config) error {
 		items = ledger.Duplicate(items, copyPerMille, c.seed)
 		s.copies = len(items) - n
 	}
+	s.producedAt = make([]time.Time, len(items))
 	produced := make(chan error, 1)
 	go func() { produced <- s.produce(ctx, items) }()
 
@@ -169,6 +178,15 @@ func run(ctx context.Context, c config) error {
 	s.stats.settle = time.Since(settled)
 	s.bg.Wait() // recovery measurements
 	rep, err := s.verify(ctx, items)
+	if s.cluster != nil {
+		var werr error
+		if s.stats.rollingLongest, s.stats.rollingP99, s.stats.rollingEvents, werr = s.rollingWaits(ctx, items); werr != nil && err == nil {
+			err = fmt.Errorf("read the waits during the rolling restart: %w", werr)
+		}
+		for _, v := range s.checkReplication(ctx) {
+			s.count(func(st *stats) { st.violations = append(st.violations, v) })
+		}
+	}
 	if err == nil && c.chain() {
 		rep.chain, err = s.verifyChain(ctx, items, nil)
 	}

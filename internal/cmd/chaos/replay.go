@@ -79,7 +79,7 @@ func (s *suite) replay(ctx context.Context, items []ledger.Item) (replayReport, 
 	rep.copiesSkipped = recoveredRows - rep.recovered
 
 	start := time.Now()
-	env := s.procEnv(s.stages[0], "")
+	env := s.procEnv(s.stages[0], "", 1) // in the failover topologies, the address that moves
 	cli, err := s.command("processor", "replay.log", env, "dlq", "replay", "--execute", "--reason", "chaos: replay every dead letter", "--actor", "chaos",
 		"--rate", fmt.Sprint(max(20, rep.rows/4)), "--wait", "0") // about four seconds: long enough to kill things meanwhile
 	if err != nil {

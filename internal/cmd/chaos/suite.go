@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"net"
-	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -24,6 +22,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/faultproxy"
+	"github.com/kafkapg/kafkapg/internal/kafkacluster"
 	"github.com/kafkapg/kafkapg/internal/localrun"
 	"github.com/kafkapg/kafkapg/internal/topicread"
 	"github.com/kafkapg/kafkapg/retrytopics"
@@ -40,10 +39,11 @@ type suite struct {
 	stages       []*stage // stage 1, and in a chain stage 2
 	copies       int      // events the producer sends twice (a chain)
 
-	pool    *pgxpool.Pool     // direct to Postgres, for the suite's own queries
-	pgProxy *faultproxy.Proxy // what the processors connect to
-	procDB  string            // DATABASE_URL of the processors
+	pool *pgxpool.Pool // direct to Postgres (its primary), for the suite's own queries
+	db   *database     // how the processors reach Postgres, and the proxies Postgres faults hit
 
+	cluster     *kafkacluster.Cluster // the three-broker cluster (-kafka-cluster), or nil
+	producedAt  []time.Time           // when each item was produced (its chunk sent)
 	brokerName  string
 	clientSeeds []string          // brokers for the suite's producer and reader
 	procSeeds   []string          // brokers for the processors
@@ -68,13 +68,22 @@ type stats struct {
 	pgDrops, pgCuts, pgStalls          int
 	brokerCuts, brokerRestarts         int
 	acksLost, republished              int // relay-ack-lost faults, and the postings they republish (a chain)
+	failovers                          int
+	lostRows                           int64           // applied events the new primaries lacked (an asynchronous standby), applied again
+	promote, failoverRecovery          []time.Duration // primary killed -> standby promoted; -> processors commit again
 	termExit, killRecovery, pgRecovery []time.Duration
 	unmeasured                         int // recoveries that could not be measured (no traffic left)
 	// alone holds the recoveries measured one fault at a time, with nothing else broken (the
 	// docs/testing.md's targets are for these); the slices above are measured under overlapping faults.
-	alone      struct{ term, kill, pg time.Duration }
-	settle     time.Duration
-	violations []string // problems seen during the run (bad exit codes)
+	alone struct{ term, kill, pg, failover, leaderKill time.Duration }
+	// The three-broker cluster: broker faults by kind (kill, term, freeze), the rolling restarts,
+	// and the waits (produce -> applied) of the events produced during them.
+	brokerFaults               map[string]int
+	rolling                    []window
+	rollingLongest, rollingP99 time.Duration
+	rollingEvents              int
+	settle                     time.Duration
+	violations                 []string // problems seen during the run (bad exit codes)
 	// skipped is, by stage (1, 2), what the chain's processes that have ended counted in
 	// kafkapg_duplicate_keys_skipped_total (see tally).
 	skipped [3]float64
@@ -120,40 +129,15 @@ func generate(c config) []ledger.Item {
 	})
 }
 
-func (s *suite) setupPostgres(ctx context.Context, dbURL string) error {
-	u, err := url.Parse(dbURL)
-	if err != nil {
-		return fmt.Errorf("DATABASE_URL: %w", err)
-	}
-	pgAddr := u.Host
-	if u.Port() == "" {
-		pgAddr = net.JoinHostPort(u.Hostname(), "5432")
-	}
-	if s.pgProxy, err = faultproxy.Listen("127.0.0.1:0", pgAddr); err != nil {
-		return err
-	}
-	direct, err := localrun.PostgresURL(dbURL, "", schema)
-	if err != nil {
-		return err
-	}
-	if s.procDB, err = localrun.PostgresURL(dbURL, s.pgProxy.Addr(), schema); err != nil {
-		return err
-	}
-	if s.pool, err = pgxpool.New(ctx, direct); err != nil {
-		return err
-	}
-	if _, err := s.pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+schema+` CASCADE; CREATE SCHEMA `+schema); err != nil {
-		return fmt.Errorf("create schema %s: %w", schema, err)
-	}
-	return nil
-}
-
 func (s *suite) setupKafka(ctx context.Context) error {
 	s.topic = fmt.Sprintf("chaos-%d", s.cfg.seed%1_000_000)
 	s.group = s.topic
 	s.stages = []*stage{{n: 1, handler: s.cfg.handler, group: s.group, topic: s.topic, procs: s.cfg.procs}}
 	if s.cfg.chain() {
 		s.stages = append(s.stages, &stage{n: 2, handler: postHandler, group: s.group + "-post", topic: ledger.PostingsTopic(s.topic), procs: s.cfg.postProcs})
+	}
+	if s.cfg.kafkaCluster != "" {
+		return s.setupCluster()
 	}
 	if env := os.Getenv("KAFKA_BROKERS"); env != "" {
 		s.brokerName = "kafka"
@@ -214,7 +198,11 @@ func (s *suite) createTopic(ctx context.Context, topic string) error {
 		return err
 	}
 	defer cl.Close()
-	resp, err := kadm.NewClient(cl).CreateTopic(ctx, int32(s.cfg.partitions), -1, nil, topic)
+	rf, configs := int16(-1), map[string]*string(nil)
+	if s.cluster != nil {
+		rf, configs = clusterReplicas, map[string]*string{"min.insync.replicas": kadm.StringPtr(clusterMinInsync)}
+	}
+	resp, err := kadm.NewClient(cl).CreateTopic(ctx, int32(s.cfg.partitions), rf, configs, topic)
 	if err == nil {
 		err = resp.Err
 	}
@@ -229,7 +217,7 @@ func (s *suite) startProc(st *stage, idx int) (*proc, error) {
 	if err != nil {
 		return nil, err
 	}
-	cmd, err := s.command("processor", fmt.Sprintf("processor-%d.log", idx), s.procEnv(st, addr))
+	cmd, err := s.command("processor", fmt.Sprintf("processor-%d.log", idx), s.procEnv(st, addr, idx))
 	if err != nil {
 		return nil, err
 	}
@@ -249,14 +237,14 @@ func (s *suite) startProc(st *stage, idx int) (*proc, error) {
 	return p, nil
 }
 
-// procEnv is the environment of a stage's processors (and of their dlq commands), serving HTTP
+// procEnv is the environment of a stage's processor idx (and of the dlq commands), serving HTTP
 // on addr.
-func (s *suite) procEnv(st *stage, addr string) []string {
+func (s *suite) procEnv(st *stage, addr string, idx int) []string {
 	env := []string{
 		"KAFKA_BROKERS=" + strings.Join(s.procSeeds, ","),
 		"KAFKA_GROUP_ID=" + st.group,
 		"KAFKA_TOPICS=" + st.topic,
-		"DATABASE_URL=" + s.procDB,
+		"DATABASE_URL=" + s.db.url(idx),
 		"DB_SCHEMA=" + schema,
 		"DB_MAX_CONNS=6",
 		"DB_TX_IDLE_TIMEOUT=3s",
@@ -306,6 +294,10 @@ func (s *suite) produce(ctx context.Context, items []ledger.Item) error {
 		for _, it := range items[i:min(i+chunk, len(items))] {
 			recs = append(recs, it.Record(s.topic))
 		}
+		sent := time.Now()
+		for j := i; j < min(i+chunk, len(items)); j++ {
+			s.producedAt[j] = sent
+		}
 		pctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 		err := cl.ProduceSync(pctx, recs...).FirstErr()
 		cancel()
@@ -344,8 +336,16 @@ func (s *suite) inject(ctx context.Context) error {
 	if s.devbroker != nil {
 		faults = append(faults, fault{"broker-restart", 1, s.brokerRestart})
 	}
+	if s.cluster != nil {
+		for _, what := range []string{"kill", "term", "freeze"} {
+			faults = append(faults, fault{"broker-" + what, 1, func(ctx context.Context) error { return s.brokerFault(ctx, what) }})
+		}
+	}
 	if s.cfg.chain() {
 		faults = append(faults, fault{"relay-ack-lost", 2, s.relayAckLost})
+	}
+	if s.db.failover() {
+		faults = append(faults, fault{"pg-failover", 2, func(ctx context.Context) error { return s.pgFailover(ctx, false) }})
 	}
 	total := 0
 	for _, f := range faults {
@@ -357,6 +357,11 @@ func (s *suite) inject(ctx context.Context) error {
 	if s.cfg.chain() { // at least once a run: stage 2's deduplication is what it tests
 		if err := s.relayAckLost(ctx); err != nil {
 			return fmt.Errorf("fault relay-ack-lost: %w", err)
+		}
+	}
+	if s.cluster != nil { // once a run, as at every upgrade
+		if err := s.rollingRestart(ctx); err != nil {
+			return fmt.Errorf("rolling restart: %w", err)
 		}
 	}
 	end := time.Now().Add(s.cfg.duration)
@@ -397,6 +402,11 @@ func (s *suite) measure(ctx context.Context) error {
 		return err
 	}
 	s.groupType = s.readGroupType(ctx)
+	// When each event was applied, for the waits during a rolling restart (the events applied
+	// before this get its time).
+	if _, err := s.pool.Exec(ctx, `ALTER TABLE ledger_entries ADD COLUMN IF NOT EXISTS applied_at timestamptz NOT NULL DEFAULT now()`); err != nil {
+		return fmt.Errorf("add ledger_entries.applied_at: %w", err)
+	}
 
 	restart := func(p *proc) error {
 		if err := s.restart(ctx, p); err != nil {
@@ -438,14 +448,28 @@ func (s *suite) measure(ctx context.Context) error {
 		return err
 	}
 
-	s.pgProxy.Cut()
+	s.db.cut()
 	err := sleep(ctx, 3*time.Second)
-	s.pgProxy.Restore()
+	s.db.restore()
 	if err != nil {
 		return err
 	}
 	if d, ok := s.waitCommits(ctx, time.Now()); ok {
 		s.count(func(st *stats) { st.alone.pg = d })
+	}
+	if s.db.failover() {
+		if err := sleep(ctx, 2*time.Second); err != nil {
+			return err
+		}
+		if err := s.pgFailover(ctx, true); err != nil {
+			return err
+		}
+	}
+	if s.cluster != nil {
+		if err := sleep(ctx, 2*time.Second); err != nil {
+			return err
+		}
+		return s.killLeader(ctx)
 	}
 	return nil
 }
@@ -556,7 +580,7 @@ func (s *suite) stop(ctx context.Context) error {
 }
 
 func (s *suite) pgDrop(context.Context) error {
-	s.pgProxy.Drop()
+	s.db.drop()
 	s.count(func(st *stats) { st.pgDrops++ })
 	return nil
 }
@@ -565,7 +589,7 @@ func (s *suite) pgDrop(context.Context) error {
 // returns the processors commit again.
 func (s *suite) pgCut(ctx context.Context) error {
 	s.count(func(st *stats) { st.pgCuts++ })
-	err := s.outage(ctx, s.pgProxy.Cut, s.pgProxy.Restore)
+	err := s.outage(ctx, s.db.cut, s.db.restore)
 	back := time.Now()
 	s.bg.Add(1)
 	go func() {
@@ -607,7 +631,7 @@ func (s *suite) waitCommits(ctx context.Context, back time.Time) (time.Duration,
 
 func (s *suite) pgStall(ctx context.Context) error {
 	s.count(func(st *stats) { st.pgStalls++ })
-	return s.outage(ctx, s.pgProxy.Stall, s.pgProxy.Restore)
+	return s.outage(ctx, s.db.stall, s.db.restore)
 }
 
 func (s *suite) brokerCut(ctx context.Context) error {
@@ -674,7 +698,7 @@ func (s *suite) waitAdvanced(ctx context.Context, st *stage, from map[int32]int6
 
 // restoreAll ends every fault: proxies forward again and every processor runs.
 func (s *suite) restoreAll(ctx context.Context) error {
-	s.pgProxy.Restore()
+	s.db.restore()
 	if s.brokerProxy != nil {
 		s.brokerProxy.Restore()
 	}
@@ -810,13 +834,31 @@ func (s *suite) summary(rep report, err error) string {
 		" | faults: %d kill, %d term, %d stop, %d pg-drop, %d pg-cut, %d pg-stall, %d broker-cut, %d broker-restart%s"+
 		" | recovery, one fault at a time: SIGTERM->exit %s (target 5s), kill->partitions flowing elsewhere %s (target %s: session timeout + 1s), postgres back->commits %s (target 10s)"+
 		" | under random faults: SIGTERM->exit max %s; kill->flowing median %s max %s; postgres back->commits median %s max %s; %d not measured"+
-		" | settled in %s | %s | %s",
+		" | %s | settled in %s | %s | %s",
 		s.brokerName, s.groupType, handler, s.cfg.seed, events, rep.applied, rep.dead, rep.dlq, rep.dups, rep.rows, chain,
 		st.kills, st.terms, st.stops, st.pgDrops, st.pgCuts, st.pgStalls, st.brokerCuts, st.brokerRestarts, acksLost,
 		measured(st.alone.term), measured(st.alone.kill), sessionTimeout+time.Second, measured(st.alone.pg),
 		maxDuration(st.termExit), medianDuration(st.killRecovery), maxDuration(st.killRecovery),
 		medianDuration(st.pgRecovery), maxDuration(st.pgRecovery), st.unmeasured,
-		st.settle.Round(100*time.Millisecond), replay, result)
+		s.topology(st), st.settle.Round(100*time.Millisecond), replay, result)
+}
+
+// topology describes, for the summary, what the processors ran against and what its own faults
+// measured.
+func (s *suite) topology(st stats) string {
+	out := s.db.describe()
+	if s.cluster != nil {
+		out += fmt.Sprintf(" | kafka cluster: %d broker kills, %d controlled shutdowns, %d freezes (%v), %d rolling restarts; leader of a busy partition killed->its records applied again %s;"+
+			" during the rolling restart(s), produce->applied longest %s, p99 %s over %d events applied at their first delivery; tiers and DLQ replicated %d ways, min.insync.replicas=%s as the source",
+			st.brokerFaults["kill"], st.brokerFaults["term"], st.brokerFaults["freeze"], freezeFor, len(st.rolling), measured(st.alone.leaderKill),
+			measured(st.rollingLongest), measured(st.rollingP99), st.rollingEvents, clusterReplicas, clusterMinInsync)
+	}
+	if s.db.failover() {
+		out += fmt.Sprintf(": %d failovers, the standby promoted %s (median) after the primary was killed; primary killed->commits again %s alone, median %s max %s under random faults; "+
+			"%d applied events lost with the old primaries and applied again",
+			st.failovers, medianDuration(st.promote), measured(st.alone.failover), medianDuration(st.failoverRecovery), maxDuration(st.failoverRecovery), st.lostRows)
+	}
+	return out
 }
 
 // close stops whatever still runs and removes the work directory unless it is kept.
@@ -830,8 +872,11 @@ func (s *suite) close() {
 		s.devbroker.Process.Signal(syscall.SIGTERM)
 		s.devbroker.Wait()
 	}
-	if s.pgProxy != nil {
-		s.pgProxy.Close()
+	if s.db != nil {
+		defer s.db.close() // after the schema is dropped
+	}
+	if s.cluster != nil {
+		s.cluster.Close()
 	}
 	if s.brokerProxy != nil {
 		s.brokerProxy.Close()
