@@ -229,10 +229,10 @@ type Config struct {
 	// (written by another process without LISTEN/NOTIFY reaching it, or left by a crashed one).
 	// Defaults to 1s.
 	OutboxPollInterval time.Duration
-	// OutboxListenDisabled stops the relay from LISTENing for the commits of sink.Outbox.Emit
-	// (behind PgBouncer in transaction mode, which does not pass notifications on): it then
-	// finds records emitted by other processes on its polls. A processor's own emits wake its
-	// relay in any case.
+	// OutboxListenDisabled stops the relay from LISTENing for the commits of sink.Outbox.Emit:
+	// it then finds records emitted by other processes on its polls. A processor's own emits
+	// wake its relay in any case. Through a connection pooler in transaction mode (PgBouncer),
+	// which passes no notifications on, the processor finds that out at startup and polls.
 	OutboxListenDisabled bool
 	// OutboxRetention keeps published outbox rows that long (for inspection) instead of deleting
 	// them when Kafka acknowledges them. Zero deletes them at once.

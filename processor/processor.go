@@ -394,24 +394,25 @@ func (p *Processor) listenConfig() *pgx.ConnConfig {
 func (p *Processor) checkPooler(ctx context.Context) error {
 	cc := p.pool.Config().ConnConfig
 	for failures := 1; ; failures++ {
-		kind, err := pooler.Detect(ctx, cc)
+		found, err := pooler.Detect(ctx, cc)
 		mode := cc.DefaultQueryExecMode
-		if err == nil && kind == pooler.Transaction {
+		if err == nil && found.Kind == pooler.Transaction {
 			mode, err = p.queryExecMode(ctx)
 		}
 		switch {
 		case errors.Is(err, pooler.ErrStatementMode):
 			return fmt.Errorf("processor: %w", err)
-		case err == nil && kind == pooler.Transaction && pooler.NamedStatements(mode):
-			return fmt.Errorf("processor: postgres is reached through a connection pooler in transaction mode (PgBouncer?), where pgx's default query mode, " +
-				"which prepares named statements, fails (prepared statement \"stmtcache_...\" already exists): give the pool a mode without them, " +
-				"default_query_exec_mode=cache_describe in the connection string (or pgxpool.Config.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheDescribe)")
+		case err == nil && found.Unsupported(mode):
+			return fmt.Errorf("processor: postgres is reached through a connection pooler in transaction mode (PgBouncer?) that does not keep prepared statements, " +
+				"where pgx's default query mode, which prepares named statements, fails (prepared statement \"stmtcache_...\" already exists): give the pool a mode without them, " +
+				"default_query_exec_mode=cache_describe in the connection string (or pgxpool.Config.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheDescribe), " +
+				"or let the pooler keep them (PgBouncer 1.21 and later: max_prepared_statements)")
 		case err == nil:
 			p.waiting.Store(nil)
-			if kind == pooler.Transaction {
+			if found.Kind == pooler.Transaction {
 				p.pooled.Store(true)
 				p.log.Info("postgres is reached through a connection pooler in transaction mode: the outbox relay polls for records other processes emit, instead of LISTENing",
-					"query_exec_mode", mode.String(), "poll_interval", p.cfg.OutboxPollInterval)
+					"query_exec_mode", mode.String(), "pooler_keeps_prepared_statements", found.PreparedStatements, "poll_interval", p.cfg.OutboxPollInterval)
 			}
 			return nil
 		}

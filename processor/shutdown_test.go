@@ -75,8 +75,14 @@ func stopsWhileAMemberIsSilent(t *testing.T, k *testenv.Kafka, protocol processo
 
 	h.Produce(first)
 	h.WaitApplied(len(first), 60*time.Second)
-	if got := groupType(t, k, h.Group); (protocol == processor.GroupProtocolClassic) != (got == "classic") {
-		t.Errorf("KAFKA_GROUP_PROTOCOL=%s: the group's type is %q", protocol, got)
+	gtype := groupType(t, k, h.Group)
+	if (protocol == processor.GroupProtocolClassic) != (gtype == "classic") {
+		t.Errorf("KAFKA_GROUP_PROTOCOL=%s: the group's type is %q", protocol, gtype)
+	}
+	if gtype == "consumer" {
+		// C's session is the group's: it must be C's 8 s, not A's 60 s, before C goes silent, or C
+		// keeps its partitions for a minute (the likeliest cause of a CI flake, 2026-12-01).
+		waitGroupSession(t, k, h.Group, 8*time.Second)
 	}
 
 	// C goes silent; B joins.
@@ -250,6 +256,39 @@ func TestShutdownIsBoundedWhateverIsStuck(t *testing.T) {
 // describeConsumerGroup is the broker's account of a consumer-protocol group: its state and
 // epochs, and each member's assignment and target assignment. For a classic group it says why
 // it could not.
+// waitGroupSession waits until the broker says that the consumer group's session timeout is want.
+func waitGroupSession(t *testing.T, k *testenv.Kafka, group string, want time.Duration) {
+	t.Helper()
+	cl := k.Client(t)
+	testenv.Eventually(t, 20*time.Second, func() error {
+		req := kmsg.NewPtrDescribeConfigsRequest()
+		res := kmsg.NewDescribeConfigsRequestResource()
+		res.ResourceType, res.ResourceName = kmsg.ConfigResourceTypeGroupConfig, group
+		res.ConfigNames = []string{"consumer.session.timeout.ms"}
+		req.Resources = append(req.Resources, res)
+		resp, err := req.RequestWith(context.Background(), cl)
+		if err != nil {
+			return err
+		}
+		for _, r := range resp.Resources {
+			for _, c := range r.Configs {
+				if c.Value != nil && *c.Value == fmt.Sprint(want.Milliseconds()) {
+					return nil
+				}
+				return fmt.Errorf("the group's consumer.session.timeout.ms is %s, want %d", derefStr(c.Value), want.Milliseconds())
+			}
+		}
+		return errors.New("the broker described no session timeout for the group")
+	})
+}
+
+func derefStr(s *string) string {
+	if s == nil {
+		return "unset"
+	}
+	return *s
+}
+
 func describeConsumerGroup(t *testing.T, k *testenv.Kafka, group string) string {
 	t.Helper()
 	req := kmsg.NewPtrConsumerGroupDescribeRequest()

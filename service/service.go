@@ -277,7 +277,7 @@ func openPool(ctx context.Context, env *dbEnv) (pool *pgxpool.Pool, adapt func(c
 	chosen := strings.Contains(env.DatabaseURL, "default_query_exec_mode")
 	var pooled atomic.Bool
 	cfg.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
-		if pooled.Load() && !chosen {
+		if pooled.Load() { // a pooler that would lose the named statements of the default mode
 			cc.DefaultQueryExecMode = pooler.QueryExecMode
 		}
 		return nil
@@ -286,26 +286,27 @@ func openPool(ctx context.Context, env *dbEnv) (pool *pgxpool.Pool, adapt func(c
 		return nil, nil, err
 	}
 	adapt = func(ctx context.Context, log *slog.Logger) error {
-		kind, err := pooler.Detect(ctx, cfg.ConnConfig)
+		found, err := pooler.Detect(ctx, cfg.ConnConfig)
 		if errors.Is(err, pooler.ErrStatementMode) {
 			return &configError{fmt.Errorf("DATABASE_URL: %v", err)}
 		}
-		if err != nil || kind != pooler.Transaction {
+		if err != nil || found.Kind != pooler.Transaction {
 			return err
 		}
-		if chosen && pooler.NamedStatements(cfg.ConnConfig.DefaultQueryExecMode) {
-			return &configError{errors.New("DATABASE_URL leads to a connection pooler in transaction mode (PgBouncer?), where its default_query_exec_mode=cache_statement " +
-				"(named prepared statements) fails: use default_query_exec_mode=cache_describe, or leave it out and kafkapg chooses")}
-		}
-		pooled.Store(true)
-		pool.Reset() // connections made before this have the old mode
-		mode := pooler.QueryExecMode.String()
-		if chosen {
-			mode = cfg.ConnConfig.DefaultQueryExecMode.String()
+		mode := cfg.ConnConfig.DefaultQueryExecMode
+		switch {
+		case chosen && found.Unsupported(mode):
+			return &configError{errors.New("DATABASE_URL leads to a connection pooler in transaction mode (PgBouncer?) that does not keep prepared statements, where its " +
+				"default_query_exec_mode=cache_statement fails: use default_query_exec_mode=cache_describe, or leave it out and kafkapg chooses " +
+				"(or let the pooler keep them: PgBouncer 1.21 and later, max_prepared_statements)")}
+		case !chosen && !found.PreparedStatements:
+			pooled.Store(true)
+			pool.Reset() // connections made before this have the old mode
+			mode = pooler.QueryExecMode
 		}
 		if log != nil {
-			log.Info("DATABASE_URL leads to a connection pooler in transaction mode (PgBouncer?): statements are sent unnamed (no prepared statements kept on the server), "+
-				"and the outbox relay polls instead of LISTENing", "query_exec_mode", mode)
+			log.Info("DATABASE_URL leads to a connection pooler in transaction mode (PgBouncer?); the outbox relay polls instead of LISTENing",
+				"pooler_keeps_prepared_statements", found.PreparedStatements, "query_exec_mode", mode.String())
 		}
 		return nil
 	}

@@ -15,6 +15,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"time"
 
@@ -53,29 +54,50 @@ var ErrStatementMode = errors.New("postgres is reached through a connection pool
 // wait is how long the probe waits for a statement that a direct session runs at once (see Detect).
 const wait = 2 * time.Second
 
+// Found is what Detect found.
+type Found struct {
+	Kind Kind
+	// PreparedStatements says, for a pooler in transaction mode, that a statement a client
+	// prepared is still there for it on another server session: the pooler keeps prepared
+	// statements itself (PgBouncer 1.21 and later with max_prepared_statements > 0), and pgx's
+	// default query mode works through it.
+	PreparedStatements bool
+}
+
 // Detect tells how connections made with cfg reach Postgres. It opens two connections of its own
-// (simple protocol: no prepared statements), and watches the server session (pg_backend_pid)
-// each of their transactions runs on while the other holds a transaction open. A direct
-// connection always runs on its own session; through a pooler in transaction mode, a session one
-// client released is handed to the other (or, with a pool of one session, the second client's
-// statement waits for the first's transaction). Neither happens to direct connections, so the
-// answer Transaction is never wrong; a pooler that happened to give each client the same session
-// every time would be taken for Direct, which it then is, as far as these connections can tell.
-func Detect(ctx context.Context, cfg *pgx.ConnConfig) (Kind, error) {
+// (simple protocol: no prepared statements of pgx's), and watches the server session
+// (pg_backend_pid) each of their transactions runs on while the other holds a transaction open.
+// A direct connection always runs on its own session; through a pooler in transaction mode, a
+// session one client released is handed to the other (or, with a pool of one session, the second
+// client's statement waits for the first's transaction). Neither happens to direct connections,
+// so the answer Transaction is never wrong; a pooler that happened to give each client the same
+// session every time would be taken for Direct, which it then is, as far as these connections can
+// tell. Through a pooler in transaction mode it then prepares a statement on one client, has the
+// other take the session it was prepared on, and runs it: see Found.PreparedStatements.
+func Detect(ctx context.Context, cfg *pgx.ConnConfig) (Found, error) {
 	c := cfg.Copy()
 	c.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
 	c.StatementCacheCapacity, c.DescriptionCacheCapacity = 0, 0
 	a, err := pgx.ConnectConfig(ctx, c)
 	if err != nil {
-		return Direct, err
+		return Found{}, err
 	}
 	defer a.Close(context.WithoutCancel(ctx))
 	b, err := pgx.ConnectConfig(ctx, c)
 	if err != nil {
-		return Direct, err
+		return Found{}, err
 	}
 	defer b.Close(context.WithoutCancel(ctx))
 
+	kind, err := sessions(ctx, a, b)
+	if err != nil || kind != Transaction {
+		return Found{Kind: kind}, err
+	}
+	return Found{Kind: Transaction, PreparedStatements: keepsStatements(ctx, a, b)}, nil
+}
+
+// sessions tells Direct from Transaction (see Detect).
+func sessions(ctx context.Context, a, b *pgx.Conn) (Kind, error) {
 	var pidA, pidB int32 // each client's first session
 	for range 3 {
 		a1, err := backend(ctx, a)
@@ -115,6 +137,53 @@ func Detect(ctx context.Context, cfg *pgx.ConnConfig) (Kind, error) {
 	return Direct, nil
 }
 
+// keepsStatements reports whether a statement a prepared on one server session can still be run
+// by a on another: a prepares it in a transaction (so it is prepared on the session that
+// transaction ran on), then b takes that very session in a transaction of its own (tried a few
+// times: the pooler hands out its idle sessions in an order of its own), and a runs the
+// statement, necessarily elsewhere. Any failure, a wait (a pool of one session), or b never
+// getting that session says no.
+func keepsStatements(ctx context.Context, a, b *pgx.Conn) bool {
+	name := fmt.Sprintf("kafkapg_pooler_probe_%d", rand.Uint64())
+	for range 5 {
+		tx, err := a.Begin(ctx)
+		if err != nil {
+			return false
+		}
+		_, err = tx.Prepare(ctx, name, "SELECT pg_backend_pid()")
+		var prepared int32
+		if err == nil {
+			err = tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&prepared)
+		}
+		if err == nil {
+			err = tx.Commit(ctx)
+		}
+		if err != nil {
+			tx.Rollback(context.WithoutCancel(ctx))
+			return false
+		}
+		if _, err := b.Exec(ctx, "BEGIN"); err != nil {
+			return false
+		}
+		held, err := backend(ctx, b)
+		if err != nil || held != prepared {
+			b.Exec(context.WithoutCancel(ctx), "COMMIT")
+			a.Deallocate(context.WithoutCancel(ctx), name)
+			if err != nil {
+				return false
+			}
+			continue
+		}
+		wctx, cancel := context.WithTimeout(ctx, wait)
+		var ran int32
+		err = a.QueryRow(wctx, name).Scan(&ran)
+		cancel()
+		b.Exec(context.WithoutCancel(ctx), "COMMIT")
+		return err == nil && ran != prepared
+	}
+	return false
+}
+
 func backend(ctx context.Context, conn *pgx.Conn) (int32, error) {
 	var pid int32
 	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
@@ -134,8 +203,13 @@ func statementMode(err error) bool {
 }
 
 // NamedStatements reports whether mode prepares named statements on the server, which a pooler in
-// transaction mode cannot keep.
+// transaction mode loses unless it keeps them itself (Found.PreparedStatements).
 func NamedStatements(mode pgx.QueryExecMode) bool { return mode == pgx.QueryExecModeCacheStatement }
+
+// Unsupported reports whether connections in mode cannot work where f was found.
+func (f Found) Unsupported(mode pgx.QueryExecMode) bool {
+	return f.Kind == Transaction && !f.PreparedStatements && NamedStatements(mode)
+}
 
 // QueryExecMode is the query mode kafkapg uses through a pooler in transaction mode: statements are
 // sent unnamed, with their descriptions cached in the client (one round trip, binary formats).
