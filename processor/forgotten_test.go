@@ -77,11 +77,7 @@ func TestStartsFromAnotherConsumersCommits(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := testkit.New(t, k, 2)
-		var before, after []ledger.Item
-		for i := range 20 {
-			before = append(before, testkit.Event(fmt.Sprintf("before-%d", i), fmt.Sprintf("a%d", i%4), int64(i), 0, false))
-			after = append(after, testkit.Event(fmt.Sprintf("after-%d", i), fmt.Sprintf("a%d", i%4), int64(100+i), 0, false))
-		}
+		before, after := beforeAndAfter()
 		h.Produce(before)
 		adm := kadm.NewClient(k.Client(t))
 		ctx := context.Background()
@@ -115,11 +111,7 @@ func TestForgottenPartitionsKeepTheirLatestStart(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := testkit.New(t, k, 2)
-		var before, after []ledger.Item
-		for i := range 20 {
-			before = append(before, testkit.Event(fmt.Sprintf("before-%d", i), fmt.Sprintf("a%d", i%4), int64(i), 0, false))
-			after = append(after, testkit.Event(fmt.Sprintf("after-%d", i), fmt.Sprintf("a%d", i%4), int64(100+i), 0, false))
-		}
+		before, after := beforeAndAfter()
 		h.Produce(before)
 		cfg := h.Config(ledger.Handler{})
 		cfg.StartOffset = processor.StartLatest
@@ -147,6 +139,15 @@ func TestForgottenPartitionsKeepTheirLatestStart(t *testing.T) {
 		forgot.WaitApplied(len(after), 30*time.Second)
 		expectOnly(t, forgot, "after", len(after))
 	})
+}
+
+// beforeAndAfter returns two sets of 20 events of four accounts, "before-*" and "after-*".
+func beforeAndAfter() (before, after []ledger.Item) {
+	for i := range 20 {
+		before = append(before, testkit.Event(fmt.Sprintf("before-%d", i), fmt.Sprintf("a%d", i%4), int64(i), 0, false))
+		after = append(after, testkit.Event(fmt.Sprintf("after-%d", i), fmt.Sprintf("a%d", i%4), int64(100+i), 0, false))
+	}
+	return before, after
 }
 
 // expectOnly checks, after a moment for anything else to arrive, that the ledger holds n events,

@@ -55,13 +55,7 @@ func BenchmarkLedgerEndToEnd(b *testing.B) {
 	rounds := envInt("BENCH_ROUNDS", 3)
 	perRecordEvents := min(events, envInt("BENCH_PER_RECORD_EVENTS", 5_000))
 	k := brokerFor(b)
-	items := ledger.Generate(ledger.GenConfig{Events: events, Accounts: 1000, Seed: 1, Prefix: "b"})
-	topic := k.CreateTopic(b, partitions)
-	recs := make([]*kgo.Record, len(items))
-	for i, it := range items {
-		recs[i] = it.Record(topic)
-	}
-	k.Produce(b, recs...)
+	topic := ledgerTopic(b, k, events)
 
 	for b.Loop() {
 		var fw, batched, perRecord []float64
@@ -90,6 +84,19 @@ func BenchmarkLedgerEndToEnd(b *testing.B) {
 		fmt.Printf("  kafkapg / batched = %.2f   (target >= 0.90)\n", f/bt)
 		fmt.Printf("  kafkapg / per-record = %.1f  (target >= 20)\n\n", f/pr)
 	}
+}
+
+// ledgerTopic creates a topic of partitions partitions and produces events ledger events of 1,000
+// accounts to it.
+func ledgerTopic(b *testing.B, k *testenv.Kafka, events int) string {
+	items := ledger.Generate(ledger.GenConfig{Events: events, Accounts: 1000, Seed: 1, Prefix: "b"})
+	topic := k.CreateTopic(b, partitions)
+	recs := make([]*kgo.Record, len(items))
+	for i, it := range items {
+		recs[i] = it.Record(topic)
+	}
+	k.Produce(b, recs...)
+	return topic
 }
 
 func brokerFor(b *testing.B) *testenv.Kafka {

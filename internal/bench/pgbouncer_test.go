@@ -7,9 +7,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/pgcluster"
 )
 
@@ -29,13 +27,7 @@ func BenchmarkPgBouncer(b *testing.B) {
 	events := envInt("BENCH_EVENTS", 300_000)
 	rounds := envInt("BENCH_ROUNDS", 3)
 	k := brokerFor(b)
-	items := ledger.Generate(ledger.GenConfig{Events: events, Accounts: 1000, Seed: 1, Prefix: "b"})
-	topic := k.CreateTopic(b, partitions)
-	recs := make([]*kgo.Record, len(items))
-	for i, it := range items {
-		recs[i] = it.Record(topic)
-	}
-	k.Produce(b, recs...)
+	topic := ledgerTopic(b, k, events)
 
 	var bouncer *pgcluster.Bouncer
 	describe := func(raw string) string {
