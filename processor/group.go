@@ -423,11 +423,17 @@ func (p *Processor) resolveStarts(ctx context.Context, cl *kgo.Client, assigned 
 			starts[i].Next = o.Offset
 		}
 		c := assigned[pos.Topic][pos.Partition].EpochOffset().Offset
-		meta := ""
-		if r, ok := metas.Lookup(pos.Topic, pos.Partition); ok && r.Err == nil {
-			c, meta = r.At, r.Metadata
-		}
 		if c < 0 {
+			continue
+		}
+		// Who made the commit is in its metadata, read again: a commit that fetch does not
+		// show cannot be told from kafkapg's, so it is not taken for a start either way.
+		r, ok := metas.Lookup(pos.Topic, pos.Partition)
+		if !ok || r.Err != nil {
+			return nil, fmt.Errorf("fetch committed offsets: %s not in the answer (%v)", pos.TP(), r.Err)
+		}
+		meta := r.Metadata
+		if c = r.At; c < 0 {
 			continue
 		}
 		ours, firstStart, known := parseCommitMeta(meta)

@@ -2,6 +2,7 @@ package service
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"os"
@@ -20,70 +21,113 @@ import (
 )
 
 // topologyWorkload is the ledger workload the topology tests run: every kind of record, retried
-// through two short tiers.
-func topologyWorkload() []ledger.Item {
-	return ledger.Generate(ledger.GenConfig{
-		Events: 400, Accounts: 20, Seed: 24, Prefix: "topo",
+// through two short tiers; its accounts' sequence numbers start after seqBase.
+func topologyWorkload(prefix string, seqBase int64) []ledger.Item {
+	items := ledger.Generate(ledger.GenConfig{
+		Events: 400, Accounts: 20, Seed: 24, Prefix: prefix,
 		PoisonPerMille: 20, MalformedPerMille: 10, FlakyPerMille: 100, MaxFailAttempts: 4,
 	})
+	for i := range items {
+		if seqBase > 0 && items[i].Kind != ledger.KindMalformed {
+			items[i].Event.Seq += seqBase
+			items[i].Value, _ = json.Marshal(items[i].Event)
+		}
+	}
+	return items
 }
 
 const topologyMaxAttempt = 3 // two tiers
 
-// runWorkload runs the service on dbURL (which may lead anywhere: a pooler, TLS) with the ledger
-// handler, produces topologyWorkload and checks, through direct (a direct pool on the same
-// database), that every event was applied exactly once in per-account order and every dead
-// letter is in the dead-letter topic and its table. It returns the service, still running.
-func runWorkload(t *testing.T, k *testenv.Kafka, dbURL string, direct *pgxpool.Pool, vars map[string]string) *service {
+// workload is the service running on a topic of its own, and the events produced to it.
+type workload struct {
+	t            *testing.T
+	k            *testenv.Kafka
+	svc          *service
+	topic, group string
+	items        []ledger.Item
+}
+
+// startWorkload runs the service on dbURL (which may lead anywhere: a pooler, TLS, a multi-host
+// URL) with the ledger handler, vars added to its environment.
+func startWorkload(t *testing.T, k *testenv.Kafka, dbURL string, vars map[string]string) *workload {
 	t.Helper()
-	topic := k.CreateTopic(t, 3)
-	group := "g-" + testenv.Name(t, 20)
+	w := &workload{t: t, k: k, topic: k.CreateTopic(t, 3), group: "g-" + testenv.Name(t, 20)}
 	all := map[string]string{
 		"DATABASE_URL":   dbURL,
 		"KAFKA_BROKERS":  strings.Join(k.Brokers, ","),
-		"KAFKA_TOPICS":   topic,
-		"KAFKA_GROUP_ID": group,
+		"KAFKA_TOPICS":   w.topic,
+		"KAFKA_GROUP_ID": w.group,
 		"RETRY_TIERS":    "100ms,200ms",
 		"DB_MAX_CONNS":   "8",
 	}
 	for k, v := range vars {
 		all[k] = v
 	}
-	svc := startService(t, all)
-	svc.waitReady()
-	items := topologyWorkload()
-	ctx := context.Background()
+	w.svc = startService(t, all)
+	w.svc.waitReady()
+	return w
+}
+
+// produce produces topologyWorkload(prefix) and checks, through direct (a pool on the same
+// database), that every event produced so far was applied exactly once in per-account order and
+// every dead letter is in the dead-letter topic and its table.
+func (w *workload) produce(direct *pgxpool.Pool, prefix string) {
+	t := w.t
+	t.Helper()
+	items := topologyWorkload(prefix, int64(len(w.items)))
+	w.items = append(w.items, items...)
 	recs := make([]*kgo.Record, 0, len(items))
 	for _, it := range items {
-		recs = append(recs, it.Record(topic))
+		recs = append(recs, it.Record(w.topic))
 	}
-	k.Produce(t, recs...)
-	dlqTopic := retrytopics.DLQTopic(topic, group)
+	w.k.Produce(t, recs...)
+	ctx := context.Background()
+	dlqTopic := retrytopics.DLQTopic(w.topic, w.group)
 	testenv.Eventually(t, 90*time.Second, func() error {
-		p, err := ledger.ReadProgress(ctx, direct, "kafkapg", group)
+		p, err := ledger.ReadProgress(ctx, direct, "kafkapg", w.group)
 		if err != nil {
 			return err
 		}
-		dlq, err := topicread.All(ctx, k.Brokers, dlqTopic)
+		dlq, err := topicread.All(ctx, w.k.Brokers, dlqTopic)
 		if err != nil {
 			return err
 		}
-		return ledger.Settled(p, items, topologyMaxAttempt, len(dlq))
+		return ledger.Settled(p, w.items, topologyMaxAttempt, len(dlq))
 	})
-	if _, err := ledger.Verify(ctx, direct, items, topologyMaxAttempt); err != nil {
+	if _, err := ledger.Verify(ctx, direct, w.items, topologyMaxAttempt); err != nil {
 		t.Errorf("ledger: %v", err)
 	}
-	dlq, err := topicread.All(ctx, k.Brokers, dlqTopic)
+	dlq, err := topicread.All(ctx, w.k.Brokers, dlqTopic)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := ledger.CheckDeadLetters(items, dlq, topologyMaxAttempt, false); err != nil {
+	if _, err := ledger.CheckDeadLetters(w.items, dlq, topologyMaxAttempt, false); err != nil {
 		t.Errorf("dead-letter topic: %v", err)
 	}
-	if _, err := ledger.CheckDeadLetterRows(ctx, direct, "kafkapg", group, items, topologyMaxAttempt); err != nil {
+	if _, err := ledger.CheckDeadLetterRows(ctx, direct, "kafkapg", w.group, w.items, topologyMaxAttempt); err != nil {
 		t.Errorf("dead_letters: %v", err)
 	}
-	return svc
+}
+
+// operate checks that the console answers user:password with its dead letters, and that dlq
+// list lists the poison events.
+func (w *workload) operate(console, user, password string) {
+	t := w.t
+	t.Helper()
+	req, _ := http.NewRequest("GET", "http://"+console+"/dead-letters", nil)
+	req.SetBasicAuth(user, password)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("the console's dead letters: %d, want 200", resp.StatusCode)
+	}
+	var out, errOut strings.Builder
+	if code := run([]string{"dlq", "list"}, &out, &errOut, builtinHandlers...); code != 0 || !strings.Contains(out.String(), "poison") {
+		t.Errorf("dlq list exited %d (%s): %s; want the poison events listed", code, errOut.String(), out.String())
+	}
 }
 
 // TestThroughPgBouncer runs everything kafkapg does through Debian's PgBouncer (1.18, which
@@ -128,33 +172,68 @@ func TestThroughPgBouncer(t *testing.T) {
 
 	k := testenv.NewKfake(t)
 	console := testenv.FreeAddr(t)
-	svc := runWorkload(t, k, b.URL("app"), direct, map[string]string{
+	w := startWorkload(t, k, b.URL("app"), map[string]string{
 		"CONSOLE_ADDR":  console,
 		"CONSOLE_USERS": "ann:viewer:secret-password-1",
 	})
-	if !strings.Contains(svc.logs.String(), "connection pooler in transaction mode") {
-		t.Errorf("the service did not say that it found a pooler in transaction mode; logs:\n%s", svc.logs.String())
+	w.produce(direct, "pgb")
+	if !strings.Contains(w.svc.logs.String(), "connection pooler in transaction mode") {
+		t.Errorf("the service did not say that it found a pooler in transaction mode; logs:\n%s", w.svc.logs.String())
 	}
 	for _, bad := range []string{"42P05", "stmtcache_", "26000"} {
-		if strings.Contains(svc.logs.String(), bad) {
+		if strings.Contains(w.svc.logs.String(), bad) {
 			t.Errorf("the logs mention %s: a prepared statement went through the pooler", bad)
 		}
 	}
-	req, _ := http.NewRequest("GET", "http://"+console+"/dead-letters", nil)
-	req.SetBasicAuth("ann", "secret-password-1")
-	resp, err := http.DefaultClient.Do(req)
+	w.operate(console, "ann", "secret-password-1")
+	w.svc.stop()
+}
+
+// TestServiceFollowsAFailover: the service reaches a primary with a synchronous standby through a
+// multi-host DATABASE_URL with target_session_attrs=read-write. The primary dies and the standby
+// is promoted between two workloads: the processor, its relay, the console and the operator
+// commands all carry on against the new primary, and every event of both is applied exactly once.
+func TestServiceFollowsAFailover(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	primary, err := pgcluster.Start(ctx, pgcluster.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Errorf("the console's dead letters through PgBouncer: %d, want 200", resp.StatusCode)
+	t.Cleanup(primary.Close)
+	if err := primary.CreateDatabase(ctx, "app"); err != nil {
+		t.Fatal(err)
 	}
-	var dlqOut, dlqErr strings.Builder
-	if code := run([]string{"dlq", "list"}, &dlqOut, &dlqErr, builtinHandlers...); code != 0 || !strings.Contains(dlqOut.String(), "poison") {
-		t.Errorf("dlq list through PgBouncer exited %d (%s): %s; want the poison events listed", code, dlqErr.String(), dlqOut.String())
+	standby, err := primary.Standby(ctx, pgcluster.Options{})
+	if err != nil {
+		t.Fatal(err)
 	}
-	svc.stop()
+	t.Cleanup(standby.Close)
+	if err := primary.SetSynchronous(ctx, standby.Name()); err != nil {
+		t.Fatal(err)
+	}
+	url := fmt.Sprintf("postgres://postgres@%s,%s/app?sslmode=disable&target_session_attrs=read-write", primary.Addr(), standby.Addr())
+	direct, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(direct.Close)
+
+	k := testenv.NewKfake(t)
+	console := testenv.FreeAddr(t)
+	w := startWorkload(t, k, url, map[string]string{"CONSOLE_ADDR": console, "CONSOLE_USERS": "ann:viewer:secret-password-1"})
+	w.produce(direct, "before")
+
+	if err := primary.Kill(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := standby.Promote(ctx); err != nil {
+		t.Fatal(err)
+	}
+	direct.Reset()
+	w.produce(direct, "after")
+	w.operate(console, "ann", "secret-password-1")
+	w.svc.stop()
 }
 
 // TestTLSVerifyFull: managed Postgres services require TLS. The processor and the operator
@@ -232,7 +311,8 @@ func TestTLSVerifyFull(t *testing.T) {
 		t.Fatalf("the test's own connection is not encrypted (%v, %v)", ssl, err)
 	}
 	k := testenv.NewKfake(t)
-	svc := runWorkload(t, k, good, direct, nil)
+	w := startWorkload(t, k, good, nil)
+	w.produce(direct, "tls")
 	var encrypted, plain int
 	if err := direct.QueryRow(ctx, `SELECT count(*) FILTER (WHERE s.ssl), count(*) FILTER (WHERE NOT s.ssl) FROM pg_stat_ssl s
 		JOIN pg_stat_activity a USING (pid) WHERE a.datname = 'app' AND a.backend_type = 'client backend'`).Scan(&encrypted, &plain); err != nil {
@@ -245,5 +325,5 @@ func TestTLSVerifyFull(t *testing.T) {
 	if code := run([]string{"dlq", "list"}, &dlqOut, &dlqErr, builtinHandlers...); code != 0 || !strings.Contains(dlqOut.String(), "poison") {
 		t.Errorf("dlq list with verify-full exited %d (%s): %s; want the poison events listed", code, dlqErr.String(), dlqOut.String())
 	}
-	svc.stop()
+	w.svc.stop()
 }
