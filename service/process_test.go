@@ -5,9 +5,15 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/processor"
 
 	"github.com/kafkapg/kafkapg/internal/testenv"
 	"github.com/kafkapg/kafkapg/internal/testkit"
@@ -16,8 +22,47 @@ import (
 // TestMain lets the test binary play cmd/processor: the process tests re-execute it as a child
 // process that they can SIGKILL, SIGSTOP and SIGTERM.
 func TestMain(m *testing.M) {
-	testkit.ChildMain(func() int { return Run([]string{"run"}, os.Stderr, builtinHandlers...) })
+	testkit.ChildMain(func() int {
+		return Run([]string{"run"}, os.Stderr, append(slices.Clone(builtinHandlers), stuckHandler)...)
+	})
 	os.Exit(m.Run())
+}
+
+// stuckHandler (HANDLER=stuck, in the child processes only) sleeps a minute without looking at its
+// context, after touching the file KAFKAPG_TEST_STUCK_FILE names: a handler a team wrote badly.
+var stuckHandler = Handler{Name: "stuck", Handler: processor.HandlerFunc(func(context.Context, pgx.Tx, *processor.Record) error {
+	if f := os.Getenv("KAFKAPG_TEST_STUCK_FILE"); f != "" {
+		os.WriteFile(f, nil, 0o644)
+	}
+	time.Sleep(time.Minute)
+	return nil
+})}
+
+// TestShutdownBoundHoldsForAStuckHandler: SIGTERM with a handler stuck in a call that ignores its
+// context. The bound of SHUTDOWN_TIMEOUT is the whole binary's, from the signal to the exit:
+// before, the processor stopped in time but the process exited only when the handler returned
+// (closing the connection pool waited for the connection the handler held).
+func TestShutdownBoundHoldsForAStuckHandler(t *testing.T) {
+	h := testkit.New(t, testenv.NewKfake(t), 1)
+	entered := t.TempDir() + "/entered"
+	c := h.StartChild("HANDLER=stuck", "SHUTDOWN_TIMEOUT=3s", "KAFKAPG_TEST_STUCK_FILE="+entered, "OPERATOR_TOKEN=op-token-0123456789")
+	c.WaitReady(t)
+	h.K.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte("k"), Value: []byte("v")})
+	testenv.Eventually(t, 30*time.Second, func() error {
+		_, err := os.Stat(entered)
+		return err
+	})
+	start := time.Now()
+	c.Signal(syscall.SIGTERM)
+	code := c.Wait(t, 20*time.Second)
+	took := time.Since(start)
+	t.Logf("SIGTERM to exit: %v (status %d)", took.Round(time.Millisecond), code)
+	if took > 3*time.Second+time.Second {
+		t.Errorf("the process exited %v after SIGTERM; SHUTDOWN_TIMEOUT is 3s", took.Round(time.Millisecond))
+	}
+	if code != 0 {
+		t.Errorf("exit status %d after SIGTERM, want 0", code)
+	}
 }
 
 // TestKilledProcessesApplyExactlyOnce runs two processor processes in one group while ledger

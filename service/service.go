@@ -21,6 +21,7 @@
 package service
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -332,11 +333,17 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		}
 		log.Info("soft memory limit", "gomemlimit_bytes", limit, "gogc", gogc, "max_buffered_bytes", env.MaxBufferedBytes)
 	}
+	// The shutdown bound is the binary's: SHUTDOWN_TIMEOUT from the signal to the exit, whatever
+	// is stuck. What follows the processor's own shutdown (closing the pool waits for the
+	// connections handed out, one of them perhaps to a handler that ignores its context) gets
+	// what is left of it, and is abandoned, with a warning, when that runs out.
+	bound := &exitBound{timeout: env.ShutdownTimeout, log: log}
+	context.AfterFunc(ctx, bound.signalled)
 	pool, adapt, err := openPool(ctx, &env.dbEnv)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer bound.within("closing the Postgres connection pool (a handler still holds a connection: one that ignores its context?)", pool.Close)
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -376,16 +383,16 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	if env.OperatorToken != "" {
 		a := newAPI(ctx, ops.New(pool, env.DBSchema, env.KafkaGroupID), env.OperatorToken, log)
 		a.keys = keysRoutes(a, env)
-		defer a.wait() // before the pool closes: running tasks stop after their chunk in flight
+		defer bound.within("stopping the operator API's tasks", a.wait) // before the pool closes: running tasks stop after their chunk in flight
 		operator = a.handler()
 	}
-	srv := &http.Server{Handler: httpHandler(reg, healthy, ready, operator), ReadHeaderTimeout: 5 * time.Second}
+	srv := newHTTPServer(httpHandler(reg, healthy, ready, operator), 0)
 	go srv.Serve(ln)
-	defer func() {
+	defer bound.within("closing the HTTP server", func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 		defer cancel()
 		srv.Shutdown(sctx)
-	}()
+	})
 	paths := "/metrics /healthz /readyz"
 	if operator != nil {
 		paths += " /api/v1/ (operator API)"
@@ -396,7 +403,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		if err != nil {
 			return err
 		}
-		defer stop()
+		defer bound.within("closing the console", stop)
 	}
 	if env.PprofAddr != "" {
 		stop, err := servePprof(env.PprofAddr, log)
@@ -453,6 +460,56 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	return err
 }
 
+// The HTTP servers' timeouts: a client that sends nothing, reads nothing, or keeps an idle
+// connection open cannot hold a connection (a file descriptor, a goroutine) for long.
+var (
+	httpReadTimeout  = 30 * time.Second
+	httpWriteTimeout = time.Minute
+	httpIdleTimeout  = 30 * time.Second
+)
+
+// newHTTPServer returns a server for h with those timeouts; write, if not zero, replaces the
+// write timeout (a response that streams for longer).
+func newHTTPServer(h http.Handler, write time.Duration) *http.Server {
+	return &http.Server{
+		Handler:           h,
+		ReadHeaderTimeout: 5 * time.Second,
+		ReadTimeout:       httpReadTimeout,
+		WriteTimeout:      cmp.Or(write, httpWriteTimeout),
+		IdleTimeout:       httpIdleTimeout,
+	}
+}
+
+// exitBound is the binary's shutdown bound: SHUTDOWN_TIMEOUT after the signal.
+type exitBound struct {
+	timeout time.Duration
+	log     *slog.Logger
+	at      atomic.Int64 // when the signal came, in Unix nanoseconds; 0 until then
+}
+
+func (b *exitBound) signalled() { b.at.Store(time.Now().UnixNano()) }
+
+// within runs fn, and waits for it until the bound (SHUTDOWN_TIMEOUT from now, if no signal came:
+// a failure ends the service), then leaves it behind with a warning naming what.
+func (b *exitBound) within(what string, fn func()) {
+	deadline := time.Now().Add(b.timeout)
+	if ns := b.at.Load(); ns != 0 {
+		deadline = time.Unix(0, ns).Add(b.timeout)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		fn()
+	}()
+	t := time.NewTimer(max(time.Until(deadline), 0))
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		b.log.Warn("shutdown: gave up "+what+" at SHUTDOWN_TIMEOUT; exiting anyway", "shutdown_timeout", b.timeout)
+	}
+}
+
 // serveConsole serves the operator console on CONSOLE_ADDR (see package console). It returns a
 // function that stops it.
 func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, reg prometheus.Gatherer, log *slog.Logger) (stop func(), err error) {
@@ -487,7 +544,7 @@ func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, reg prometh
 		cl.Close()
 		return nil, &configError{fmt.Errorf("CONSOLE_ADDR=%q: %v", env.ConsoleAddr, err)}
 	}
-	srv := &http.Server{Handler: con.Handler(), ReadHeaderTimeout: 5 * time.Second}
+	srv := newHTTPServer(con.Handler(), 0)
 	go srv.Serve(ln)
 	log.Info("console listening", "addr", ln.Addr().String(), "users", len(users), "tokens", len(tokens))
 	return func() {
@@ -517,7 +574,7 @@ func servePprof(addr string, log *slog.Logger) (stop func(), err error) {
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	srv := newHTTPServer(mux, 5*time.Minute) // a CPU profile streams for ?seconds= (30 by default)
 	go srv.Serve(ln)
 	log.Info("pprof listening", "addr", ln.Addr().String(), "path", "/debug/pprof/")
 	return func() { srv.Close() }, nil
