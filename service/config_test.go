@@ -304,7 +304,7 @@ func TestLoadEnvErrors(t *testing.T) {
 		{name: "console without users", vars: with("CONSOLE_ADDR", ":9091"),
 			want: []string{"CONSOLE_ADDR is set but CONSOLE_USERS is not"}},
 		{name: "console user with an unknown role", vars: with("CONSOLE_ADDR", ":9091", "CONSOLE_USERS", "ann:admin:a-long-password"),
-			want: []string{`CONSOLE_USERS: user "ann": role "admin": want viewer or operator`}},
+			want: []string{`CONSOLE_USERS: entry 1: its second field, the role, must be viewer or operator (want name:role:password)`}},
 		{name: "console user with a short password, not echoed", vars: with("CONSOLE_ADDR", ":9091", "CONSOLE_USERS", "ann:viewer:short"),
 			want: []string{`CONSOLE_USERS: user "ann": the password must be at least 12 characters`}},
 		{name: "console entry garbled, not echoed", vars: with("CONSOLE_USERS", "ann:viewer:a-long-password,ann-secret-password"),

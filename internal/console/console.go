@@ -71,7 +71,8 @@ func parseLogins(s, what, secret string, minLen int) ([]User, error) {
 			return nil, fmt.Errorf("entry %d: want name:role:%s", i+1, secret)
 		}
 		if Role(role) != Viewer && Role(role) != Operator {
-			return nil, fmt.Errorf("%s %q: role %q: want viewer or operator", what, name, role)
+			// Not echoed either: an entry in the wrong order has its secret there.
+			return nil, fmt.Errorf("entry %d: its second field, the role, must be viewer or operator (want name:role:%s)", i+1, secret)
 		}
 		if len(password) < minLen {
 			return nil, fmt.Errorf("%s %q: the %s must be at least %d characters", what, name, secret, minLen)

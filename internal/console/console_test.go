@@ -707,7 +707,9 @@ func TestParseUsers(t *testing.T) {
 	}
 	for _, tt := range []struct{ in, want, secret string }{
 		{"", "no users", ""},
-		{"ann:admin:a-long-password", `role "admin": want viewer or operator`, "a-long-password"},
+		{"ann:admin:a-long-password", `entry 1: its second field, the role, must be viewer or operator`, "a-long-password"},
+		// In the wrong order, the secret is where the role should be.
+		{"bob:viewer:a-long-password, ann:MySecretPassw0rd!:viewer", `entry 2: its second field, the role, must be viewer or operator`, "MySecretPassw0rd"},
 		{"ann:viewer:short", "at least 12 characters", "short"},
 		{"ann:viewer:a-long-password,a-secret-value", "entry 2: want name:role:password", "a-secret-value"},
 		{"ann:viewer:a-long-password,ann:operator:b-long-password", `user "ann" is listed twice`, "long-password"},
