@@ -18,7 +18,8 @@ import (
 // Filter chooses dead letters. Zero fields match everything.
 type Filter struct {
 	Topic string `json:"topic,omitempty"`
-	// Key matches the record's key exactly; HasKey says Key is set (an empty key is a key).
+	// Key matches the record's key exactly; HasKey says Key is set (an empty key is a key, and
+	// with HasKey a nil Key is the empty key: JSON leaves it out).
 	Key    []byte `json:"key,omitempty"`
 	HasKey bool   `json:"has_key,omitempty"`
 	Class  string `json:"class,omitempty"`
@@ -59,7 +60,13 @@ func (f Filter) where(args *[]any) string {
 		conds = append(conds, "d.topic = "+arg(f.Topic))
 	}
 	if f.HasKey {
-		k := arg(f.Key)
+		// The empty key is a key: never NULL, whatever way it came (stored as JSON, a task's
+		// filter reads back as nil).
+		key := f.Key
+		if key == nil {
+			key = []byte{}
+		}
+		k := arg(key)
 		conds = append(conds, "d.key_hash = sha256("+k+"::bytea) AND d.key = "+k)
 	}
 	if f.Class != "" {

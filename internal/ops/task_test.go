@@ -238,3 +238,32 @@ func TestReplayRateIsCapped(t *testing.T) {
 		t.Errorf("30 records at --rate 20 took %v; want at least 1 s", took)
 	}
 }
+
+// TestTaskFilterOnTheEmptyKey: the empty key is a key (Kafka's records may carry one). A discard
+// of the dead letters whose key is empty matched them in its dry run and then, its filter stored
+// as JSON and read back as "no key", matched nothing: the task ended done with 0 done.
+func TestTaskFilterOnTheEmptyKey(t *testing.T) {
+	pool, o := deadLetters(t, 6)
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `UPDATE kafkapg.dead_letters SET key = '' WHERE "offset" < 2`); err != nil {
+		t.Fatal(err)
+	}
+	f := ops.Filter{Key: []byte{}, HasKey: true}
+	p, err := o.Preview(ctx, ops.Discard, f, 5)
+	if err != nil || p.Matched != 2 {
+		t.Fatalf("Preview(key '') = %+v, %v; want the 2 dead letters with the empty key", p, err)
+	}
+	task, err := o.StartTask(ctx, ops.Discard, f, tester, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if task, err = o.RunTask(ctx, task.ID, "r", nil); err != nil || task.Done != 2 {
+		t.Fatalf("discard of key '': %+v, %v; want 2 done", task, err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM kafkapg.dead_letters WHERE status = 'discarded' AND key = ''`); n != 2 {
+		t.Errorf("%d dead letters with the empty key discarded; want 2", n)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM kafkapg.dead_letters WHERE status = 'discarded'`); n != 2 {
+		t.Errorf("%d dead letters discarded in all; want 2", n)
+	}
+}
