@@ -227,7 +227,7 @@ func dlqShow(ctx context.Context, c *opsCmd, args []string) error {
 	if d.BlocksKey {
 		fmt.Fprintln(w, "its key is blocked behind it (ON_DEAD_LETTER=block): replay it, or release the key with keys release")
 	}
-	fmt.Fprintf(w, "  error:      %s: %s\n", d.Class, safetext.Text(oneLine(d.Message), 2000))
+	fmt.Fprintf(w, "  error:      %s\n", safetext.Text(ops.ErrorText(d.Class, d.Message), 2000))
 	fmt.Fprintf(w, "  attempts:   %d (first failed %s, dead-lettered %s)\n", d.Attempts,
 		d.FirstFailedAt.UTC().Format(time.RFC3339), d.DeadLetteredAt.UTC().Format(time.RFC3339))
 	fmt.Fprintf(w, "  timestamp:  %s\n", d.Timestamp.Format(time.RFC3339Nano))
@@ -249,7 +249,7 @@ func dlqShow(ctx context.Context, c *opsCmd, args []string) error {
 			fmt.Fprintf(w, " by task %d", e.TaskID)
 		}
 		if e.Class != "" {
-			fmt.Fprintf(w, ": %s: %s", e.Class, safetext.Text(oneLine(e.Message), 200))
+			fmt.Fprintf(w, ": %s", safetext.Text(ops.ErrorText(e.Class, e.Message), 200))
 		}
 		fmt.Fprintln(w)
 	}

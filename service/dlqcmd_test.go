@@ -90,6 +90,14 @@ func TestDlqCommands(t *testing.T) {
 	}
 	check(0, "value:      secret-value-2", "dlq", "show", "2")
 	check(0, "dead_lettered (attempt 3): permanent: boom 2", "dlq", "show", "2")
+	// A handler's processor.Permanent error reads "permanent: …": the class is shown once.
+	if _, err := pool.Exec(context.Background(), `UPDATE kafkapg.dead_letters SET error_message = 'permanent: boom 2' WHERE id = 2;
+		UPDATE kafkapg.dead_letter_events SET error_message = 'permanent: boom 2' WHERE dead_letter_id = 2`); err != nil {
+		t.Fatal(err)
+	}
+	if out := check(0, "error:      permanent: boom 2", "dlq", "show", "2"); strings.Contains(out, "permanent: permanent") {
+		t.Errorf("dlq show prints the class twice:\n%s", out)
+	}
 	check(1, "not found", "dlq", "show", "99")
 	check(2, "takes one dead letter id", "dlq", "show")
 	check(2, "--since \"yesterday\"", "dlq", "list", "--since", "yesterday")

@@ -117,3 +117,16 @@ func TestFilterQueryRoundTrip(t *testing.T) {
 		}
 	}
 }
+
+func TestErrorText(t *testing.T) {
+	for _, tc := range []struct{ class, msg, want string }{
+		{"permanent", "permanent: invalid JSON", "permanent: invalid JSON"},
+		{"retryable", "connection\nreset", "retryable: connection reset"},
+		{"permanent", "permanently broken", "permanent: permanently broken"},
+		{"", "no class", "no class"},
+	} {
+		if got := ops.ErrorText(tc.class, tc.msg); got != tc.want {
+			t.Errorf("ErrorText(%q, %q) = %q, want %q", tc.class, tc.msg, got, tc.want)
+		}
+	}
+}

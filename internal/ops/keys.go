@@ -330,8 +330,16 @@ func printableKey(key []byte) bool {
 func timeText(t time.Time) string { return t.UTC().Format(time.RFC3339) }
 
 // errorText formats an error class and message for a description: one line, bounded.
-func errorText(class, msg string) string {
-	return class + ": " + safetext.Truncate(oneLine(msg), 200)
+func errorText(class, msg string) string { return safetext.Truncate(ErrorText(class, msg), 200) }
+
+// ErrorText is an error's class and message, on one line, for people: the class once, though the
+// message may begin with it already (a handler's processor.Permanent error reads "permanent: …").
+func ErrorText(class, msg string) string {
+	msg = oneLine(msg)
+	if class == "" || strings.HasPrefix(msg, class+": ") {
+		return msg
+	}
+	return class + ": " + msg
 }
 
 // oneLine puts s on one line, its runs of white space (newlines too) made single spaces.
