@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/internal/safetext"
 )
 
 // api is the operator JSON API under /api/v1/: the operations of the dlq, keys and trace
@@ -127,7 +128,8 @@ func (a *api) wait() { a.tasks.wait() }
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
-	enc := json.NewEncoder(w)
+	// curl prints it to a terminal: the C1 and bidirectional controls are escaped too.
+	enc := json.NewEncoder(safetext.JSONWriter(w))
 	enc.SetIndent("", "  ")
 	_ = enc.Encode(v)
 }

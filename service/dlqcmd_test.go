@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -246,5 +247,47 @@ func TestOperatorAPI(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusNotFound {
 		t.Errorf("without OPERATOR_TOKEN: %d; want 404", resp.StatusCode)
+	}
+}
+
+// TestOperatorOutputEscapesControls: a header key, an error text, an actor and a reason that
+// carry terminal commands (a new window title, a cleared screen, colours; C1 and bidirectional
+// controls) reach the operator's terminal escaped, in every command that prints them, and the
+// JSON output stays JSON.
+func TestOperatorOutputEscapesControls(t *testing.T) {
+	pool := dlqDB(t)
+	ctx := context.Background()
+	hostile := "h\x1b]0;TITLE\x07\x1b[2J\u009b31m\u202e"
+	if _, err := pool.Exec(ctx, `UPDATE kafkapg.dead_letters SET header_keys = ARRAY[$1::bytea], header_values = ARRAY['v'::bytea],
+		error_message = 'boom ' || $2 WHERE id = 1`, []byte(hostile), hostile); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE kafkapg.dead_letter_events SET error_message = 'boom ' || $1 WHERE dead_letter_id = 1`, hostile); err != nil {
+		t.Fatal(err)
+	}
+	var all strings.Builder
+	for _, args := range [][]string{
+		{"dlq", "list"},
+		{"dlq", "show", "1"},
+		{"dlq", "replay", "--id", "1"},
+		{"dlq", "discard", "--id", "1", "--execute", "--reason", "r " + hostile, "--actor", "a " + hostile},
+		{"dlq", "tasks"},
+		{"dlq", "show", "1", "--json"},
+		{"dlq", "list", "--json"},
+	} {
+		code, out, errOut := cli(args...)
+		if code != 0 {
+			t.Errorf("%q: exit %d: %s%s", args, code, out, errOut)
+		}
+		all.WriteString(out + errOut)
+		if strings.ContainsAny(out+errOut, "\x1b\x07\u009b\u202e") {
+			t.Errorf("%q printed control characters raw:\n%q", args, out+errOut)
+		}
+		if slices.Contains(args, "--json") && !json.Valid([]byte(out)) {
+			t.Errorf("%q: not JSON:\n%s", args, out)
+		}
+	}
+	if !strings.Contains(all.String(), `h\x1b]0;TITLE\x07\x1b[2J\x9b31m\u202e`) {
+		t.Errorf("the header key is not shown, escaped; output:\n%s", all.String())
 	}
 }

@@ -26,9 +26,9 @@ func keysCmdEnv(pool *pgxpool.Pool, brokers ...string) (*opsCmd, *bytes.Buffer, 
 	e := &env{KafkaBrokers: brokers, KafkaGroupID: "kg", KafkaTopics: []string{"orders"}, StallTimeout: time.Minute,
 		tiers: []time.Duration{time.Second, time.Minute}}
 	e.DBSchema = "kafkapg"
-	c := &opsCmd{prog: "kafkapg", env: e, pool: pool, out: &out, err: &errOut}
-	if pool != nil {
-		c.ops = ops.New(pool, "kafkapg", "kg")
+	c := newOpsCmd("kafkapg", e, pool, &out, &errOut)
+	if pool == nil {
+		c.ops = nil
 	}
 	return c, &out, &errOut
 }

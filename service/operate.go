@@ -14,6 +14,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/internal/safetext"
 	"github.com/kafkapg/kafkapg/processor"
 )
 
@@ -24,8 +25,18 @@ type opsCmd struct {
 	env  *env
 	pool *pgxpool.Pool
 	ops  *ops.Ops
-	out  io.Writer // results: tables, JSON
-	err  io.Writer // progress and notes
+	// out and err reach a person's terminal: whatever came from outside (keys, headers, error
+	// texts, actors and reasons) is written with its control characters escaped
+	// (safetext.TerminalWriter); rawOut is out for JSON, which escapes them its own way.
+	out    io.Writer // results: tables
+	err    io.Writer // progress and notes
+	rawOut io.Writer
+}
+
+// newOpsCmd returns the operator commands of e's group on pool, writing to stdout and stderr.
+func newOpsCmd(prog string, e *env, pool *pgxpool.Pool, stdout, stderr io.Writer) *opsCmd {
+	return &opsCmd{prog: prog, env: e, pool: pool, ops: ops.New(pool, e.DBSchema, e.KafkaGroupID),
+		out: safetext.TerminalWriter(stdout), err: safetext.TerminalWriter(stderr), rawOut: safetext.JSONWriter(stdout)}
 }
 
 // kafka returns a client for the service's brokers (with its TLS and SASL settings), for
@@ -58,7 +69,7 @@ func operate(ctx context.Context, cmd string, args []string, hs *registry, stdou
 	if err := processor.Migrate(ctx, pool, e.DBSchema); err != nil {
 		return fmt.Errorf("database: %w", err)
 	}
-	c := &opsCmd{prog: progName(), env: e, pool: pool, ops: ops.New(pool, e.DBSchema, e.KafkaGroupID), out: stdout, err: stderr}
+	c := newOpsCmd(progName(), e, pool, stdout, stderr)
 	switch cmd {
 	case "dlq":
 		return dlqCmd(ctx, c, args)
@@ -102,9 +113,9 @@ var errHelpShown = errors.New("help shown")
 // table returns a tabwriter for aligned columns on c.out; Flush it.
 func (c *opsCmd) table() *tabwriter.Writer { return tabwriter.NewWriter(c.out, 0, 0, 2, ' ', 0) }
 
-// json writes v as indented JSON on c.out.
+// json writes v as indented JSON on stdout.
 func (c *opsCmd) json(v any) error {
-	enc := json.NewEncoder(c.out)
+	enc := json.NewEncoder(c.rawOut)
 	enc.SetIndent("", "  ")
 	return enc.Encode(v)
 }

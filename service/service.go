@@ -54,6 +54,7 @@ import (
 	"github.com/kafkapg/kafkapg/internal/console"
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/pooler"
+	"github.com/kafkapg/kafkapg/internal/safetext"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -204,6 +205,7 @@ func run(args []string, stdout, stderr io.Writer, handlers ...Handler) int {
 	case "migrate":
 		err = migrateOnly(ctx, stderr)
 	case "dlq", "keys", "trace":
+		stderr = safetext.TerminalWriter(stderr) // the errors below may quote what came from outside
 		err = operate(ctx, cmd, args[1:], hs, stdout, stderr)
 	case "run":
 		var e *env
@@ -258,9 +260,9 @@ func newLogger(env *env, w io.Writer) *slog.Logger {
 	level, _ := parseLevel(env.LogLevel)
 	opts := &slog.HandlerOptions{Level: level}
 	if env.LogFormat == "text" {
-		return slog.New(slog.NewTextHandler(w, opts))
+		return slog.New(slog.NewTextHandler(w, opts)) // it quotes what a terminal would take for commands
 	}
-	return slog.New(slog.NewJSONHandler(w, opts))
+	return slog.New(slog.NewJSONHandler(safetext.JSONWriter(w), opts))
 }
 
 // openPool returns the pool on DATABASE_URL, and adapt, which must run (once Postgres answers)

@@ -4,6 +4,7 @@ package safetext
 
 import (
 	"fmt"
+	"io"
 	"strings"
 	"unicode/utf8"
 )
@@ -51,4 +52,91 @@ func cutAt(s string, n int) string {
 		n--
 	}
 	return s[:n]
+}
+
+// A terminal takes some bytes and characters as commands, not text: the C0 controls (ESC starts
+// its escape sequences: a new window title, a cleared screen, colours), DEL, the C1 controls
+// (U+0080–U+009F; U+009B is a CSI of its own), bytes that are not UTF-8, and the bidirectional
+// formatting characters, which reorder what is shown around them. TerminalWriter and JSONWriter
+// keep them from reaching a person, whatever the bytes kafkapg prints came from.
+
+// control reports whether r is one of them. Tab and newline are not: kafkapg's own output uses
+// them (what came from outside is put on one line before it is printed).
+func control(r rune) bool {
+	switch {
+	case r == '\t' || r == '\n':
+		return false
+	case r < 0x20, r == 0x7f, r >= 0x80 && r <= 0x9f:
+		return true
+	case r >= 0x202a && r <= 0x202e, r >= 0x2066 && r <= 0x2069, r == 0x200e, r == 0x200f, r == 0x061c:
+		return true
+	}
+	return false
+}
+
+// TerminalWriter returns a writer to w, a terminal, that writes each control character (see
+// control) and each byte that is not UTF-8 as a visible escape: \x1b, \u202e. UTF-8 sequences
+// may be split across writes.
+func TerminalWriter(w io.Writer) io.Writer {
+	return &escaper{w: w, escape: func(b *strings.Builder, r rune, raw byte, invalid bool) {
+		switch {
+		case invalid:
+			fmt.Fprintf(b, `\x%02x`, raw)
+		case r < 0x100:
+			fmt.Fprintf(b, `\x%02x`, r)
+		default:
+			fmt.Fprintf(b, `\u%04x`, r)
+		}
+	}}
+}
+
+// JSONWriter returns a writer to w for JSON (encoding/json's output: the C0 controls are escaped
+// there already) that writes the C1 and bidirectional controls as JSON escapes (\u009b), which
+// are valid only inside strings, where JSON has them. Bytes that are not UTF-8 are written as
+// U+FFFD, as encoding/json writes them itself.
+func JSONWriter(w io.Writer) io.Writer {
+	return &escaper{w: w, escape: func(b *strings.Builder, r rune, _ byte, invalid bool) {
+		if invalid {
+			r = utf8.RuneError
+		}
+		fmt.Fprintf(b, `\u%04x`, r)
+	}}
+}
+
+// escaper writes what it is given to w, with escape's rendering of the controls.
+type escaper struct {
+	w       io.Writer
+	escape  func(b *strings.Builder, r rune, raw byte, invalid bool)
+	pending []byte // the start of a UTF-8 sequence the last write ended in
+}
+
+func (e *escaper) Write(p []byte) (int, error) {
+	in := p
+	if len(e.pending) > 0 {
+		in = append(e.pending, p...)
+		e.pending = nil
+	}
+	var b strings.Builder
+	for i := 0; i < len(in); {
+		r, size := utf8.DecodeRune(in[i:])
+		if r == utf8.RuneError && size <= 1 {
+			if !utf8.FullRune(in[i:]) { // the rest of the sequence comes in the next write
+				e.pending = append([]byte(nil), in[i:]...)
+				break
+			}
+			e.escape(&b, r, in[i], true)
+			i++
+			continue
+		}
+		if control(r) {
+			e.escape(&b, r, in[i], false)
+		} else {
+			b.Write(in[i : i+size])
+		}
+		i += size
+	}
+	if _, err := io.WriteString(e.w, b.String()); err != nil {
+		return 0, err
+	}
+	return len(p), nil
 }

@@ -1,6 +1,8 @@
 package safetext_test
 
 import (
+	"encoding/json"
+	"io"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -145,4 +147,37 @@ func FuzzText(f *testing.F) {
 			t.Fatalf("Text(%q, %d) = %q: text that fits must be unchanged", s, n, got)
 		}
 	})
+}
+
+// TestTerminalWriter: nothing a terminal takes for a command gets through, whatever bytes, and
+// however the writes split them; text, tabs and newlines are kept.
+func TestTerminalWriter(t *testing.T) {
+	hostile := "h\x1b]0;TITLE\x07\x1b[2J ok\t\xc2\x9b31m é \u202eevil\n\xff\x00\x7f"
+	want := `h\x1b]0;TITLE\x07\x1b[2J ok` + "\t" + `\x9b31m é \u202eevil` + "\n" + `\xff\x00\x7f`
+	for split := range len(hostile) + 1 {
+		var b strings.Builder
+		w := safetext.TerminalWriter(&b)
+		io.WriteString(w, hostile[:split])
+		io.WriteString(w, hostile[split:])
+		if got := b.String(); got != want {
+			t.Errorf("split at %d: %q, want %q", split, got, want)
+		}
+	}
+}
+
+// TestJSONWriter: encoding/json escapes the C0 controls but writes C1 and bidirectional controls
+// raw; JSONWriter escapes those too, and the result is the same JSON.
+func TestJSONWriter(t *testing.T) {
+	in := map[string]string{"k": "a\u009b31m\u202eb\x1b"}
+	var b strings.Builder
+	if err := json.NewEncoder(safetext.JSONWriter(&b)).Encode(in); err != nil {
+		t.Fatal(err)
+	}
+	if strings.ContainsAny(b.String(), "\u009b\u202e\x1b") {
+		t.Errorf("JSON output %q still has control characters", b.String())
+	}
+	var back map[string]string
+	if err := json.Unmarshal([]byte(b.String()), &back); err != nil || back["k"] != in["k"] {
+		t.Errorf("JSON output %q decodes to %q, %v; want %q", b.String(), back["k"], err, in["k"])
+	}
 }
