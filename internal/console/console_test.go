@@ -266,6 +266,9 @@ func TestConsoleRefusesBadFilters(t *testing.T) {
 		"/dead-letters?since=yesterday": `since "yesterday": want an RFC 3339 time`,
 		"/dead-letters?id=1,x":          `id: "x" is not an id`,
 		"/dead-letters?key_hex=zz":      "key_hex: encoding/hex",
+		// The trace page's topic too: not Postgres's error behind a 500.
+		"/trace?topic=a%00b&partition=0&offset=1": "topic: not valid text",
+		"/trace?topic=%ff&key=k":                  "topic: not valid text",
 	} {
 		req, _ := http.NewRequest("GET", srv.URL+path, nil)
 		req.SetBasicAuth("victor", viewerPassword)

@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 
 	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/internal/safetext"
 )
 
 type traceData struct {
@@ -62,7 +64,11 @@ func (c *Console) trace(w http.ResponseWriter, r *http.Request) {
 	}
 	if errors.Is(err, ops.ErrUsage) {
 		// The person's mistake: said on the page, with the form to correct it.
-		d.Error = err.Error()
+		d.Error = strings.TrimPrefix(err.Error(), ops.ErrUsage.Error()+": ")
+		// The form shows what was asked, as text (a NUL or a byte that is not UTF-8 escaped).
+		for k, v := range d.Form {
+			d.Form[k] = safetext.Text(v, 1024)
+		}
 		c.renderStatus(w, r, http.StatusBadRequest, "trace", "Trace a record", d)
 		return
 	}

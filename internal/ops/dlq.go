@@ -7,7 +7,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 
@@ -35,8 +34,8 @@ type Filter struct {
 func (f Filter) Validate() error {
 	// Postgres refuses text with a NUL or invalid UTF-8: say which field, as bad usage.
 	for name, v := range map[string]string{"topic": f.Topic, "class": f.Class, "status": f.Status, "error": f.Error} {
-		if !utf8.ValidString(v) || strings.ContainsRune(v, 0) {
-			return usage("%s: not valid text (a NUL byte or invalid UTF-8)", name)
+		if err := text(name, v); err != nil {
+			return err
 		}
 	}
 	if f.Status != "" && !slices.Contains(retrytopics.DeadLetterStatuses, f.Status) {

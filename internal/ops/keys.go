@@ -163,6 +163,9 @@ func (o *Ops) ReleaseKey(ctx context.Context, topic string, partition int32, key
 	if topic == "" {
 		return Release{}, usage("a topic is required")
 	}
+	if err := text("topic", topic); err != nil {
+		return Release{}, err
+	}
 	if key == nil {
 		return Release{}, usage("a key is required (records without a key are never held)")
 	}

@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -47,6 +48,15 @@ func usage(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrUsage, fmt.Sprintf(format, args...))
 }
 
+// text refuses, as bad usage naming the field, text Postgres would refuse (a NUL byte, invalid
+// UTF-8) with an error of its own.
+func text(field, v string) error {
+	if !utf8.ValidString(v) || strings.ContainsRune(v, 0) {
+		return usage("%s: not valid text (a NUL byte or invalid UTF-8)", field)
+	}
+	return nil
+}
+
 // ErrNotFound wraps errors about a dead letter, task or key that does not exist.
 var ErrNotFound = errors.New("not found")
 
@@ -57,6 +67,12 @@ type Actor struct {
 }
 
 func (a Actor) check() error {
+	if err := text("actor", a.Name); err != nil {
+		return err
+	}
+	if err := text("reason", a.Reason); err != nil {
+		return err
+	}
 	if strings.TrimSpace(a.Name) == "" {
 		return usage("an actor is required")
 	}

@@ -72,6 +72,9 @@ func (q TraceQuery) withDefaults() (TraceQuery, error) {
 	if q.Topic == "" {
 		return q, usage("a topic is required")
 	}
+	if err := text("topic", q.Topic); err != nil {
+		return q, err
+	}
 	if q.Key == nil {
 		if q.Partition < 0 || q.Offset < 0 {
 			return q, usage("a partition and an offset (both at least 0) are required, or a key")
