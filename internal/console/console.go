@@ -423,7 +423,7 @@ type deadLettersData struct {
 	Filter  url.Values
 	Rows    []ops.DeadLetter
 	Counts  []ops.Count
-	Older   string // the next page's query, or ""
+	Older   url.Values // the next page's query, or nil
 	Matched int64
 }
 
@@ -456,7 +456,7 @@ func (c *Console) deadLetters(w http.ResponseWriter, r *http.Request) {
 		rows = rows[:listPage]
 		older := r.URL.Query()
 		older.Set("before", strconv.FormatInt(rows[len(rows)-1].ID, 10))
-		d.Older = older.Encode()
+		d.Older = older
 	}
 	d.Rows = rows
 	if d.Counts, err = c.cfg.Ops.Summary(ctx, f); err != nil {

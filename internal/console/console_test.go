@@ -861,3 +861,54 @@ func TestConsoleRetryPathInABrowser(t *testing.T) {
 	}
 	b.shot("trace")
 }
+
+// TestConsoleLinksKeepTheFilter: the dead letters' "Older →" link and the confirmation's Cancel
+// link carry the filter (they rendered it with its '=' and '&' escaped, and led to page 1 of
+// everything).
+func TestConsoleLinksKeepTheFilter(t *testing.T) {
+	h, srv, _ := consoleOf(t)
+	if _, err := h.Pool.Exec(context.Background(), `INSERT INTO kafkapg.dead_letters
+		(consumer_group, topic, partition, "offset", key, value, "timestamp", error_class, error_message, attempts, first_failed_at)
+		SELECT $1, $2, 0, 100000 + i, convert_to('m' || i, 'UTF8'), 'v', 0, 'manual', 'by hand', 1, now() FROM generate_series(1, 60) AS i`,
+		h.Group, h.Topic); err != nil {
+		t.Fatal(err)
+	}
+	get := func(path string) string {
+		t.Helper()
+		req, _ := http.NewRequest("GET", srv.URL+path, nil)
+		req.SetBasicAuth("alice", operatorPassword)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("GET %s: %d", path, resp.StatusCode)
+		}
+		return readAll(resp)
+	}
+	href := func(page, id string) string {
+		t.Helper()
+		m := regexp.MustCompile(`id="` + id + `" href="([^"]*)"`).FindStringSubmatch(page)
+		if m == nil {
+			t.Fatalf("no link #%s on the page", id)
+		}
+		return html.UnescapeString(m[1])
+	}
+	older := href(get("/dead-letters?class=manual"), "older")
+	if !strings.Contains(older, "class=manual") || !strings.Contains(older, "before=") {
+		t.Errorf("Older → links to %s; want the filter (class=manual) and the page (before=)", older)
+	}
+	if page := get(older); strings.Count(page, ">by hand<") != 10 || strings.Contains(page, "poison") {
+		t.Errorf("the older page shows %d of the 10 remaining manual dead letters (or others)", strings.Count(page, ">by hand<"))
+	}
+	req, _ := http.NewRequest("POST", srv.URL+"/dead-letters/confirm", strings.NewReader("action=discard&class=manual"))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.SetBasicAuth("alice", operatorPassword)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if back := href(readAll(resp), "back"); !strings.Contains(back, "class=manual") {
+		t.Errorf("Cancel links to %s; want the filter (class=manual)", back)
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"html/template"
+	"net/url"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -48,6 +49,10 @@ func printable(text []byte) bool {
 
 var funcs = template.FuncMap{
 	"list": func(s ...string) []string { return s },
+	// query is a URL's query as url.Values encodes it: each name and value percent-encoded, so
+	// that only its own '=' and '&' are left (html/template would escape those too, and the
+	// link would lose its filter).
+	"query": func(v url.Values) template.URL { return template.URL(v.Encode()) },
 	"key": func(k []byte) string {
 		if k == nil {
 			return "(no key)"
