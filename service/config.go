@@ -169,7 +169,7 @@ func loadEnv(hs *registry) (*env, error) {
 	if e.Handler == "" && len(hs.names) == 1 {
 		e.Handler = hs.names[0]
 	}
-	if err := e.validate(hs); err != nil {
+	if err := errors.Join(append([]error{e.validate(hs)}, misspelt(environ())...)...); err != nil {
 		return nil, &configError{err}
 	}
 	return &e, nil

@@ -3,6 +3,7 @@ package service
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"reflect"
 	"slices"
@@ -13,26 +14,6 @@ import (
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/processor"
 )
-
-// envNames returns every environment variable Env reads, from its struct tags, so that a new
-// variable is cleared by the tests too.
-func envNames() []string {
-	var names []string
-	var walk func(t reflect.Type)
-	walk = func(t reflect.Type) {
-		for f := range t.Fields() {
-			if f.Anonymous {
-				walk(f.Type)
-				continue
-			}
-			if n := f.Tag.Get("envconfig"); n != "" {
-				names = append(names, n)
-			}
-		}
-	}
-	walk(reflect.TypeFor[env]())
-	return names
-}
 
 // setEnv unsets every variable Env reads, then sets vars. The test must not be parallel.
 func setEnv(t *testing.T, vars map[string]string) {
@@ -557,4 +538,34 @@ func builtins() *registry {
 		panic(err)
 	}
 	return r
+}
+
+// TestMisspeltVariablesStopTheService: RETRY_TIER=5s was ignored (the service started with the
+// default tiers). A name a letter or two from one the service reads is refused, naming the one
+// meant; other programs' variables (Kubernetes' KAFKA_PORT for a Service named kafka) are not.
+func TestMisspeltVariablesStopTheService(t *testing.T) {
+	base := map[string]string{"DATABASE_URL": "postgres://x/y", "KAFKA_BROKERS": "k:9092", "KAFKA_GROUP_ID": "g", "KAFKA_TOPICS": "orders", "HANDLER": "ledger"}
+	for _, tc := range []struct{ name, want string }{
+		{"RETRY_TIER", "RETRY_TIER is not a variable kafkapg reads: did you mean RETRY_TIERS?"},
+		{"SHUTDOWN_TIMOUT", "did you mean SHUTDOWN_TIMEOUT?"},
+		{"BATCH_MAX_RECORD", "did you mean BATCH_MAX_RECORDS?"},
+		{"KAFKA_GROUP_IDS", ""}, // KAFKA_GROUP_ID is set: not a misspelling of it
+		{"DB_MAX_CON", "did you mean DB_MAX_CONNS?"},
+		{"KAFKA_PORT", ""},
+		{"KAFKA_SERVICE_HOST", ""},
+		{"CONSOLE_PORT", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			vars := maps.Clone(base)
+			vars[tc.name] = "5s"
+			setEnv(t, vars)
+			_, err := loadEnv(builtins())
+			switch {
+			case tc.want == "" && err != nil:
+				t.Errorf("%s set: %v; want no error", tc.name, err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+				t.Errorf("%s set: %v; want an error saying %q", tc.name, err, tc.want)
+			}
+		})
+	}
 }
