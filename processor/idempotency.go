@@ -41,10 +41,15 @@ func KeyFromHeader(name string) IdempotencyKey {
 	}
 }
 
+// nonStringKey starts the key KeyFromJSON takes from a field that is not a string: json.Unmarshal
+// gives a string's text as UTF-8, where 0xff never appears.
+const nonStringKey = 0xff
+
 // KeyFromJSON takes the idempotency key from a field of the record's value, a JSON object; path
-// names nested fields with dots ("order.id"). A string field's key is its text, any other value's
-// its JSON. A value that is not a JSON object, or lacks the field (or has it null or ""), fails
-// with ErrNoIdempotencyKey.
+// names nested fields with dots ("order.id"). A string field's key is its text; any other value's
+// is its JSON, compacted, after a byte no string's text has (0xff, not UTF-8), so that the string
+// "1" and the number 1 are different keys. A value that is not a JSON object, or lacks the field
+// (or has it null or ""), fails with ErrNoIdempotencyKey.
 func KeyFromJSON(path string) IdempotencyKey {
 	fields := strings.Split(path, ".")
 	return func(rec *Record) ([]byte, error) {
@@ -70,7 +75,11 @@ func KeyFromJSON(path string) IdempotencyKey {
 		if string(raw) == "null" {
 			return nil, fmt.Errorf("%w: field %q is null", ErrNoIdempotencyKey, path)
 		}
-		return raw, nil
+		key := bytes.NewBuffer([]byte{nonStringKey})
+		if err := json.Compact(key, raw); err != nil {
+			return nil, fmt.Errorf("%w: field %q: %v", ErrNoIdempotencyKey, path, err)
+		}
+		return key.Bytes(), nil
 	}
 }
 

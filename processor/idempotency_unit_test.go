@@ -17,9 +17,11 @@ func TestKeyFromJSON(t *testing.T) {
 		wantErr           bool
 	}{
 		{"string field", "event_id", `{"event_id":"e-1","x":1}`, "e-1", false},
-		{"number field: its JSON", "n", `{"n": 42}`, "42", false},
+		{"number field: its JSON, marked", "n", `{"n": 42}`, "\xff42", false},
+		{"a string of digits: its text", "n", `{"n": "42"}`, "42", false},
+		{"true, not \"true\"", "b", `{"b": true}`, "\xfftrue", false},
 		{"nested field", "order.id", `{"order":{"id":"o-7"}}`, "o-7", false},
-		{"object field: its JSON", "order", `{"order":{"id":"o-7"}}`, `{"id":"o-7"}`, false},
+		{"object field: its JSON, compacted", "order", `{"order":{ "id" : "o-7" }}`, "\xff" + `{"id":"o-7"}`, false},
 		{"escaped string", "id", `{"id":"a\"b\u00e9"}`, "a\"bé", false},
 		{"missing field", "event_id", `{"id":"e-1"}`, "", true},
 		{"null field", "event_id", `{"event_id":null}`, "", true},
