@@ -396,7 +396,7 @@ func (p *Processor) checkPooler(ctx context.Context) error {
 	for failures := 1; ; failures++ {
 		found, err := pooler.Detect(ctx, cc)
 		mode := cc.DefaultQueryExecMode
-		if err == nil && found.Kind == pooler.Transaction {
+		if err == nil && found.Kind != pooler.Direct {
 			mode, err = p.queryExecMode(ctx)
 		}
 		switch {
@@ -409,10 +409,14 @@ func (p *Processor) checkPooler(ctx context.Context) error {
 				"or let the pooler keep them (PgBouncer 1.21 and later: max_prepared_statements)")
 		case err == nil:
 			p.waiting.Store(nil)
-			if found.Kind == pooler.Transaction {
+			if found.Kind != pooler.Direct {
 				p.pooled.Store(true)
-				p.log.Info("postgres is reached through a connection pooler in transaction mode: the outbox relay polls for records other processes emit, instead of LISTENing",
-					"query_exec_mode", mode.String(), "pooler_keeps_prepared_statements", found.PreparedStatements, "poll_interval", p.cfg.OutboxPollInterval)
+				if found.Pooled() && pooler.NamedStatements(mode) {
+					p.log.Warn("postgres is reached through a connection pooler, and the pool prepares named statements: that works in its session mode, and fails in its transaction mode; "+
+						"default_query_exec_mode=cache_describe works in both", "pooler", found.Kind.String())
+				}
+				p.log.Info("postgres is reached through a connection pooler: the outbox relay polls for records other processes emit, instead of LISTENing",
+					"pooler", found.Kind.String(), "query_exec_mode", mode.String(), "pooler_keeps_prepared_statements", found.PreparedStatements, "poll_interval", p.cfg.OutboxPollInterval)
 			}
 			return nil
 		}

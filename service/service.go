@@ -293,7 +293,7 @@ func openPool(ctx context.Context, env *dbEnv) (pool *pgxpool.Pool, adapt func(c
 		if errors.Is(err, pooler.ErrStatementMode) {
 			return &configError{fmt.Errorf("DATABASE_URL: %v", err)}
 		}
-		if err != nil || found.Kind != pooler.Transaction {
+		if err != nil || found.Kind == pooler.Direct {
 			return err
 		}
 		mode := cfg.ConnConfig.DefaultQueryExecMode
@@ -302,14 +302,17 @@ func openPool(ctx context.Context, env *dbEnv) (pool *pgxpool.Pool, adapt func(c
 			return &configError{errors.New("DATABASE_URL leads to a connection pooler in transaction mode (PgBouncer?) that does not keep prepared statements, where its " +
 				"default_query_exec_mode=cache_statement fails: use default_query_exec_mode=cache_describe, or leave it out and kafkapg chooses " +
 				"(or let the pooler keep them: PgBouncer 1.21 and later, max_prepared_statements)")}
-		case !chosen && !found.PreparedStatements:
+		case !chosen && found.Pooled():
 			pooled.Store(true)
 			pool.Reset() // connections made before this have the old mode
 			mode = pooler.QueryExecMode
+		case chosen && found.Pooled() && pooler.NamedStatements(mode) && log != nil:
+			log.Warn("DATABASE_URL asks for default_query_exec_mode=cache_statement through a connection pooler: that works in its session mode, and fails in its transaction mode",
+				"pooler", found.Kind.String())
 		}
 		if log != nil {
-			log.Info("DATABASE_URL leads to a connection pooler in transaction mode (PgBouncer?); the outbox relay polls instead of LISTENing",
-				"pooler_keeps_prepared_statements", found.PreparedStatements, "query_exec_mode", mode.String())
+			log.Info("DATABASE_URL leads to a connection pooler (PgBouncer?); the outbox relay polls instead of LISTENing",
+				"pooler", found.Kind.String(), "pooler_keeps_prepared_statements", found.PreparedStatements, "query_exec_mode", mode.String())
 		}
 		return nil
 	}

@@ -45,6 +45,9 @@ type workload struct {
 	svc          *service
 	topic, group string
 	items        []ledger.Item
+	// dupsOK allows a dead letter in the dead-letter topic twice: a failover can lose the relay's
+	// mark that it published one (its commits do not wait for the standby), which it publishes again.
+	dupsOK bool
 }
 
 // startWorkload runs the service on dbURL (which may lead anywhere: a pooler, TLS, a multi-host
@@ -101,7 +104,7 @@ func (w *workload) produce(direct *pgxpool.Pool, prefix string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := ledger.CheckDeadLetters(w.items, dlq, topologyMaxAttempt, false); err != nil {
+	if _, err := ledger.CheckDeadLetters(w.items, dlq, topologyMaxAttempt, w.dupsOK); err != nil {
 		t.Errorf("dead-letter topic: %v", err)
 	}
 	if _, err := ledger.CheckDeadLetterRows(ctx, direct, "kafkapg", w.group, w.items, topologyMaxAttempt); err != nil {
@@ -177,7 +180,7 @@ func TestThroughPgBouncer(t *testing.T) {
 		"CONSOLE_USERS": "ann:viewer:secret-password-1",
 	})
 	w.produce(direct, "pgb")
-	if !strings.Contains(w.svc.logs.String(), "connection pooler in transaction mode") {
+	if !strings.Contains(w.svc.logs.String(), "pooler=\"a pooler in transaction mode\"") {
 		t.Errorf("the service did not say that it found a pooler in transaction mode; logs:\n%s", w.svc.logs.String())
 	}
 	for _, bad := range []string{"42P05", "stmtcache_", "26000"} {
@@ -230,6 +233,7 @@ func TestServiceFollowsAFailover(t *testing.T) {
 	if err := standby.Promote(ctx); err != nil {
 		t.Fatal(err)
 	}
+	w.dupsOK = true
 	direct.Reset()
 	w.produce(direct, "after")
 	w.operate(console, "ann", "secret-password-1")

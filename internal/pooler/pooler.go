@@ -35,6 +35,10 @@ const (
 	// Statement: a pooler in statement mode, which refuses transactions of more than one
 	// statement: kafkapg cannot work through it.
 	Statement
+	// Pooler: a pooler whose transactions were not seen to change sessions: in session mode, or
+	// in transaction mode without showing it this time (its other clients took the sessions the
+	// probe's were given). What works in transaction mode is the safe choice.
+	Pooler
 )
 
 func (k Kind) String() string {
@@ -43,6 +47,8 @@ func (k Kind) String() string {
 		return "a pooler in transaction mode"
 	case Statement:
 		return "a pooler in statement mode"
+	case Pooler:
+		return "a pooler (session or transaction mode)"
 	}
 	return "direct"
 }
@@ -65,15 +71,16 @@ type Found struct {
 }
 
 // Detect tells how connections made with cfg reach Postgres. It opens two connections of its own
-// (simple protocol: no prepared statements of pgx's), and watches the server session
-// (pg_backend_pid) each of their transactions runs on while the other holds a transaction open.
-// A direct connection always runs on its own session; through a pooler in transaction mode, a
-// session one client released is handed to the other (or, with a pool of one session, the second
-// client's statement waits for the first's transaction). Neither happens to direct connections,
-// so the answer Transaction is never wrong; a pooler that happened to give each client the same
-// session every time would be taken for Direct, which it then is, as far as these connections can
-// tell. Through a pooler in transaction mode it then prepares a statement on one client, has the
-// other take the session it was prepared on, and runs it: see Found.PreparedStatements.
+// (simple protocol: no prepared statements of pgx's). A connection whose server session is not
+// the process its startup named is a pooler's (a sure sign, and the only one for session mode).
+// Then it watches the server session (pg_backend_pid) each of their transactions runs on while
+// the other holds a transaction open.
+// Through a pooler in transaction mode, a session one client released is handed to the other (or,
+// with a pool of one session, the second client's statement waits for the first's transaction):
+// Transaction. A pooler that gave each client the same session every time (session mode, or other
+// clients taking the sessions the probe's released) is Pooler. Through either it then prepares a
+// statement on one client, has the other take the session it was prepared on, and runs it: see
+// Found.PreparedStatements.
 func Detect(ctx context.Context, cfg *pgx.ConnConfig) (Found, error) {
 	c := cfg.Copy()
 	c.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
@@ -89,14 +96,27 @@ func Detect(ctx context.Context, cfg *pgx.ConnConfig) (Found, error) {
 	}
 	defer b.Close(context.WithoutCancel(ctx))
 
+	// A pooler answers a client's startup itself, with a cancel key of its own: the process id
+	// in it is not the server session's. Postgres's own is.
+	pid, err := backend(ctx, a)
+	if err != nil {
+		return Found{}, err
+	}
+	if a.PgConn().PID() == uint32(pid) {
+		return Found{Kind: Direct}, nil
+	}
 	kind, err := sessions(ctx, a, b)
-	if err != nil || kind != Transaction {
+	if err != nil || kind == Statement {
 		return Found{Kind: kind}, err
 	}
-	return Found{Kind: Transaction, PreparedStatements: keepsStatements(ctx, a, b)}, nil
+	if kind == Direct { // not seen to change sessions, through a pooler all the same
+		kind = Pooler
+	}
+	return Found{Kind: kind, PreparedStatements: keepsStatements(ctx, a, b)}, nil
 }
 
-// sessions tells Direct from Transaction (see Detect).
+// sessions tells Transaction (seen) from Direct (not seen) for a connection through a pooler (see
+// Detect).
 func sessions(ctx context.Context, a, b *pgx.Conn) (Kind, error) {
 	var pidA, pidB int32 // each client's first session
 	for range 3 {
@@ -206,7 +226,12 @@ func statementMode(err error) bool {
 // transaction mode loses unless it keeps them itself (Found.PreparedStatements).
 func NamedStatements(mode pgx.QueryExecMode) bool { return mode == pgx.QueryExecModeCacheStatement }
 
-// Unsupported reports whether connections in mode cannot work where f was found.
+// Pooled reports whether the connections go through a pooler that may run their transactions on
+// other sessions and does not keep prepared statements: named ones are not safe there.
+func (f Found) Pooled() bool { return (f.Kind == Transaction || f.Kind == Pooler) && !f.PreparedStatements }
+
+// Unsupported reports whether connections in mode were seen not to work where f was found: named
+// statements through a pooler seen in transaction mode that does not keep them.
 func (f Found) Unsupported(mode pgx.QueryExecMode) bool {
 	return f.Kind == Transaction && !f.PreparedStatements && NamedStatements(mode)
 }

@@ -3,6 +3,7 @@ package pooler_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -44,7 +45,7 @@ func TestDetect(t *testing.T) {
 	}{
 		{"transaction", 20, pooler.Transaction, nil},
 		{"transaction", 1, pooler.Transaction, nil},
-		{"session", 20, pooler.Direct, nil},
+		{"session", 20, pooler.Pooler, nil},
 		{"statement", 20, pooler.Statement, pooler.ErrStatementMode},
 	} {
 		t.Run(tc.mode, func(t *testing.T) {
@@ -63,4 +64,54 @@ func TestDetect(t *testing.T) {
 			t.Logf("%s mode, pool of %d: %+v in %v", tc.mode, tc.poolSize, found, time.Since(start).Round(time.Millisecond))
 		})
 	}
+}
+
+// TestDetectUnderLoad: through PgBouncer in transaction mode with other clients keeping its few
+// server sessions busy, the probe's transactions may never be seen to change sessions (a chaos
+// run's service took the pooler for a direct connection, and its processor, probing again, did
+// not: it refused the pool). A pooler is never taken for Postgres itself.
+func TestDetectUnderLoad(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	srv, err := pgcluster.Start(ctx, pgcluster.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Close)
+	b, err := pgcluster.StartBouncer(ctx, pgcluster.BouncerOptions{Backend: srv.Addr(), PoolMode: "transaction", DefaultPoolSize: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	load, stop := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for range 12 {
+		wg.Go(func() {
+			conn, err := pgx.Connect(load, b.URL("postgres")+"&default_query_exec_mode=simple_protocol")
+			if err != nil {
+				return
+			}
+			defer conn.Close(context.Background())
+			for load.Err() == nil {
+				conn.Exec(load, "SELECT pg_sleep(0.002)")
+			}
+		})
+	}
+	defer func() { stop(); wg.Wait() }()
+	cfg, err := pgx.ParseConfig(b.URL("postgres"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[pooler.Kind]int{}
+	for range 10 {
+		found, err := pooler.Detect(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		kinds[found.Kind]++
+		if !found.Pooled() {
+			t.Errorf("Detect under load = %+v: not pooled", found)
+		}
+	}
+	t.Logf("10 probes under load: %v", kinds)
 }
