@@ -12,9 +12,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/kafkapg/kafkapg/internal/backoff"
 	"github.com/kafkapg/kafkapg/internal/safetext"
@@ -101,7 +101,9 @@ type Relay struct {
 
 	mu     sync.Mutex
 	known  map[string]bool // topics found to exist (see checkTopics)
-	warned map[string]bool // topics found missing, and logged
+	warned map[string]bool // topics found missing, and logged: their rows wait apart (see Flush)
+	// lookedMissing is when the rows of missing topics were last looked at (see Flush).
+	lookedMissing time.Time
 }
 
 // NewRelay returns a Relay publishing through client.
@@ -154,8 +156,11 @@ func NewRelay(pool *pgxpool.Pool, client *kgo.Client, cfg RelayConfig) *Relay {
 			SELECT l::int2, pg_try_advisory_xact_lock($2::int4, l) FROM waiting`, Lanes-1),
 		// Each lane's first rows in id order, then the first of those overall: a prefix of every
 		// lane, without sorting a whole backlog.
+		// $4 are the topics found missing: $5 false reads the rows of every other topic, $5
+		// true only theirs.
 		selectSQL: `SELECT id, topic, coalesce(partition, -1), key, value, header_keys, header_values, created_at FROM unnest($2::int2[]) AS l,
 			LATERAL (SELECT * FROM ` + t + ` o WHERE o.consumer_group = $1 AND o.lane = l AND o.published_at IS NULL AND o.refused_at IS NULL
+				AND (o.topic = ANY($4::text[])) = $5::bool
 				ORDER BY o.id LIMIT $3) AS o
 			ORDER BY id LIMIT $3`,
 		deleteSQL: `DELETE FROM ` + t + ` WHERE id = ANY($1)`,
@@ -320,16 +325,50 @@ func (r *Relay) listenOnce(ctx context.Context, listening func()) error {
 // Flush publishes every row of the group's outbox that no other relay holds, and returns how
 // many it published. It stops between batches when ctx is done. Rows that fail to publish for a
 // reason that may pass are left for a later call, which its error reports.
+//
+// The rows of a topic found missing wait apart: the batches leave them out, so that however many
+// there are they never hold up the others, and they are looked at on their own, once every
+// missingRecheck: published if their topic exists by then, set aside once they have waited
+// MissingTopicGrace, left waiting otherwise (which is no error of the relay's: it was logged
+// when the topic was found missing, and they are in the outbox's backlog).
 func (r *Relay) Flush(ctx context.Context) (int, error) {
 	total := 0
 	for ctx.Err() == nil {
-		n, full, err := r.publishBatch(ctx)
+		n, full, err := r.publishBatch(ctx, false)
 		total += n
-		if err != nil || !full {
+		if err != nil {
 			return total, err
 		}
+		if !full {
+			break
+		}
 	}
-	return total, ctx.Err()
+	r.mu.Lock()
+	look := len(r.warned) > 0 && time.Since(r.lookedMissing) >= missingRecheck
+	if look {
+		r.lookedMissing = time.Now()
+	}
+	r.mu.Unlock()
+	if !look || ctx.Err() != nil {
+		return total, ctx.Err()
+	}
+	n, _, err := r.publishBatch(ctx, true)
+	return total + n, err
+}
+
+// missingRecheck is how often Flush looks at the rows of topics found missing.
+const missingRecheck = time.Second
+
+// missingTopics returns the topics found missing.
+func (r *Relay) missingTopics() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := []string{} // not nil: the statement's array must not be NULL
+	for t := range r.warned {
+		out = append(out, t)
+	}
+	slices.Sort(out)
+	return out
 }
 
 // row is an outbox row being published.
@@ -341,9 +380,10 @@ type row struct {
 	err     error // its produce result
 }
 
-// publishBatch publishes one batch of rows in one transaction. full says the batch was as large as
-// allowed (more rows may be waiting).
-func (r *Relay) publishBatch(parent context.Context) (n int, full bool, err error) {
+// publishBatch publishes one batch of rows in one transaction: of the topics found missing if
+// missing is set, of the others otherwise. full says the batch was as large as allowed (more rows
+// may be waiting).
+func (r *Relay) publishBatch(parent context.Context, missing bool) (n int, full bool, err error) {
 	deadline := time.Now().Add(r.cfg.PublishTimeout)
 	if d, ok := parent.Deadline(); ok && d.Before(deadline) {
 		deadline = d
@@ -360,7 +400,7 @@ func (r *Relay) publishBatch(parent context.Context) (n int, full bool, err erro
 	if err != nil || len(lanes) == 0 {
 		return 0, false, err
 	}
-	rows, full, err := r.read(ctx, tx, lanes)
+	rows, full, err := r.read(ctx, tx, lanes, r.missingTopics(), missing)
 	if err != nil || len(rows) == 0 {
 		return 0, false, err
 	}
@@ -402,6 +442,8 @@ func (r *Relay) publishBatch(parent context.Context) (n int, full bool, err erro
 			if err := r.refused(ctx, tx, rw); err != nil {
 				return 0, false, err
 			}
+		case errors.Is(rw.err, kerr.UnknownTopicOrPartition) && r.isMissing(rw.msg.Topic):
+			// Waits apart (see Flush): not a failure of the relay's.
 		default:
 			failedRows++
 			if failed == nil {
@@ -441,6 +483,13 @@ func (r *Relay) setMissing(topic string) {
 	delete(r.known, topic)
 }
 
+// isMissing reports whether topic was found missing.
+func (r *Relay) isMissing(topic string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.warned[topic]
+}
+
 // checkTopics asks the broker, in one metadata request, whether the topics of rows not known to
 // exist exist, and returns, for each that does not, the error its rows fail with (they are not
 // produced: a produce to a missing topic waits out franz-go's metadata retries, for tens of
@@ -458,14 +507,18 @@ func (r *Relay) checkTopics(ctx context.Context, rows []*row) map[string]error {
 		return nil
 	}
 	out := map[string]error{}
-	details, err := kadm.NewClient(r.client).ListTopics(ctx, topics...)
+	exists, err := r.topicsExist(ctx, topics)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, t := range topics {
-		switch d, ok := details[t]; {
+		switch e, ok := exists[t]; {
 		case err != nil:
 			out[t] = fmt.Errorf("cannot ask the broker whether topic %s exists: %w", t, err)
-		case !ok || d.Err != nil:
+		case ok && e != nil && !errors.Is(e, kerr.UnknownTopicOrPartition):
+			// It may well exist (a leader being elected, no authorization to describe it):
+			// retried, never set aside as missing.
+			out[t] = fmt.Errorf("cannot tell whether topic %s exists: %w", t, e)
+		case !ok || e != nil:
 			out[t] = fmt.Errorf("%w: topic %s does not exist", kerr.UnknownTopicOrPartition, t)
 			if !r.warned[t] {
 				r.cfg.Logger.Warn("outbox records are for a topic that does not exist; they wait for it, and are set aside after the grace",
@@ -481,6 +534,31 @@ func (r *Relay) checkTopics(ctx context.Context, rows []*row) map[string]error {
 		}
 	}
 	return out
+}
+
+// topicsExist asks the broker about topics, with a metadata request of its own: kadm answers
+// from the client's metadata cache, which said for seconds after a topic was created that it did
+// not exist (rows past the grace would have been set aside). It returns, for each topic it heard
+// of, nil if it exists and its error otherwise.
+func (r *Relay) topicsExist(ctx context.Context, topics []string) (map[string]error, error) {
+	req := kmsg.NewPtrMetadataRequest()
+	req.AllowAutoTopicCreation = false // asking is not creating
+	for _, t := range topics {
+		rt := kmsg.NewMetadataRequestTopic()
+		rt.Topic = kmsg.StringPtr(t)
+		req.Topics = append(req.Topics, rt)
+	}
+	resp, err := req.RequestWith(ctx, r.client)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]error{}
+	for _, t := range resp.Topics {
+		if t.Topic != nil {
+			out[*t.Topic] = kerr.ErrorForCode(t.ErrorCode)
+		}
+	}
+	return out, nil
 }
 
 // lanes sets the transaction's idle timeout and locks, for the transaction, the lanes that have
@@ -521,8 +599,8 @@ func (r *Relay) lanes(ctx context.Context, tx pgx.Tx) ([]int16, error) {
 // read reads up to BatchSize rows of lanes, and BatchBytes of their contents (at least one row),
 // a prefix of each lane in id order. A row that cannot be read back into a record (edited by
 // hand) is set aside. full says the limit was reached.
-func (r *Relay) read(ctx context.Context, tx pgx.Tx, lanes []int16) ([]*row, bool, error) {
-	rs, err := tx.Query(ctx, r.selectSQL, r.cfg.Group, lanes, r.cfg.BatchSize)
+func (r *Relay) read(ctx context.Context, tx pgx.Tx, lanes []int16, missingTopics []string, missing bool) ([]*row, bool, error) {
+	rs, err := tx.Query(ctx, r.selectSQL, r.cfg.Group, lanes, r.cfg.BatchSize, missingTopics, missing)
 	if err != nil {
 		return nil, false, fmt.Errorf("outbox: select: %w", err)
 	}
