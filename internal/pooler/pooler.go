@@ -228,7 +228,9 @@ func NamedStatements(mode pgx.QueryExecMode) bool { return mode == pgx.QueryExec
 
 // Pooled reports whether the connections go through a pooler that may run their transactions on
 // other sessions and does not keep prepared statements: named ones are not safe there.
-func (f Found) Pooled() bool { return (f.Kind == Transaction || f.Kind == Pooler) && !f.PreparedStatements }
+func (f Found) Pooled() bool {
+	return (f.Kind == Transaction || f.Kind == Pooler) && !f.PreparedStatements
+}
 
 // Unsupported reports whether connections in mode were seen not to work where f was found: named
 // statements through a pooler seen in transaction mode that does not keep them.
