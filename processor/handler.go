@@ -231,11 +231,25 @@ func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs
 	}
 	start := time.Now()
 	if pol.batch != nil {
-		err := p.call(recs, func() error { return usable(tx, pol.batch.HandleBatch(ctx, tx, recs)) })
-		p.metrics.handlerDuration.Observe(time.Since(start).Seconds())
-		if err != nil {
-			return err
+		// One call per partition's run of records: the BatchHandler contract (the held-record
+		// applier brings the records of several partitions' keys, sorted by partition and offset).
+		for i := 0; i < len(recs); {
+			j := i + 1
+			for j < len(recs) && recs[j].Partition == recs[i].Partition {
+				j++
+			}
+			run := recs[i:j]
+			err := p.call(run, func() error { return usable(tx, pol.batch.HandleBatch(ctx, tx, run)) })
+			if err != nil {
+				p.metrics.handlerDuration.Observe(time.Since(start).Seconds())
+				if k, cause := failedRecord(err, len(run)); k >= 0 && i > 0 {
+					return &RecordError{Index: i + k, Err: cause}
+				}
+				return err
+			}
+			i = j
 		}
+		p.metrics.handlerDuration.Observe(time.Since(start).Seconds())
 		return p.writeEmits(ctx, tx, recs)
 	}
 	for i, r := range recs {

@@ -1,6 +1,7 @@
 package processor
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"log/slog"
@@ -252,6 +253,11 @@ func (d *heldApplier) applyBundle(keys []retrytopics.Key) (more []retrytopics.Ke
 		if len(recs) == 0 {
 			return nil
 		}
+		// A BatchHandler gets one partition's records, in offset order (each key's records keep
+		// theirs: a key is in one partition).
+		slices.SortStableFunc(recs, func(a, b *Record) int {
+			return cmp.Or(cmp.Compare(a.Partition, b.Partition), cmp.Compare(a.Offset, b.Offset))
+		})
 		if err := d.p.handle(ctx, tx, topic, recs); err != nil {
 			return err // retried here if Postgres failed (see Processor.inPlace)
 		}

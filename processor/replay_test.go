@@ -263,3 +263,77 @@ func TestReplayedRecordGoesBeforeTheKeysLaterRecords(t *testing.T) {
 		}
 	})
 }
+
+// batchCalls is a BatchHandler around the ledger's that records, for each HandleBatch call, the
+// partition and offset of its records.
+type batchCalls struct {
+	mu    sync.Mutex
+	calls [][][2]int64
+}
+
+func (b *batchCalls) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+	return b.HandleBatch(ctx, tx, []*processor.Record{rec})
+}
+
+func (b *batchCalls) HandleBatch(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
+	call := make([][2]int64, len(recs))
+	for i, r := range recs {
+		call[i] = [2]int64{int64(r.Partition), r.Offset}
+	}
+	b.mu.Lock()
+	b.calls = append(b.calls, call)
+	b.mu.Unlock()
+	return ledger.Handler{}.HandleBatch(ctx, tx, recs)
+}
+
+// TestBatchHandlerGetsOnePartitionInOrder: the contract of BatchHandler is one partition's records,
+// in offset order. The held-record applier bundles the ready keys of a topic into one
+// transaction, and handed one HandleBatch records of several partitions, key after key; a replay
+// of dead letters of many keys on four partitions made it do so.
+func TestBatchHandlerGetsOnePartitionInOrder(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 4)
+		bc := &batchCalls{}
+		cfg := h.Config(bc)
+		cfg.RetryTiers = []time.Duration{}
+		cfg.LocalAttempts = 1
+		cfg.BreakerDisabled = true // every record fails at first: not an outage
+		var items []ledger.Item
+		for i := range 40 {
+			items = append(items, testkit.Event(fmt.Sprintf("e%d", i), fmt.Sprintf("acct-%d", i), 1, 1, false)) // dead at attempt 1, applied at 2
+		}
+		h.Start(cfg)
+		h.Produce(items)
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if n := len(h.deadLetterIDs("status = 'new'")); n != len(items) {
+				return fmt.Errorf("%d of %d dead letters", n, len(items))
+			}
+			return nil
+		})
+		o := ops.New(h.Pool, "kafkapg", h.Group)
+		ctx := context.Background()
+		task, err := o.StartTask(ctx, ops.Replay, ops.Filter{}, ops.Actor{Name: "tester", Reason: "fixed"}, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := o.RunTask(ctx, task.ID, "test", nil); err != nil {
+			t.Fatal(err)
+		}
+		h.WaitApplied(len(items), 30*time.Second)
+		bc.mu.Lock()
+		defer bc.mu.Unlock()
+		multi := 0
+		for _, call := range bc.calls {
+			if len(call) > 1 {
+				multi++
+			}
+			for i := 1; i < len(call); i++ {
+				if call[i][0] != call[0][0] || call[i][1] <= call[i-1][1] {
+					t.Fatalf("a HandleBatch call got %v (partition, offset): not one partition in offset order", call)
+				}
+			}
+		}
+		t.Logf("%d HandleBatch calls, %d with more than one record", len(bc.calls), multi)
+	})
+}
