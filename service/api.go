@@ -161,14 +161,18 @@ func fail(w http.ResponseWriter, err error) {
 	}
 }
 
+// maxLimit bounds a page of the API: with each row's key and error message bounded too
+// (ops.ListedKeyBytes, ops.ListedMessageBytes), a page costs at most a few megabytes.
+const maxLimit = 1000
+
 func limit(r *http.Request, def int) (int, error) {
 	s := r.URL.Query().Get("limit")
 	if s == "" {
 		return def, nil
 	}
 	n, err := strconv.Atoi(s)
-	if err != nil || n <= 0 || n > 10000 {
-		return 0, fmt.Errorf("%w: limit %q: want 1 to 10000", ops.ErrUsage, s)
+	if err != nil || n <= 0 || n > maxLimit {
+		return 0, fmt.Errorf("%w: limit %q: want 1 to %d", ops.ErrUsage, s, maxLimit)
 	}
 	return n, nil
 }

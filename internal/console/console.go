@@ -163,7 +163,20 @@ func (c *Console) Handler() http.Handler {
 	mux.HandleFunc("POST /keys/confirm", c.operator(c.confirmRelease))
 	mux.HandleFunc("POST /keys/release", c.operator(c.release))
 	mux.HandleFunc("GET /trace", c.trace)
-	return http.NewCrossOriginProtection().Handler(c.authenticate(mux))
+	return http.NewCrossOriginProtection().Handler(sameSiteReads(c.authenticate(mux)))
+}
+
+// sameSiteReads refuses what another site's page makes a signed-in browser fetch from the
+// console (an image, a script, a fetch: not a link followed), which would be read with the
+// user's credentials; CrossOriginProtection covers the requests that change something.
+func sameSiteReads(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Sec-Fetch-Site") == "cross-site" && r.Header.Get("Sec-Fetch-Mode") != "navigate" {
+			http.Error(w, "cross-site requests for the console's pages are refused", http.StatusForbidden)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
 }
 
 type ctxKey struct{}

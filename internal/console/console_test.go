@@ -912,3 +912,62 @@ func TestConsoleLinksKeepTheFilter(t *testing.T) {
 		t.Errorf("Cancel links to %s; want the filter (class=manual)", back)
 	}
 }
+
+// TestRetryPathPageIsBoundedInBytes: the retry path page put each held key whole into its release
+// form (100 keys of 900 KB: 180 MB of hex in one page); it shows a key's first bytes and names it
+// by its SHA-256, which the release's confirmation takes.
+func TestRetryPathPageIsBoundedInBytes(t *testing.T) {
+	h, srv, _ := consoleOf(t)
+	ctx := context.Background()
+	if _, err := h.Pool.Exec(ctx, `INSERT INTO kafkapg.held_keys (consumer_group, topic, partition, key, state, head_offset, held_since, updated_at)
+		SELECT $1, $2, 0, convert_to(i || repeat('k', 900000), 'UTF8'), 'retrying', 100000 + i, now() - interval '2 hours', now() - interval '2 hours'
+		FROM generate_series(1, 5) AS i`, h.Group, h.Topic); err != nil {
+		t.Fatal(err)
+	}
+	req, _ := http.NewRequest("GET", srv.URL+"/retry-path", nil)
+	req.SetBasicAuth("alice", operatorPassword)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	page := readAll(resp)
+	if resp.StatusCode != http.StatusOK || len(page) > 200_000 {
+		t.Fatalf("GET /retry-path: %d, %d bytes with five 900 KB keys; want 200 and well under 200 KB", resp.StatusCode, len(page))
+	}
+	m := regexp.MustCompile(`name="key_sha256" value="([0-9a-f]{64})"`).FindStringSubmatch(page)
+	if m == nil || strings.Contains(page, `name="key_hex"`) {
+		t.Fatalf("the release forms do not name keys by their SHA-256")
+	}
+	form := url.Values{"topic": {h.Topic}, "partition": {"0"}, "key_sha256": {m[1]}}
+	req, _ = http.NewRequest("POST", srv.URL+"/keys/confirm", strings.NewReader(form.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.SetBasicAuth("alice", operatorPassword)
+	resp, err = http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := readAll(resp)
+	if resp.StatusCode != http.StatusOK || !strings.Contains(body, `name="key_sha256" value="`+m[1]+`"`) || len(body) > 200_000 {
+		t.Errorf("POST /keys/confirm by SHA-256: %d, %d bytes; want the confirmation, carrying the SHA-256", resp.StatusCode, len(body))
+	}
+
+	// Another site's page cannot make a signed-in browser load the console's pages (an image,
+	// a fetch); a link followed to them opens them.
+	for _, c := range []struct {
+		site, mode string
+		want       int
+	}{{"cross-site", "no-cors", http.StatusForbidden}, {"cross-site", "cors", http.StatusForbidden}, {"cross-site", "navigate", http.StatusOK}, {"same-origin", "cors", http.StatusOK}} {
+		req, _ := http.NewRequest("GET", srv.URL+"/dead-letters", nil)
+		req.SetBasicAuth("alice", operatorPassword)
+		req.Header.Set("Sec-Fetch-Site", c.site)
+		req.Header.Set("Sec-Fetch-Mode", c.mode)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != c.want {
+			t.Errorf("GET /dead-letters, Sec-Fetch-Site %s, Sec-Fetch-Mode %s: %d, want %d", c.site, c.mode, resp.StatusCode, c.want)
+		}
+	}
+}

@@ -1,6 +1,7 @@
 package console
 
 import (
+	"crypto/sha256"
 	"encoding/hex"
 	"net/http"
 	"slices"
@@ -65,13 +66,15 @@ func (c *Console) retryPath(w http.ResponseWriter, r *http.Request) {
 
 type releaseData struct {
 	Release ops.Release
-	KeyHex  string
+	// KeySHA256 names the key in the release form (hex of its SHA-256): a key can be far larger
+	// than a form should carry.
+	KeySHA256 string
 }
 
 // confirmRelease shows what releasing a held key would do (ops.ReleaseKey's dry run) and asks
 // for the reason the audit trail records.
 func (c *Console) confirmRelease(w http.ResponseWriter, r *http.Request) {
-	topic, partition, key, ok := heldKeyOf(w, r)
+	topic, partition, key, ok := c.heldKeyOf(w, r)
 	if !ok {
 		return
 	}
@@ -80,12 +83,12 @@ func (c *Console) confirmRelease(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, err)
 		return
 	}
-	c.render(w, r, "release", "Release a held key", releaseData{Release: rel, KeyHex: hex.EncodeToString(key)})
+	c.render(w, r, "release", "Release a held key", releaseData{Release: rel, KeySHA256: keySHA256(key)})
 }
 
 // release releases a held key in the name of the signed-in operator and shows what it did.
 func (c *Console) release(w http.ResponseWriter, r *http.Request) {
-	topic, partition, key, ok := heldKeyOf(w, r)
+	topic, partition, key, ok := c.heldKeyOf(w, r)
 	if !ok {
 		return
 	}
@@ -95,12 +98,12 @@ func (c *Console) release(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, err)
 		return
 	}
-	c.render(w, r, "release", "Key released", releaseData{Release: rel, KeyHex: hex.EncodeToString(key)})
+	c.render(w, r, "release", "Key released", releaseData{Release: rel, KeySHA256: keySHA256(key)})
 }
 
-// heldKeyOf reads the held key a posted form names (topic, partition, key_hex); a bad one gets
-// 400.
-func heldKeyOf(w http.ResponseWriter, r *http.Request) (topic string, partition int32, key []byte, ok bool) {
+// heldKeyOf reads the held key a posted form names (topic, partition, and key_sha256, the hex of
+// its SHA-256, or key_hex, the key itself); a bad one gets 400.
+func (c *Console) heldKeyOf(w http.ResponseWriter, r *http.Request) (topic string, partition int32, key []byte, ok bool) {
 	if err := r.ParseForm(); err != nil {
 		http.Error(w, err.Error(), http.StatusBadRequest)
 		return "", 0, nil, false
@@ -111,9 +114,27 @@ func heldKeyOf(w http.ResponseWriter, r *http.Request) (topic string, partition 
 		http.Error(w, "topic and partition: want a topic and a partition number", http.StatusBadRequest)
 		return "", 0, nil, false
 	}
+	if h := r.PostForm.Get("key_sha256"); h != "" {
+		hash, err := hex.DecodeString(h)
+		if err != nil || len(hash) != sha256.Size {
+			http.Error(w, "key_sha256: want the key's SHA-256 in hex", http.StatusBadRequest)
+			return "", 0, nil, false
+		}
+		if key, err = c.cfg.Ops.KeyByHash(r.Context(), topic, int32(p), hash); err != nil {
+			c.fail(w, r, err)
+			return "", 0, nil, false
+		}
+		return topic, int32(p), key, true
+	}
 	if key, err = hex.DecodeString(r.PostForm.Get("key_hex")); err != nil {
 		http.Error(w, "key_hex: want the key in hex", http.StatusBadRequest)
 		return "", 0, nil, false
 	}
 	return topic, int32(p), key, true
+}
+
+// keySHA256 is the hex of key's SHA-256, as held_keys has it.
+func keySHA256(key []byte) string {
+	h := sha256.Sum256(key)
+	return hex.EncodeToString(h[:])
 }

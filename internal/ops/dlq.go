@@ -92,11 +92,14 @@ func (f Filter) where(args *[]any) string {
 // DeadLetter is a dead_letters row. Value and Headers are read by Show only; List gives
 // ValueSize.
 type DeadLetter struct {
-	ID              int64     `json:"id"`
-	Topic           string    `json:"topic"`
-	Partition       int32     `json:"partition"`
-	Offset          int64     `json:"offset"`
-	Key             []byte    `json:"key"`
+	ID        int64  `json:"id"`
+	Topic     string `json:"topic"`
+	Partition int32  `json:"partition"`
+	Offset    int64  `json:"offset"`
+	Key       []byte `json:"key"`
+	KeySize   int    `json:"key_size"`
+	// KeyTruncated: Key is the key's first ListedKeyBytes (in a list; Show gives it whole).
+	KeyTruncated    bool      `json:"key_truncated,omitempty"`
 	Value           []byte    `json:"value,omitempty"`
 	ValueSize       int       `json:"value_size"`
 	Headers         []Header  `json:"headers,omitempty"`
@@ -129,16 +132,30 @@ type Event struct {
 	Message string    `json:"error_message,omitempty"`
 }
 
-const listColumns = `d.id, d.topic, d.partition, d."offset", d.key, coalesce(octet_length(d.value), 0), d."timestamp",
-	d.error_class, d.error_message, d.attempts, d.first_failed_at, d.dead_lettered_at, d.status, d.status_changed_at, d.replays`
+// ListedKeyBytes and ListedMessageBytes bound what a list reads of each dead letter's key and
+// error message (Show reads them whole): a list costs its limit times a few kilobytes, whatever
+// the records (a list of 51 dead letters with 900 KB keys took 46 MB a page).
+const (
+	ListedKeyBytes     = 1024
+	ListedMessageBytes = 2048
+)
+
+var listColumns = `d.id, d.topic, d.partition, d."offset", substring(d.key from 1 for ` + strconv.Itoa(ListedKeyBytes) + `), octet_length(d.key),
+	coalesce(octet_length(d.value), 0), d."timestamp", d.error_class, left(d.error_message, ` + strconv.Itoa(ListedMessageBytes) + `),
+	d.attempts, d.first_failed_at, d.dead_lettered_at, d.status, d.status_changed_at, d.replays`
 
 func scanList(rows pgx.Rows) ([]DeadLetter, error) {
 	var out []DeadLetter
 	var dl DeadLetter
 	var ms int64
-	_, err := pgx.ForEachRow(rows, []any{&dl.ID, &dl.Topic, &dl.Partition, &dl.Offset, &dl.Key, &dl.ValueSize, &ms,
+	var keySize *int
+	_, err := pgx.ForEachRow(rows, []any{&dl.ID, &dl.Topic, &dl.Partition, &dl.Offset, &dl.Key, &keySize, &dl.ValueSize, &ms,
 		&dl.Class, &dl.Message, &dl.Attempts, &dl.FirstFailedAt, &dl.DeadLetteredAt, &dl.Status, &dl.StatusChangedAt, &dl.Replays}, func() error {
 		dl.Timestamp = time.UnixMilli(ms).UTC()
+		if keySize != nil {
+			dl.KeySize = *keySize
+			dl.KeyTruncated = *keySize > len(dl.Key)
+		}
 		out = append(out, dl)
 		dl = DeadLetter{}
 		return nil
@@ -226,10 +243,12 @@ func (o *Ops) Show(ctx context.Context, id int64) (DeadLetter, error) {
 	}
 	dl := found[0]
 	var hkeys, hvals [][]byte
-	err = o.pool.QueryRow(ctx, `SELECT d.value, d.header_keys, d.header_values,
+	// Whole, unlike a list: its key and error message too.
+	err = o.pool.QueryRow(ctx, `SELECT d.key, d.error_message, d.value, d.header_keys, d.header_values,
 			EXISTS (SELECT 1 FROM `+o.table("held_keys")+` h WHERE h.consumer_group = d.consumer_group AND h.topic = d.topic
 				AND h.partition = d.partition AND h.key_hash = d.key_hash AND h.key = d.key AND h.state = 'blocked' AND h.head_offset = d."offset")
-		FROM `+o.table("dead_letters")+` d WHERE d.id = $1`, id).Scan(&dl.Value, &hkeys, &hvals, &dl.BlocksKey)
+		FROM `+o.table("dead_letters")+` d WHERE d.id = $1`, id).Scan(&dl.Key, &dl.Message, &dl.Value, &hkeys, &hvals, &dl.BlocksKey)
+	dl.KeyTruncated = false
 	if err != nil {
 		return dl, fmt.Errorf("read dead letter %d: %w", id, err)
 	}

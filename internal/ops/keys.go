@@ -5,7 +5,9 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/hex"
+	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 	"unicode"
@@ -21,8 +23,13 @@ import (
 type HeldKey struct {
 	Topic     string `json:"topic"`
 	Partition int32  `json:"partition"`
-	Key       []byte `json:"key"`
-	KeyText   string `json:"key_text"` // Key for people (KeyText)
+	// Key is the key's first ListedKeyBytes (KeyTruncated says when there is more; KeySize is its
+	// length, KeyHash its SHA-256, which names it whole: KeyByHash).
+	Key          []byte `json:"key"`
+	KeySize      int    `json:"key_size"`
+	KeyTruncated bool   `json:"key_truncated,omitempty"`
+	KeyHash      []byte `json:"key_sha256"`
+	KeyText      string `json:"key_text"` // Key for people (KeyText)
 	// State is retrying (the head is in a retry tier), blocked (the head was dead-lettered and
 	// waits for an operator) or ready (the head is settled; the held records are being applied).
 	State string `json:"state"`
@@ -40,7 +47,8 @@ type HeldKey struct {
 // heldKeySQL selects held keys (alias h) with what Why needs: the head's retry state and, for a
 // blocked key, its dead letter. where adds conditions; $1 is the group.
 func (o *Ops) heldKeySQL(where, tail string) string {
-	return `SELECT h.topic, h.partition, h.key, h.state, h.head_offset, h.held_since, h.updated_at,
+	return `SELECT h.topic, h.partition, substring(h.key from 1 for ` + strconv.Itoa(ListedKeyBytes) + `), octet_length(h.key), h.key_hash,
+			h.state, h.head_offset, h.held_since, h.updated_at,
 			(SELECT count(*) FROM ` + o.table("held_records") + ` r WHERE r.consumer_group = h.consumer_group AND r.topic = h.topic
 				AND r.partition = h.partition AND r.key_hash = h.key_hash AND r.key = h.key),
 			rt.attempt, rt.tier, rt.due_at, rt.error_class, rt.error_message, d.id, d.error_class, d.status
@@ -60,8 +68,9 @@ func (o *Ops) scanHeldKeys(rows pgx.Rows) ([]HeldKey, error) {
 	var due *time.Time
 	var class, msg, dlClass, dlStatus *string
 	var dlID *int64
-	_, err := pgx.ForEachRow(rows, []any{&k.Topic, &k.Partition, &k.Key, &k.State, &k.HeadOffset, &k.Since, &k.UpdatedAt, &k.Held,
+	_, err := pgx.ForEachRow(rows, []any{&k.Topic, &k.Partition, &k.Key, &k.KeySize, &k.KeyHash, &k.State, &k.HeadOffset, &k.Since, &k.UpdatedAt, &k.Held,
 		&attempt, &tier, &due, &class, &msg, &dlID, &dlClass, &dlStatus}, func() error {
+		k.KeyTruncated = k.KeySize > len(k.Key)
 		k.KeyText = KeyText(k.Key)
 		head := int64(-1)
 		if k.HeadOffset != nil {
@@ -105,6 +114,24 @@ func (o *Ops) Keys(ctx context.Context, limit int) ([]HeldKey, error) {
 		return nil, fmt.Errorf("read held keys: %w", err)
 	}
 	return keys, nil
+}
+
+// KeyByHash returns the whole key of topic's partition whose SHA-256 is hash, as held_keys keeps
+// it (HeldKey.KeyHash): how a page that shows the keys' first bytes names one for a release.
+func (o *Ops) KeyByHash(ctx context.Context, topic string, partition int32, hash []byte) ([]byte, error) {
+	if err := text("topic", topic); err != nil {
+		return nil, err
+	}
+	var key []byte
+	err := o.pool.QueryRow(ctx, `SELECT key FROM `+o.table("held_keys")+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = $4`,
+		o.group, topic, partition, hash).Scan(&key)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, fmt.Errorf("%w: no held key of %s[%d] has that SHA-256: there is nothing to release (%w)", ErrUsage, topic, partition, ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read held key: %w", err)
+	}
+	return key, nil
 }
 
 // heldKey reads one held key in q, locking its row if lock; ErrNotFound if the key is not held.
