@@ -3,6 +3,7 @@ package retrytopics
 import (
 	"context"
 	"fmt"
+	"regexp"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -23,8 +24,10 @@ import (
 // to keep.
 //
 // It returns the ids it queued; the others were not new (replaying, replayed, discarded), do
-// not exist, or are lost records whose value Postgres never had (see ReleaseStuck), and are left
-// alone. task, if not 0, names the task that replays them.
+// not exist, are lost records whose value Postgres never had (see ReleaseStuck), or are records
+// of a retry tier's topic itself (produced there by hand, or with kafkapg's headers garbled: they
+// were handled as records of their own, under the tier's coordinates, which no processor applies
+// held records of), and are left alone. task, if not 0, names the task that replays them.
 func (s *Store) Replay(ctx context.Context, tx pgx.Tx, ids []int64, task int64) (queued []int64, err error) {
 	if len(ids) == 0 {
 		return nil, nil
@@ -40,7 +43,8 @@ func (s *Store) Replay(ctx context.Context, tx pgx.Tx, ids []int64, task int64) 
 	}
 	rows, err := tx.Query(ctx, `SELECT id FROM `+s.deadLetters+`
 		WHERE consumer_group = $1 AND id = ANY($2) AND status = 'new' AND NOT (error_class = 'lost' AND value IS NULL)
-		ORDER BY id FOR UPDATE`, s.group, ids)
+		AND topic !~ $3
+		ORDER BY id FOR UPDATE`, s.group, ids, TierTopicPattern(s.group))
 	if err != nil {
 		return nil, fmt.Errorf("replay: lock dead letters: %w", err)
 	}
@@ -75,6 +79,12 @@ func (s *Store) Replay(ctx context.Context, tx pgx.Tx, ids []int64, task int64) 
 		return nil, fmt.Errorf("replay %d dead letters: %w", len(queued), err)
 	}
 	return queued, nil
+}
+
+// TierTopicPattern is a regular expression (Postgres's and Go's) that the names of group's retry
+// tiers match, and no source topic of it may (processor.Config refuses one).
+func TierTopicPattern(group string) string {
+	return `\.` + regexp.QuoteMeta(group) + `\.retry\.[0-9]+$`
 }
 
 // keylessKey is the key a replayed record without a key waits under: one of its own, from its

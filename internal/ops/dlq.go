@@ -301,8 +301,11 @@ type Preview struct {
 	Keyed int64 `json:"keyed"`
 	// Lost is how many of them are records lost in the retry path (class lost), whose value
 	// Postgres never had: a replay leaves them alone.
-	Lost  int64    `json:"lost"`
-	Notes []string `json:"notes"`
+	Lost int64 `json:"lost"`
+	// OfTiers is how many of them are records of a retry tier's topic itself (not kafkapg's
+	// copies: their headers were missing): a replay leaves them alone too.
+	OfTiers int64    `json:"of_tiers"`
+	Notes   []string `json:"notes"`
 }
 
 // actionable returns f for the dead letters an action may act on: the new ones.
@@ -355,10 +358,12 @@ func (o *Ops) Preview(ctx context.Context, act Action, f Filter, sample int) (Pr
 	}
 	args := []any{o.group}
 	where := nf.where(&args)
+	args = append(args, retrytopics.TierTopicPattern(o.group))
 	err = o.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE d.key IS NOT NULL), count(*) FILTER (WHERE d.error_class = 'lost' AND d.value IS NULL),
 			count(*) FILTER (WHERE EXISTS (SELECT 1 FROM `+o.table("held_keys")+` h WHERE h.consumer_group = d.consumer_group AND h.topic = d.topic
-				AND h.partition = d.partition AND h.key_hash = d.key_hash AND h.key = d.key AND h.state = 'blocked' AND h.head_offset = d."offset"))
-		FROM `+o.table("dead_letters")+` d WHERE `+where, args...).Scan(&p.Keyed, &p.Lost, &p.BlockingKeys)
+				AND h.partition = d.partition AND h.key_hash = d.key_hash AND h.key = d.key AND h.state = 'blocked' AND h.head_offset = d."offset")),
+			count(*) FILTER (WHERE d.topic ~ $`+strconv.Itoa(len(args))+`)
+		FROM `+o.table("dead_letters")+` d WHERE `+where, args...).Scan(&p.Keyed, &p.Lost, &p.BlockingKeys, &p.OfTiers)
 	if err != nil {
 		return p, fmt.Errorf("preview: %w", err)
 	}
@@ -374,6 +379,10 @@ func (o *Ops) Preview(ctx context.Context, act Action, f Filter, sample int) (Pr
 		}
 		if p.Lost > 0 {
 			p.Notes = append(p.Notes, fmt.Sprintf("%d of them were lost in the retry path (class lost): Postgres never had their value, so a replay leaves them alone; read them from the source topic at their coordinates", p.Lost))
+		}
+		if p.OfTiers > 0 {
+			p.Notes = append(p.Notes, fmt.Sprintf("%d of them are records of a retry tier's topic itself, without kafkapg's headers (produced there by hand, or garbled): "+
+				"no processor applies a tier's own records, so a replay leaves them alone; produce them to their source topic again, or discard them", p.OfTiers))
 		}
 		p.Notes = append(p.Notes, "a replayed record that fails again goes round the retry tiers and, if it still fails, back into its own dead_letters row (status new)")
 	}

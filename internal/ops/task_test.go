@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -265,5 +266,36 @@ func TestTaskFilterOnTheEmptyKey(t *testing.T) {
 	}
 	if n := count(t, pool, `SELECT count(*) FROM kafkapg.dead_letters WHERE status = 'discarded'`); n != 2 {
 		t.Errorf("%d dead letters discarded in all; want 2", n)
+	}
+}
+
+// TestReplayLeavesTierRecordsAlone: a record of a retry tier's topic without kafkapg's headers
+// (produced there by hand) is handled as one of its own and dead-lettered under the tier's topic;
+// a replay put it in held_records under that topic, which no processor applies: it stayed
+// replaying for ever. The dry run now says so, and the task leaves it alone.
+func TestReplayLeavesTierRecordsAlone(t *testing.T) {
+	pool, o := deadLetters(t, 3)
+	ctx := context.Background()
+	var id int64
+	if err := pool.QueryRow(ctx, `INSERT INTO kafkapg.dead_letters (consumer_group, topic, partition, "offset", key, value, "timestamp", error_class, error_message, attempts, first_failed_at)
+		VALUES ($1, 't.g.retry.1', 0, 7, 'k', 'v', 0, 'permanent', 'not ours', 1, now()) RETURNING id`, group).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	p, err := o.Preview(ctx, ops.Replay, ops.Filter{}, 10)
+	if err != nil || p.OfTiers != 1 || !strings.Contains(strings.Join(p.Notes, "\n"), "records of a retry tier's topic itself") {
+		t.Fatalf("Preview = %+v, %v; want the tier's record named as left alone", p, err)
+	}
+	task, err := o.StartTask(ctx, ops.Replay, ops.Filter{}, tester, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if task, err = o.RunTask(ctx, task.ID, "r", nil); err != nil || task.Done != 3 || task.Skipped != 1 {
+		t.Fatalf("replay: %+v, %v; want 3 done and the tier's record skipped", task, err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM kafkapg.dead_letters WHERE id = $1 AND status = 'new'`, id); n != 1 {
+		t.Errorf("the tier's record is no longer new: a replay took it")
+	}
+	if n := count(t, pool, `SELECT count(*) FROM kafkapg.held_records WHERE topic = 't.g.retry.1'`); n != 0 {
+		t.Errorf("%d held records under the tier's topic; no processor would apply them", n)
 	}
 }
