@@ -57,7 +57,10 @@ func TestShutdownBoundHoldsForAStuckHandler(t *testing.T) {
 	code := c.Wait(t, 20*time.Second)
 	took := time.Since(start)
 	t.Logf("SIGTERM to exit: %v (status %d)", took.Round(time.Millisecond), code)
-	if took > 3*time.Second+time.Second {
+	// The service gives up on what is stuck at SHUTDOWN_TIMEOUT; exiting (a race-detector binary,
+	// on a machine busy with the rest of the suite) and seeing the exit from here take a moment
+	// more. Before, it took until the handler returned: a minute.
+	if took > 3*time.Second+2*time.Second {
 		t.Errorf("the process exited %v after SIGTERM; SHUTDOWN_TIMEOUT is 3s", took.Round(time.Millisecond))
 	}
 	if code != 0 {
