@@ -3,6 +3,7 @@ package processor_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -108,5 +109,92 @@ func TestStuckPartitionLeavesBudget(t *testing.T) {
 		if applied != 0 {
 			t.Errorf("%d records of the hung partition applied", applied)
 		}
+	})
+}
+
+// TestWaitingTierRecordsDoNotStarveSources: after a restart, each retry-tier partition with a
+// backlog whose first record is due in an hour received a whole fetch, kept it (paused, waiting
+// for the due time) and counted it against the budget: a few of them filled MAX_BUFFERED_BYTES
+// (it held about three times its size), the poll loop waited in the budget, and no source
+// partition was fetched until the tier's records came due: 0 of 160 fresh records were applied
+// in 30 s. Records that are not due must never keep due ones from being fetched, and the budget
+// must hold (overshot by one poll at most).
+func TestWaitingTierRecordsDoNotStarveSources(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		const partitions, budget = 8, 1 << 20
+		h := newHarness(t, k, partitions)
+		if _, err := h.Pool.Exec(context.Background(), `CREATE TABLE budget_applied (partition int, "offset" bigint, PRIMARY KEY (partition, "offset"))`); err != nil {
+			t.Fatal(err)
+		}
+		handler := processor.BatchHandlerFunc(func(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
+			for i, r := range recs {
+				if bytes.HasPrefix(r.Value, []byte("later")) {
+					return processor.RecordFailed(i, errors.New("not now"))
+				}
+			}
+			rows := make([][]any, len(recs))
+			for i, r := range recs {
+				rows[i] = []any{r.Partition, r.Offset}
+			}
+			_, err := tx.CopyFrom(ctx, pgx.Identifier{"budget_applied"}, []string{"partition", "offset"}, pgx.CopyFromRows(rows))
+			return err
+		})
+		config := func() *processor.Config {
+			cfg := h.Config(handler)
+			cfg.MaxBufferedBytes = budget
+			cfg.RetryTiers = []time.Duration{time.Hour}
+			cfg.LocalAttempts = 1
+			cfg.BreakerDisabled = true
+			return cfg
+		}
+		produce := func(prefix string, perPartition int) {
+			cl := k.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner()))
+			var recs []*kgo.Record
+			for p := range int32(partitions) {
+				for i := range perPartition {
+					recs = append(recs, &kgo.Record{Topic: h.Topic, Partition: p, Key: fmt.Appendf(nil, "%s-%d-%d", prefix, p, i),
+						Value: append([]byte(prefix), bytes.Repeat([]byte("v"), 2048)...)})
+				}
+			}
+			if err := cl.ProduceSync(context.Background(), recs...).FirstErr(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// Twice the budget waits in the tier, for an hour.
+		produce("later", 2*budget/2048/partitions)
+		a := h.Start(config())
+		want := 2 * budget / 2048 / partitions * partitions
+		testenv.Eventually(t, 60*time.Second, func() error {
+			var n int
+			if err := h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.retries WHERE consumer_group = $1`, h.Group).Scan(&n); err != nil {
+				return err
+			}
+			if n < want {
+				return fmt.Errorf("%d of %d records in the tier", n, want)
+			}
+			return nil
+		})
+		a.Stop(t) // a deploy
+
+		b := h.Start(config())
+		time.Sleep(2 * time.Second) // the tier's partitions are fetched, and wait
+		produce("fresh", 20)
+		var most float64
+		testenv.Eventually(t, 30*time.Second, func() error {
+			most = max(most, b.Gauge("kafkapg_buffered_bytes"))
+			var n int
+			if err := h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM budget_applied`).Scan(&n); err != nil {
+				return err
+			}
+			if n < 20*partitions {
+				return fmt.Errorf("%d of %d fresh records applied, %.0f bytes buffered", n, 20*partitions, b.Gauge("kafkapg_buffered_bytes"))
+			}
+			return nil
+		})
+		if most > 2*budget {
+			t.Errorf("buffered up to %.0f bytes with MaxBufferedBytes %d", most, budget)
+		}
+		t.Logf("the most buffered while the fresh records were applied: %.0f bytes (budget %d)", most, budget)
 	})
 }

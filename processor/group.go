@@ -224,12 +224,25 @@ func (p *Processor) poll(ctx context.Context, cl *kgo.Client) {
 		if !p.buf.wait(ctx) {
 			return
 		}
-		fetches := cl.PollRecords(ctx, maxPoll)
+		// A rewind wakes the poll (p.rewind), which may wait for records that do not come.
+		pctx, wake := context.WithCancel(ctx)
+		p.mu.Lock()
+		p.wakePoll = wake
+		rewinds := len(p.rewinds) > 0
+		p.mu.Unlock()
+		if rewinds {
+			wake()
+		}
+		fetches := cl.PollRecords(pctx, maxPoll)
+		wake()
 		if ctx.Err() != nil || fetches.IsClientClosed() {
 			cl.AllowRebalance()
 			return
 		}
 		fetches.EachError(func(topic string, partition int32, err error) {
+			if errors.Is(err, context.Canceled) {
+				return // woken
+			}
 			p.log.Warn("fetch error", "topic", topic, "partition", partition, "err", err)
 		})
 		fetches.EachPartition(func(ftp kgo.FetchTopicPartition) {
@@ -240,8 +253,50 @@ func (p *Processor) poll(ctx context.Context, cl *kgo.Client) {
 				w.push(ftp.Records)
 			}
 		})
+		// While no revoke can run (before AllowRebalance), as franz-go wants for SetOffsets.
+		p.applyRewinds(cl)
 		// Rebalance callbacks wait for this: a revoke never races with handing out records.
 		cl.AllowRebalance()
+	}
+}
+
+// rewindReq is a worker's request to fetch its partition again from offset.
+type rewindReq struct {
+	w      *worker
+	offset int64
+}
+
+// rewind asks the poll loop to move w's partition's fetch back to offset (see
+// worker.dropWaiting), and wakes it.
+func (p *Processor) rewind(w *worker, offset int64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.rewinds == nil {
+		p.rewinds = map[offsets.Partition]rewindReq{}
+	}
+	p.rewinds[w.tp] = rewindReq{w, offset}
+	if p.wakePoll != nil {
+		p.wakePoll()
+	}
+}
+
+// applyRewinds moves the fetch of the partitions whose workers asked for it back, and resumes
+// them. A request of a worker that has since been replaced (its partition revoked) is dropped:
+// the new owner fetches from its own position.
+func (p *Processor) applyRewinds(cl *kgo.Client) {
+	p.mu.Lock()
+	reqs := p.rewinds
+	p.rewinds = nil
+	var live []rewindReq
+	for tp, r := range reqs {
+		if p.workers[tp] == r.w {
+			live = append(live, r)
+		}
+	}
+	p.mu.Unlock()
+	for _, r := range live {
+		cl.SetOffsets(map[string]map[int32]kgo.EpochOffset{r.w.tp.Topic: {r.w.tp.Partition: {Epoch: -1, Offset: r.offset}}})
+		r.w.rewound()
 	}
 }
 

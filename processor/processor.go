@@ -83,6 +83,10 @@ type Processor struct {
 
 	mu      sync.Mutex
 	workers map[offsets.Partition]*worker
+	// rewinds are the partitions whose fetch the poll loop must move back (worker.dropWaiting);
+	// wakePoll wakes the poll it waits in.
+	rewinds  map[offsets.Partition]rewindReq
+	wakePoll context.CancelFunc
 }
 
 // New returns a Processor that applies records to pool. Call Migrate (or run `processor migrate`)

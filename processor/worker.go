@@ -52,7 +52,14 @@ type worker struct {
 	paused     bool      // fetching from the partition is paused (full or waiting)
 	busy       bool      // the partition holds records (queued or in flight): counted in Processor.busy
 	closed     bool      // no more records are accepted
-	wake       chan struct{}
+	// dropped: the queued records of a retry tier, none due for a while, were dropped, to be
+	// fetched again from rewindTo at dueAt (see dropWaiting): records fetched meanwhile are
+	// dropped too, until the poll loop has moved the partition's fetch back (rewound).
+	dropped   bool
+	rewinding bool // the rewind was asked for
+	rewindTo  int64
+	dueAt     time.Time
+	wake      chan struct{}
 
 	stopping chan struct{} // closed by stop: finish the transaction in flight, start nothing new
 	stopOnce sync.Once
@@ -91,7 +98,7 @@ func (w *worker) push(fetched []*kgo.Record) {
 	n := costOf(recs)
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.closed {
+	if w.closed || w.dropped { // dropped: they are fetched again after the rewind
 		return
 	}
 	if len(w.queue) == 0 {
@@ -161,7 +168,7 @@ func (w *worker) take() []*kgo.Record {
 		}
 	}()
 	for {
-		wait := time.Duration(-1)
+		wait, rewindTo := time.Duration(-1), int64(-1)
 		w.mu.Lock()
 		if n := len(w.queue); n > 0 {
 			limit := w.p.cfg.BatchMaxRecords
@@ -178,6 +185,9 @@ func (w *worker) take() []*kgo.Record {
 			case ready == 0:
 				w.prog.idle() // nothing is due
 				wait = max(time.Until(nextDue), time.Millisecond)
+				if wait > tierHold {
+					w.dropWaiting(nextDue)
+				}
 			case ready >= limit || ready < n || linger <= 0 || !w.p.dbBusy():
 				batch := w.queue[:ready:ready]
 				w.queue = w.queue[ready:]
@@ -202,8 +212,18 @@ func (w *worker) take() []*kgo.Record {
 			}
 		} else {
 			w.prog.idle()
+			if w.dropped && !w.rewinding {
+				if wait = time.Until(w.dueAt); wait <= 0 {
+					w.rewinding, wait = true, -1
+					rewindTo = w.rewindTo
+				}
+			}
 		}
 		w.mu.Unlock()
+		if rewindTo >= 0 {
+			// Not under w.mu: the processor's lock is taken before a worker's, never after.
+			w.p.rewind(w, rewindTo)
+		}
 		var timeout <-chan time.Time
 		if wait >= 0 {
 			if timer == nil {
@@ -225,6 +245,37 @@ func (w *worker) take() []*kgo.Record {
 // busyRecheck is how often a partition waiting for its batch to fill looks whether Postgres is
 // still busy.
 const busyRecheck = 2 * time.Millisecond
+
+// tierHold is how long a retry tier's partition keeps records none of which is due: records due
+// later than that are dropped and fetched again when they are (dropWaiting). Kept, a tier's
+// partitions with backlogs due in an hour held the buffer budget for that hour, and no source
+// partition was fetched meanwhile.
+const tierHold = time.Second
+
+// dropWaiting drops the queued records of a retry tier's partition, the first of which is due at
+// due, none before: their budget is released, fetching stays paused, and at due the poll loop
+// moves the partition's fetch back to the first of them (Processor.rewind). w.mu is held.
+func (w *worker) dropWaiting(due time.Time) {
+	if w.dropped || len(w.queue) == 0 {
+		return
+	}
+	w.rewindTo, w.dueAt, w.dropped = w.queue[0].Offset, due, true
+	n := w.queuedCost
+	w.queue, w.queuedCost, w.full = nil, 0, false
+	w.syncBusy()
+	w.syncPause() // still paused: waiting
+	w.p.buf.release(n)
+	w.log.Debug("records of the retry tier are not due for a while; dropped from memory, to be fetched again when due",
+		"from_offset", w.rewindTo, "due_at", due)
+}
+
+// rewound says the poll loop moved the partition's fetch back to rewindTo: fetching resumes.
+func (w *worker) rewound() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.dropped, w.rewinding, w.waiting = false, false, false
+	w.syncPause()
+}
 
 // dbBusy reports whether every connection of the pool is in use: a transaction would wait for
 // one.
