@@ -228,3 +228,70 @@ func TestIdempotencyKeys(t *testing.T) {
 		t.Errorf("kafkapg_idempotency_keys_pruned_total = %v, want at least 4 (K1, K3, KF, KG)", got)
 	}
 }
+
+// TestReplayAfterTheRetentionSkipsAnAppliedCopy: a dead letter whose copy (its idempotency key)
+// was applied is skipped when replayed, also when the replay comes later than
+// IDEMPOTENCY_RETENTION: the copy's key was pruned by age while the dead letter still referred to
+// it, and the replay applied the event a second time.
+func TestReplayAfterTheRetentionSkipsAnAppliedCopy(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	ctx := context.Background()
+	cfg := h.Config(ledger.Handler{})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader("idem")}}
+	cfg.IdempotencyRetention = 2 * time.Second
+	r := h.Start(cfg)
+	rec := func(id, idem string, fail int) *kgo.Record {
+		return &kgo.Record{Topic: h.Topic, Key: []byte("a"), Headers: []kgo.RecordHeader{{Key: "idem", Value: []byte(idem)}},
+			Value: fmt.Appendf(nil, `{"event_id":%q,"account":"a","amount":1,"seq":1,"fail_attempts":%d}`, id, fail)}
+	}
+	// g1 fails its only delivery and is dead-lettered; its fixed copy, with the same key, is applied.
+	k.Produce(t, rec("g1", "KG", 1), rec("g1-fixed", "KG", 0), rec("other", "KO", 0))
+	h.WaitApplied(2, 20*time.Second)
+	// Well past the retention: other keys are pruned meanwhile, not the one the dead letter shares.
+	testenv.Eventually(t, 30*time.Second, func() error {
+		if got := r.Counter("kafkapg_idempotency_keys_pruned_total"); got < 1 {
+			return fmt.Errorf("%v keys pruned", got)
+		}
+		return nil
+	})
+	time.Sleep(3 * time.Second)
+	o := ops.New(h.Pool, "kafkapg", h.Group)
+	task, err := o.StartTask(ctx, ops.Replay, ops.Filter{}, ops.Actor{Name: "tester", Reason: "fixed"}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := o.RunTask(ctx, task.ID, "test", nil); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 20*time.Second, func() error {
+		var replayed int
+		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.dead_letters WHERE consumer_group = $1 AND status = 'replayed'`, h.Group).Scan(&replayed); err != nil {
+			return err
+		}
+		if replayed != 1 {
+			return fmt.Errorf("%d dead letters replayed, want 1", replayed)
+		}
+		return nil
+	})
+	rows, _ := h.Pool.Query(ctx, `SELECT event_id FROM ledger_entries ORDER BY applied_order`)
+	entries, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"g1-fixed", "other"}; !slices.Equal(entries, want) {
+		t.Errorf("applied %q, want %q: the replayed g1 is a copy of g1-fixed, applied", entries, want)
+	}
+	// Once the dead letter is replayed, its key ages out like any other.
+	testenv.Eventually(t, 30*time.Second, func() error {
+		var n int
+		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.idempotency_keys WHERE consumer_group = $1`, h.Group).Scan(&n); err != nil {
+			return err
+		}
+		if n > 0 {
+			return fmt.Errorf("%d keys not pruned yet", n)
+		}
+		return nil
+	})
+}

@@ -154,8 +154,13 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 	p.dedupeSQL = `INSERT INTO ` + keys + ` (key_hash, consumer_group, topic, partition, "offset")
 		SELECT k, $1, $2, p, o FROM unnest($3::bytea[], $4::int4[], $5::int8[]) AS u(k, p, o)
 		ON CONFLICT DO NOTHING RETURNING key_hash`
-	p.pruneKeysSQL = `DELETE FROM ` + keys + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + keys + `
-		WHERE applied_at < now() - $2::interval AND consumer_group = $1 ORDER BY applied_at LIMIT 1000 FOR UPDATE SKIP LOCKED))`
+	// A key a dead letter that may still be replayed shares (a copy of it was applied) is kept:
+	// the replay must find it.
+	p.pruneKeysSQL = `DELETE FROM ` + keys + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + keys + ` k
+		WHERE applied_at < now() - $2::interval AND consumer_group = $1
+		AND NOT EXISTS (SELECT 1 FROM ` + pgx.Identifier{c.Schema, "dead_letters"}.Sanitize() + ` d WHERE d.consumer_group = $1
+			AND d.idempotency_key_hash = k.key_hash AND d.status IN ('new', 'replaying'))
+		ORDER BY applied_at LIMIT 1000 FOR UPDATE OF k SKIP LOCKED))`
 	p.sink = sink.New(pool, p.store, sink.Config{
 		Schema:        c.Schema,
 		TxIdleTimeout: c.TxIdleTimeout,

@@ -120,6 +120,13 @@ func (p *Processor) plan(rec *Record, source string, f failure) move {
 		FirstFailedAt: first,
 		Block:         pol.onDeadLetter == OnDeadLetterBlock,
 	}}
+	if pol.idempotencyKey != nil {
+		// A copy of it applied later must stay known for as long as it may be replayed.
+		if k, err := p.idempotencyKey(pol.idempotencyKey, rec); err == nil && k != nil {
+			h := p.keyHash(source, k)
+			m.IdempotencyKeyHash = h[:]
+		}
+	}
 	hf := retrytopics.Failure{
 		Topic:         rec.Topic,
 		Partition:     rec.Partition,

@@ -131,6 +131,10 @@ type Move struct {
 	// Block keeps the key held after a dead letter, until an operator releases it (DeadLetter
 	// only).
 	Block bool
+	// IdempotencyKeyHash is the hash of the record's idempotency key, as idempotency_keys has it,
+	// if its topic has one (DeadLetter only): while the dead letter may be replayed, that key is
+	// not pruned.
+	IdempotencyKeyHash []byte
 }
 
 // HeldKeys returns the keys of a source partition that are held, in any state, and the keys
@@ -332,16 +336,17 @@ func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
 	keys, vals := sink.SplitHeaders(m.Headers)
 	if _, err := tx.Exec(ctx, `WITH d AS (
 			INSERT INTO `+s.deadLetters+` AS d (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp",
-				error_class, error_message, attempts, first_failed_at)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+				error_class, error_message, attempts, first_failed_at, idempotency_key_hash)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
 			ON CONFLICT (consumer_group, topic, partition, "offset") DO UPDATE
 			SET status = 'new', status_changed_at = now(), dead_lettered_at = now(), error_class = EXCLUDED.error_class,
-				error_message = EXCLUDED.error_message, attempts = EXCLUDED.attempts
+				error_message = EXCLUDED.error_message, attempts = EXCLUDED.attempts,
+				idempotency_key_hash = coalesce(EXCLUDED.idempotency_key_hash, d.idempotency_key_hash)
 			RETURNING id)
 		INSERT INTO `+s.events+` (dead_letter_id, event, attempt, error_class, error_message)
 			SELECT id, 'dead_lettered', $12, $10, $11 FROM d`,
 		s.group, m.Topic, m.Partition, m.Offset, m.Key, m.Value, keys, vals, m.Timestamp.UnixMilli(),
-		m.Class, safetext.Text(m.Message, maxStoredMessage), m.Attempt, m.FirstFailedAt); err != nil {
+		m.Class, safetext.Text(m.Message, maxStoredMessage), m.Attempt, m.FirstFailedAt, m.IdempotencyKeyHash); err != nil {
 		return fmt.Errorf("store dead letter %s: %w", m.Origin, err)
 	}
 	if !m.Held {
