@@ -337,3 +337,43 @@ func TestBatchHandlerGetsOnePartitionInOrder(t *testing.T) {
 		t.Logf("%d HandleBatch calls, %d with more than one record", len(bc.calls), multi)
 	})
 }
+
+// TestTraceShowsTheWayThroughTheTiers: a record that failed twice and was applied from tier 2
+// was traced as only "applied (the partition's position passed it by T)", T being when it left
+// for tier 1: the tables forget the retry path of an applied record. Its copies in the tiers'
+// topics keep it, and the trace reads them.
+func TestTraceShowsTheWayThroughTheTiers(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 1)
+		cfg := h.Config(ledger.Handler{})
+		cfg.RetryTiers = []time.Duration{100 * time.Millisecond, 200 * time.Millisecond}
+		cfg.LocalAttempts = 1
+		h.Start(cfg)
+		h.Produce([]ledger.Item{testkit.Event("ok", "A", 1, 0, false), testkit.Event("twice", "B", 1, 2, false)})
+		h.WaitApplied(2, 30*time.Second)
+		o := ops.New(h.Pool, "kafkapg", h.Group)
+		res, err := o.Trace(context.Background(), ops.TraceQuery{Topic: h.Topic, Partition: 0, Offset: 1}, k.Client(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := res.Records[0]
+		var tiers []int
+		var steps []string
+		for _, s := range r.Steps {
+			steps = append(steps, s.Kind+": "+s.What)
+			if s.Kind == ops.StepTier {
+				tiers = append(tiers, s.Tier)
+			}
+		}
+		if r.State != ops.TraceApplied || !strings.HasPrefix(r.Now, "applied from retry tier 2") || !strings.Contains(r.Now, "at attempt 3") ||
+			!slices.Equal(tiers, []int{1, 2}) || len(res.Notes) != 0 {
+			t.Errorf("trace: %s %q, notes %q, steps:\n%s\nwant applied from tier 2 at attempt 3, through tiers 1 and 2", r.State, r.Now, res.Notes, strings.Join(steps, "\n"))
+		}
+		t.Logf("now: %s; steps:\n%s", r.Now, strings.Join(steps, "\n"))
+		res, err = o.Trace(context.Background(), ops.TraceQuery{Topic: h.Topic, Partition: 0, Offset: 0}, k.Client(t))
+		if err != nil || !strings.HasPrefix(res.Records[0].Now, "applied (the partition's position") {
+			t.Errorf("a record applied at its first delivery: %+v, %v", res.Records, err)
+		}
+	})
+}

@@ -213,6 +213,24 @@ func (o *Ops) Trace(ctx context.Context, q TraceQuery, kc *kgo.Client) (TraceRes
 	if err != nil {
 		return TraceResult{}, err
 	}
+	if kc != nil {
+		// How each got through the retry tiers: their topics keep the copies, with the failure
+		// each was sent there after, where the tables forget a record once it is applied.
+		since, want := map[int32]time.Time{}, map[traceOrigin]bool{}
+		for _, org := range origins {
+			at := f.producedAt(org, found[org])
+			if at.IsZero() {
+				continue
+			}
+			want[org] = true
+			if s, ok := since[org.partition]; !ok || at.Before(s) {
+				since[org.partition] = at
+			}
+		}
+		var notes []string
+		f.tiers, notes = o.tierHistory(kctx, kc, q.Topic, since, want)
+		res.Notes = append(res.Notes, notes...)
+	}
 	for _, org := range origins {
 		res.Records = append(res.Records, o.describe(q, org, f, found[org], bounds))
 	}
@@ -258,6 +276,20 @@ func topicBounds(ctx context.Context, kc *kgo.Client, topic string) (map[int32]l
 // built from kc's options, keeping those whose key is key (all of them if key is nil). It stops
 // when every range is read, ctx ends, or nothing arrives for a while, and says so in notes.
 func scanTopic(ctx context.Context, kc *kgo.Client, topic string, ranges map[int32][2]int64, key []byte) (recs []*kgo.Record, notes []string) {
+	notes = scanRanges(ctx, kc, topic, ranges, 0, func(r *kgo.Record) {
+		if key == nil || (r.Key != nil && string(r.Key) == string(key)) {
+			r.Value, r.Headers = nil, nil // only its coordinates, key and time are told
+			recs = append(recs, r)
+		}
+	})
+	return recs, notes
+}
+
+// scanRanges reads the records of topic in the offset ranges [from, to) of ranges with a consumer
+// built from kc's options, giving each to visit (which must not keep its value: the scan is
+// bounded by maxBytes of values, if not 0). It stops when every range is read, maxBytes is
+// reached, ctx ends, or nothing arrives for a while, and says so in notes.
+func scanRanges(ctx context.Context, kc *kgo.Client, topic string, ranges map[int32][2]int64, maxBytes int, visit func(*kgo.Record)) (notes []string) {
 	pending := map[int32]int64{}
 	at := map[int32]kgo.Offset{}
 	for p, r := range ranges {
@@ -267,18 +299,18 @@ func scanTopic(ctx context.Context, kc *kgo.Client, topic string, ranges map[int
 		}
 	}
 	if len(pending) == 0 {
-		return nil, nil
+		return nil
 	}
 	opts := append(slices.Clone(kc.Opts()),
 		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: at}),
 		kgo.FetchMaxWait(200*time.Millisecond))
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {
-		return nil, []string{fmt.Sprintf("%s could not be read: %s", topic, safetext.Text(err.Error(), 300))}
+		return []string{fmt.Sprintf("%s could not be read: %s", topic, safetext.Text(err.Error(), 300))}
 	}
 	defer cl.Close()
-	idle := 0
-	for len(pending) > 0 && ctx.Err() == nil && idle < 2 {
+	idle, read := 0, 0
+	for len(pending) > 0 && ctx.Err() == nil && idle < 2 && (maxBytes == 0 || read < maxBytes) {
 		pctx, cancel := context.WithTimeout(ctx, traceScanIdle)
 		fs := cl.PollFetches(pctx)
 		cancel()
@@ -303,10 +335,8 @@ func scanTopic(ctx context.Context, kc *kgo.Client, topic string, ranges map[int
 				return
 			}
 			got = true
-			if key == nil || (r.Key != nil && string(r.Key) == string(key)) {
-				r.Value, r.Headers = nil, nil // only its coordinates, key and time are told
-				recs = append(recs, r)
-			}
+			read += len(r.Value)
+			visit(r)
 			if r.Offset >= end-1 {
 				delete(pending, r.Partition)
 			}
@@ -320,7 +350,84 @@ func scanTopic(ctx context.Context, kc *kgo.Client, topic string, ranges map[int
 	for _, p := range slices.Sorted(maps.Keys(pending)) {
 		notes = append(notes, fmt.Sprintf("%s[%d] was not read to its end (offset %d) in time: its last records may be missing", topic, p, pending[p]))
 	}
-	return recs, notes
+	return notes
+}
+
+// tierCopy is a copy of a traced record found in the topic of one of its retry tiers: the
+// failure it was sent there after.
+type tierCopy struct {
+	tier int
+	f    retrytopics.Failure
+}
+
+// Bounds of the search of the retry tiers' topics for a record's copies (tierHistory).
+const (
+	traceMaxTiers  = 32       // tier topics looked for
+	traceTierBytes = 32 << 20 // of record values read per tier topic
+)
+
+// tierHistory finds, in the topics of topic's retry tiers, the copies of origins: how each got
+// through the tiers, which the tables forget once it is applied. since gives, per partition, the
+// earliest time one of origins was produced; copies are published later, to the same partition
+// number. What it could not read is in notes.
+func (o *Ops) tierHistory(ctx context.Context, kc *kgo.Client, topic string, since map[int32]time.Time, want map[traceOrigin]bool) (map[traceOrigin][]tierCopy, []string) {
+	if len(since) == 0 {
+		return nil, nil
+	}
+	names := make([]string, traceMaxTiers)
+	for n := range names {
+		names[n] = retrytopics.TierTopic(topic, o.group, n+1)
+	}
+	adm := kadm.NewClient(kc)
+	details, err := adm.ListTopics(ctx, names...)
+	if err != nil {
+		return nil, []string{fmt.Sprintf("the retry tiers' topics could not be listed (%s): the record's way through them is not shown", safetext.Text(err.Error(), 300))}
+	}
+	out := map[traceOrigin][]tierCopy{}
+	var notes []string
+	for n, tierTopic := range names {
+		if d, ok := details[tierTopic]; !ok || d.Err != nil {
+			continue
+		}
+		ends, err := adm.ListEndOffsets(ctx, tierTopic)
+		if err == nil {
+			err = ends.Error()
+		}
+		ranges := map[int32][2]int64{}
+		for p, at := range since {
+			var from kadm.ListedOffsets
+			if err == nil {
+				if from, err = adm.ListOffsetsAfterMilli(ctx, at.UnixMilli(), tierTopic); err == nil {
+					err = from.Error()
+				}
+			}
+			if err != nil {
+				break
+			}
+			f, ok1 := from.Lookup(tierTopic, p)
+			e, ok2 := ends.Lookup(tierTopic, p)
+			if ok1 && ok2 {
+				ranges[p] = [2]int64{f.Offset, e.Offset}
+			}
+		}
+		if err != nil {
+			notes = append(notes, fmt.Sprintf("%s could not be read (%s): the record's way through retry tier %d is not shown", tierTopic, safetext.Text(err.Error(), 300), n+1))
+			continue
+		}
+		notes = append(notes, scanRanges(ctx, kc, tierTopic, ranges, traceTierBytes, func(r *kgo.Record) {
+			f, err := retrytopics.ParseFailure(r.Headers)
+			org := traceOrigin{f.Partition, f.Offset}
+			if err == nil && f.Topic == topic && f.Group == o.group && want[org] {
+				out[org] = append(out[org], tierCopy{tier: n + 1, f: f})
+			}
+		})...)
+	}
+	for org, cs := range out {
+		// One copy per attempt: the relay publishes at least once.
+		slices.SortFunc(cs, func(a, b tierCopy) int { return cmp.Compare(a.f.Attempt, b.f.Attempt) })
+		out[org] = slices.CompactFunc(cs, func(a, b tierCopy) bool { return a.f.Attempt == b.f.Attempt })
+	}
+	return out, notes
 }
 
 // keyOrigins returns the records of q.Key in q.Topic that the retry path's tables keep, newest
@@ -391,6 +498,23 @@ type traceFacts struct {
 	outbox    map[traceOrigin][]traceCopy
 	releases  map[traceOrigin][]traceRelease
 	keys      []HeldKey // the held keys of the records' keys
+	// tiers are the copies of the records found in the retry tiers' topics (tierHistory).
+	tiers map[traceOrigin][]tierCopy
+}
+
+// producedAt is when the record org was produced, as its Kafka record (kr, if read) or the tables
+// say; zero if nothing does.
+func (f *traceFacts) producedAt(org traceOrigin, kr *kgo.Record) time.Time {
+	switch {
+	case kr != nil:
+		return kr.Timestamp
+	case f.dead[org].id != 0:
+		return time.UnixMilli(f.dead[org].timestamp)
+	}
+	if h, ok := f.held[org]; ok {
+		return time.UnixMilli(h.timestamp)
+	}
+	return time.Time{}
 }
 
 type tracePosition struct {
@@ -680,15 +804,33 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Rec
 
 	// How it got there, in the order of the record's way (the times come from the clocks of
 	// several processes and Postgres, which need not agree to the millisecond).
+	// Its way through the retry tiers, as their topics keep it (the tables forget it once it is
+	// applied): after its first failure, before it was dead-lettered or is in the tier it is in.
+	copiesInTiers := f.tiers[org]
+	tierSteps := func() {
+		for _, c := range copiesInTiers {
+			if inTier && c.f.Attempt >= rt.attempt-1 {
+				continue // the retries table says it, below
+			}
+			step(c.f.FailedAt, StepTier, "attempt %d failed (%s): sent to retry tier %d (%s), due %s", c.f.Attempt, errorText(c.f.Class, c.f.Message),
+				c.tier, retrytopics.TierTopic(q.Topic, o.group, c.tier), timeText(c.f.DueAt))
+			t.Steps[len(t.Steps)-1].Tier = c.tier
+		}
+	}
 	switch {
 	case dead:
 		step(dl.firstFailed, StepFailed, "first failed")
+		tierSteps()
 		t.Steps = append(t.Steps, dl.events...)
 		if len(dl.events) == 0 {
 			step(dl.deadLettered, StepDeadLettered, "dead-lettered at attempt %d (%s) as dead letter #%d", dl.attempts, errorText(dl.class, dl.message), dl.id)
 		}
 	case inTier:
 		step(rt.firstFailed, StepFailed, "first failed")
+		tierSteps()
+	case len(copiesInTiers) > 0:
+		step(copiesInTiers[0].f.FirstFailedAt, StepFailed, "first failed")
+		tierSteps()
 	}
 	tier := rt.tier
 	if inTier {
@@ -749,6 +891,13 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Rec
 		t.State, t.Now = TraceOutbox, strings.TrimPrefix(pendingCopies(o, q.Topic, copies), "; ")
 	default:
 		t.State, t.Now = o.position(org, f.positions[org.partition], bounds, step)
+		if n := len(copiesInTiers); n > 0 && t.State == TraceApplied {
+			last := copiesInTiers[n-1]
+			t.Now = fmt.Sprintf("applied from retry tier %d (%s), at attempt %d (its source partition's position passed it by %s, as it left for the tiers)",
+				last.tier, retrytopics.TierTopic(q.Topic, o.group, last.tier), last.f.Attempt+1, timeText(f.positions[org.partition].updatedAt))
+			t.Steps[len(t.Steps)-1].What = "the partition's position passed it, the record on its way through the retry tiers"
+			step(last.f.DueAt, StepApplied, "applied from retry tier %d at attempt %d (once due)", last.tier, last.f.Attempt+1)
+		}
 	}
 	return t
 }
