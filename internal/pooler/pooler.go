@@ -164,8 +164,11 @@ func sessions(ctx context.Context, a, b *pgx.Conn) (Kind, error) {
 // statement, necessarily elsewhere. Any failure, a wait (a pool of one session), or b never
 // getting that session says no.
 func keepsStatements(ctx context.Context, a, b *pgx.Conn) bool {
-	name := fmt.Sprintf("kafkapg_pooler_probe_%d", rand.Uint64())
 	for range 5 {
+		// A name of its own each time: a statement an earlier try prepared stays on the session
+		// it was prepared on (its DEALLOCATE may have run on another), and would answer for this
+		// one there.
+		name := fmt.Sprintf("kafkapg_pooler_probe_%d", rand.Uint64())
 		tx, err := a.Begin(ctx)
 		if err != nil {
 			return false
