@@ -467,3 +467,28 @@ func TestEmitRefusesTopicsKafkaRefuses(t *testing.T) {
 		t.Fatalf("%d outbox rows (%v), want the one valid emit", n, err)
 	}
 }
+
+// TestRelaySeesATopicCreatedSecondsAgo: the relay asked whether a topic exists through kadm,
+// which answers from the client's metadata cache: for seconds after its topic was created, a row
+// that had waited past the grace was set aside as for a missing topic. It asks the broker.
+func TestRelaySeesATopicCreatedSecondsAgo(t *testing.T) {
+	t.Parallel()
+	pool, k, _, out := outboxSetup(t)
+	ctx := context.Background()
+	late := k.TopicName(t) + "_created_late"
+	emit(t, pool, out, sink.Event{Topic: late, Key: []byte("k"), Value: []byte("waited")})
+	relay := sink.NewRelay(pool, k.Client(t, kgo.RecordPartitioner(sink.Partitioner())), sink.RelayConfig{Schema: "kafkapg", Group: "g",
+		MissingTopicGrace: time.Second})
+	if n, err := relay.Flush(ctx); n != 0 || err != nil {
+		t.Fatalf("Flush = %d, %v; want the record kept for its topic", n, err)
+	}
+	time.Sleep(1200 * time.Millisecond) // past the grace; the client's metadata is a second old
+	k.CreateTopicNamed(t, late, 1)
+	if n, err := relay.Flush(ctx); n != 1 || err != nil {
+		t.Fatalf("Flush once the topic exists = %d, %v; want the record published", n, err)
+	}
+	var aside int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.outbox WHERE refused_at IS NOT NULL`).Scan(&aside); err != nil || aside != 0 {
+		t.Errorf("%d rows set aside (%v); want none", aside, err)
+	}
+}
