@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"syscall"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -98,6 +101,22 @@ func Classify(err error) ErrorClass {
 		return ClassInfrastructure
 	}
 	return ClassRetryable
+}
+
+// lostConnection reports whether err, from one of kafkapg's own statements, is the connection to
+// Postgres failing under it (reset, closed mid-answer: io.ErrUnexpectedEOF), not an answer of
+// the server's. pgconn.SafeToRetry says no once the statement was sent, which is right for a
+// handler's call to elsewhere, but for kafkapg's own statements (retried in place, whatever the
+// class) the question is only whether it was Postgres: a failover or a cut must not count as an
+// internal error (kafkapg_internal_errors_total, a critical alert).
+func lostConnection(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return false
+	}
+	var netErr net.Error
+	return errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) || errors.As(err, &netErr) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNREFUSED)
 }
 
 // ErrorClassifier is an optional interface for a Handler that decides itself how its errors are

@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -388,6 +389,17 @@ func TestPostgresOutage(t *testing.T) {
 		h.Verify(items, 1, false)
 		if dl := k.ReadAll(t, h.DLQ()); len(dl) != 0 {
 			t.Fatalf("%d records dead-lettered during a postgres outage", len(dl))
+		}
+		// Connections cut mid-transaction are Postgres's failure, not kafkapg's own: no
+		// KafkapgInternalErrors alert for an outage.
+		mfs, err := cfg.Registerer.(*prometheus.Registry).Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() == "kafkapg_internal_errors_total" && mf.GetMetric()[0].GetCounter().GetValue() != 0 {
+				t.Errorf("kafkapg_internal_errors_total = %v after a postgres outage, want 0", mf.GetMetric()[0].GetCounter().GetValue())
+			}
 		}
 	})
 }

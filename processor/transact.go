@@ -94,7 +94,7 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 		}
 		failures++
 		cause := stallInfrastructure
-		if Classify(err) == ClassInfrastructure {
+		if Classify(err) == ClassInfrastructure || lostConnection(err) {
 			p.metrics.infraRetries.Inc()
 		} else {
 			cause = stallError
