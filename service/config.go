@@ -34,7 +34,7 @@ type dbEnv struct {
 type env struct {
 	dbEnv
 	kafkaSecurityEnv
-	KafkaBrokers          []string      `envconfig:"KAFKA_BROKERS" required:"true" field:"Brokers"`
+	KafkaBrokers          []string      `envconfig:"KAFKA_BROKERS" field:"Brokers"` // required by run: see validate
 	KafkaGroupID          string        `envconfig:"KAFKA_GROUP_ID" required:"true" field:"Group"`
 	KafkaTopics           []string      `envconfig:"KAFKA_TOPICS" field:"Topics"`
 	KafkaStartOffset      string        `envconfig:"KAFKA_START_OFFSET" default:"earliest" field:"StartOffset"`
@@ -170,6 +170,44 @@ func loadEnv(hs *registry) (*env, error) {
 		e.Handler = hs.names[0]
 	}
 	if err := errors.Join(append([]error{e.validate(hs)}, misspelt(environ())...)...); err != nil {
+		return nil, &configError{err}
+	}
+	return &e, nil
+}
+
+// loadOpsEnv reads the configuration an operator command (dlq, keys, trace) works with: the
+// database and the group are required, and whatever else is set is read and checked as for run.
+// What only run needs is not required: a command that reads Kafka says so when KAFKA_BROKERS is
+// unset (see opsCmd.kafka), and without KAFKA_TOPICS the commands take the group's topics from
+// Postgres (see operate). HANDLER is not needed: the commands apply nothing.
+func loadOpsEnv(hs *registry) (*env, error) {
+	var e env
+	if err := errors.Join(process(&e.dbEnv), process(&e.kafkaSecurityEnv), process(&e)); err != nil {
+		return nil, &configError{err}
+	}
+	e.KafkaBrokers = cleanList(e.KafkaBrokers)
+	e.KafkaTopics = cleanList(e.KafkaTopics)
+	errs := []error{e.dbEnv.validate()}
+	if strings.TrimSpace(e.KafkaGroupID) == "" {
+		errs = append(errs, errors.New("KAFKA_GROUP_ID is required: the commands act on that group's records"))
+	}
+	tiers, err := retrytopics.ParseTiers(e.RetryTiers)
+	if err != nil {
+		errs = append(errs, fmt.Errorf("RETRY_TIERS=%q: %w", e.RetryTiers, err))
+	}
+	e.tiers = tiers
+	if e.StallTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("STALL_TIMEOUT must be positive, got %v", e.StallTimeout))
+	}
+	opts, err := e.kafkaSecurityEnv.options()
+	errs = append(errs, err)
+	e.kafkaOpts = opts
+	if len(e.KafkaTopics) > 0 { // per-topic variables name topics of KAFKA_TOPICS
+		topics, err := topicEnv(e.KafkaTopics, hs)
+		errs = append(errs, err)
+		e.topics = topics
+	}
+	if err := errors.Join(append(errs, misspelt(environ())...)...); err != nil {
 		return nil, &configError{err}
 	}
 	return &e, nil

@@ -303,3 +303,38 @@ func TestOperatorOutputEscapesControls(t *testing.T) {
 		t.Errorf("the header key is not shown, escaped; output:\n%s", all.String())
 	}
 }
+
+// TestOperatorCommandsNeedOnlyWhatTheyUse: with DATABASE_URL and KAFKA_GROUP_ID alone (an
+// operator's laptop, not the service's pod), the commands that read Postgres run, in a binary
+// of several handlers; the group's topics come from Postgres; a command that reads Kafka names
+// KAFKA_BROKERS; without the group, the error says what it is for.
+func TestOperatorCommandsNeedOnlyWhatTheyUse(t *testing.T) {
+	dlqDB(t)
+	for _, k := range []string{"KAFKA_BROKERS", "KAFKA_TOPICS", "HANDLER"} {
+		t.Setenv(k, "")
+	}
+	if len(builtinHandlers) < 2 {
+		t.Fatalf("the test wants a binary of several handlers; builtinHandlers has %d", len(builtinHandlers))
+	}
+	for _, tt := range []struct {
+		code int
+		want string
+		args []string
+	}{
+		{0, "k3", []string{"dlq", "list"}},
+		{0, "orders  permanent  new     1", []string{"dlq", "list", "--summary"}},
+		{0, "value:      secret-value-2", []string{"dlq", "show", "2"}},
+		{0, "dry run: replay would act on 3 new dead letters", []string{"dlq", "replay"}},
+		{0, "", []string{"keys", "list"}},
+		{2, "KAFKA_BROKERS is required for this command: it reads records from Kafka", []string{"trace", "--topic", "orders", "--partition", "0", "--offset", "1"}},
+	} {
+		code, out, errOut := cli(tt.args...)
+		if code != tt.code || !strings.Contains(out+errOut, tt.want) {
+			t.Errorf("%q: exit %d, stdout:\n%s\nstderr:\n%s\nwant exit %d and %q", tt.args, code, out, errOut, tt.code, tt.want)
+		}
+	}
+	t.Setenv("KAFKA_GROUP_ID", "")
+	if code, _, errOut := cli("dlq", "list"); code != 2 || !strings.Contains(errOut, "KAFKA_GROUP_ID is required: the commands act on that group's records") {
+		t.Errorf("dlq list without the group: exit %d, %s", code, errOut)
+	}
+}

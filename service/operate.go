@@ -8,8 +8,12 @@ import (
 	"fmt"
 	"io"
 	"os/user"
+	"slices"
+	"strconv"
+	"strings"
 	"text/tabwriter"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -42,6 +46,9 @@ func newOpsCmd(prog string, e *env, pool *pgxpool.Pool, stdout, stderr io.Writer
 // kafka returns a client for the service's brokers (with its TLS and SASL settings), for
 // commands that read records; the caller closes it.
 func (c *opsCmd) kafka(extra ...kgo.Opt) (*kgo.Client, error) {
+	if len(c.env.KafkaBrokers) == 0 {
+		return nil, &configError{errors.New("KAFKA_BROKERS is required for this command: it reads records from Kafka")}
+	}
 	sec, err := c.env.kafkaSecurityEnv.options()
 	if err != nil {
 		return nil, &configError{err}
@@ -52,7 +59,7 @@ func (c *opsCmd) kafka(extra ...kgo.Opt) (*kgo.Client, error) {
 
 // operate runs the operator command cmd (dlq, keys, trace) with args.
 func operate(ctx context.Context, cmd string, args []string, hs *registry, stdout, stderr io.Writer) error {
-	e, err := loadEnv(hs)
+	e, err := loadOpsEnv(hs)
 	if err != nil {
 		return err
 	}
@@ -69,6 +76,13 @@ func operate(ctx context.Context, cmd string, args []string, hs *registry, stdou
 	if err := processor.Migrate(ctx, pool, e.DBSchema); err != nil {
 		return fmt.Errorf("database: %w", err)
 	}
+	if len(e.KafkaTopics) == 0 {
+		// Run from elsewhere than the service's pod (a laptop with DATABASE_URL and the group):
+		// the group's topics are those it has positions for.
+		if e.KafkaTopics, err = groupTopics(ctx, pool, e.DBSchema, e.KafkaGroupID); err != nil {
+			return fmt.Errorf("database: %w", err)
+		}
+	}
 	c := newOpsCmd(progName(), e, pool, stdout, stderr)
 	switch cmd {
 	case "dlq":
@@ -79,6 +93,28 @@ func operate(ctx context.Context, cmd string, args []string, hs *registry, stdou
 		return traceCmd(ctx, c, args)
 	}
 	return fmt.Errorf("unknown operator command %q", cmd)
+}
+
+// groupTopics returns the source topics group has positions for in Postgres (not its retry
+// tiers', which have positions too).
+func groupTopics(ctx context.Context, pool *pgxpool.Pool, schema, group string) ([]string, error) {
+	rows, err := pool.Query(ctx, `SELECT DISTINCT topic FROM `+pgx.Identifier{schema, "offsets"}.Sanitize()+` WHERE consumer_group = $1 ORDER BY topic`, group)
+	if err != nil {
+		return nil, err
+	}
+	all, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, err
+	}
+	tier := "." + group + ".retry."
+	return slices.DeleteFunc(all, func(t string) bool {
+		i := strings.LastIndex(t, tier)
+		if i <= 0 {
+			return false
+		}
+		_, err := strconv.Atoi(t[i+len(tier):])
+		return err == nil
+	}), nil
 }
 
 // usageError is bad usage of an operator command: exit status 2, with the message.
