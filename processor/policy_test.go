@@ -1,10 +1,14 @@
 package processor_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -58,7 +62,23 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 				MaxRecordBytes: 100,
 			},
 		}
+		var logs syncBuffer
+		cfg.Logger = slog.New(slog.NewJSONHandler(&logs, nil))
 		r := h.Start(cfg)
+		// Each topic's settings in force are logged at startup, the policy's and the defaults.
+		testenv.Eventually(t, 30*time.Second, func() error {
+			want := []string{
+				`"topic":"` + payments + `","handler":"processor.HandlerFunc","retry_tiers":"[]","tier_topics":[],"dlq_topic":"` + retrytopics.DLQTopic(payments, h.Group) + `","local_attempts":1,"on_dead_letter":"skip","max_record_bytes":100,"idempotency_key":false`,
+				`"topic":"` + h.Topic + `","handler":"processor.HandlerFunc","retry_tiers":"[50ms 50ms]","tier_topics":["` + retrytopics.TierTopic(h.Topic, h.Group, 1) + ` after 50ms","` + retrytopics.TierTopic(h.Topic, h.Group, 2) + ` after 50ms"]`,
+				`"local_attempts":2,"on_dead_letter":"block","max_record_bytes":1048576`, `"msg":"topic settings"`,
+			}
+			for _, w := range want {
+				if !strings.Contains(logs.String(), w) {
+					return fmt.Errorf("the logs do not say %s:\n%s", w, logs.String())
+				}
+			}
+			return nil
+		})
 		for _, topic := range []string{h.Topic, payments} {
 			k.Produce(t,
 				&kgo.Record{Topic: topic, Key: []byte("bad"), Value: []byte("1")},
@@ -125,4 +145,22 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 			}
 		}
 	})
+}
+
+// syncBuffer is a bytes.Buffer for a logger that goroutines write to while a test reads it.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }

@@ -262,8 +262,10 @@ func (p *Processor) Run(ctx context.Context) error {
 	// Joining starts only now, so the rebalance callbacks always find p.client set.
 	topics := slices.Concat(p.cfg.Topics, slices.Sorted(maps.Keys(p.tierOf)))
 	cl.AddConsumeTopics(topics...)
-	p.log.Info("processor started", "topics", p.cfg.Topics, "retry_tiers", fmt.Sprint(p.cfg.RetryTiers), "topic_policies", slices.Sorted(maps.Keys(p.cfg.TopicPolicies)),
-		"on_dead_letter", p.cfg.OnDeadLetter, "instance", p.cfg.InstanceName)
+	p.log.Info("processor started", "topics", p.cfg.Topics, "instance", p.cfg.InstanceName)
+	for _, t := range p.cfg.Topics {
+		p.logPolicy(t)
+	}
 	context.AfterFunc(ctx, func() { p.signalled.Store(time.Now().UnixNano()) })
 	pollCtx, stopPoll := context.WithCancel(ctx)
 	p.mu.Lock()
@@ -463,6 +465,20 @@ func deadlineOf(ctx context.Context) time.Time {
 
 // policy returns the policy of source topic, which must be one of Config.Topics.
 func (p *Processor) policy(topic string) *policy { return p.policies[topic] }
+
+// logPolicy logs the settings in force for topic: its TopicPolicy with the Config's defaults
+// applied, and the topics its failures go to.
+func (p *Processor) logPolicy(topic string) {
+	pol := p.policies[topic]
+	tiers := make([]string, len(pol.tiers))
+	for i, d := range pol.tiers {
+		tiers[i] = fmt.Sprintf("%s after %s", retrytopics.TierTopic(topic, p.cfg.Group, i+1), d)
+	}
+	p.log.Info("topic settings", "topic", topic, "handler", fmt.Sprintf("%T", pol.handler),
+		"retry_tiers", fmt.Sprint(pol.tiers), "tier_topics", tiers, "dlq_topic", retrytopics.DLQTopic(topic, p.cfg.Group),
+		"local_attempts", pol.localAttempts, "on_dead_letter", pol.onDeadLetter, "max_record_bytes", pol.maxRecordBytes,
+		"idempotency_key", pol.idempotencyKey != nil)
+}
 
 // tierCounts returns the number of retry tiers of each source topic.
 func (p *Processor) tierCounts() map[string]int {

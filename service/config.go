@@ -24,7 +24,7 @@ import (
 
 // dbEnv is the configuration `migrate` needs.
 type dbEnv struct {
-	DatabaseURL string `envconfig:"DATABASE_URL" required:"true"`
+	DatabaseURL string `envconfig:"DATABASE_URL"` // required: see validate
 	DBSchema    string `envconfig:"DB_SCHEMA" default:"kafkapg" field:"Schema"`
 	DBMaxConns  int32  `envconfig:"DB_MAX_CONNS" default:"10"`
 }
@@ -35,7 +35,7 @@ type env struct {
 	dbEnv
 	kafkaSecurityEnv
 	KafkaBrokers          []string      `envconfig:"KAFKA_BROKERS" field:"Brokers"` // required by run: see validate
-	KafkaGroupID          string        `envconfig:"KAFKA_GROUP_ID" required:"true" field:"Group"`
+	KafkaGroupID          string        `envconfig:"KAFKA_GROUP_ID" field:"Group"`  // required: see validate
 	KafkaTopics           []string      `envconfig:"KAFKA_TOPICS" field:"Topics"`
 	KafkaStartOffset      string        `envconfig:"KAFKA_START_OFFSET" default:"earliest" field:"StartOffset"`
 	KafkaGroupProtocol    string        `envconfig:"KAFKA_GROUP_PROTOCOL" default:"auto" field:"GroupProtocol"`
@@ -383,7 +383,7 @@ func (e *env) validate(hs *registry) error {
 		}
 	}
 	if err := e.processorConfig(hs, nil, nil).Validate(); err != nil {
-		for _, err := range e.rename(err) {
+		for _, err := range e.rename(hs, err) {
 			if !named[varOf(err)] {
 				errs = append(errs, err)
 			}
@@ -520,7 +520,7 @@ func parseIdempotencyKey(value string) (processor.IdempotencyKey, error) {
 
 // rename rewrites the processor's configuration errors to name the variables that set the fields
 // at fault.
-func (e *env) rename(err error) []error {
+func (e *env) rename(hs *registry, err error) []error {
 	names := fieldVars()
 	// Fields named in a message ("less than BackoffBase"), longest first: no field's name is
 	// then rewritten inside another's.
@@ -534,7 +534,7 @@ func (e *env) rename(err error) []error {
 		}
 		name := names[ce.Field]
 		if ce.Topic != "" {
-			name = e.topics[ce.Topic].vars[ce.Field]
+			name = e.settingSource(hs, ce.Topic, ce.Field)
 		}
 		if name == "" {
 			name = "(processor." + ce.Field + ")" // a field no variable sets: a bug of the service
@@ -629,24 +629,73 @@ func (e *env) processorConfig(hs *registry, log *slog.Logger, reg prometheus.Reg
 		c.Handler = h.Handler
 	}
 	for _, t := range e.KafkaTopics {
-		tp, ok := e.topics[t]
-		if h := hs.get(tp.handler); h != nil {
-			tp.policy.Handler = h.Handler
+		if tp, set := e.topicPolicy(hs, t); set {
+			if c.TopicPolicies == nil {
+				c.TopicPolicies = map[string]processor.TopicPolicy{}
+			}
+			c.TopicPolicies[t] = tp
 		}
-		// The topic's handler's idempotency key, unless the environment sets one.
-		if h := hs.get(cmp.Or(tp.handler, e.Handler)); h != nil && h.IdempotencyKey != nil && !tp.idempotencyKeySet {
-			tp.policy.IdempotencyKey = h.IdempotencyKey
-			ok = true
-		}
-		if !ok {
-			continue
-		}
-		if c.TopicPolicies == nil {
-			c.TopicPolicies = map[string]processor.TopicPolicy{}
-		}
-		c.TopicPolicies[t] = tp.policy
 	}
 	return c
+}
+
+// topicPolicy returns topic's TopicPolicy: the TOPIC_<topic>_* variables, and for each setting
+// they leave out, its handler's (Handler.RetryTiers and the rest, set in Go). set says the policy
+// sets anything; otherwise the service-wide settings apply.
+func (e *env) topicPolicy(hs *registry, topic string) (tp processor.TopicPolicy, set bool) {
+	te, set := e.topics[topic]
+	tp = te.policy
+	if h := hs.get(te.handler); h != nil {
+		tp.Handler = h.Handler
+	}
+	h := hs.get(cmp.Or(te.handler, e.Handler))
+	if h == nil {
+		return tp, set
+	}
+	fromGo := func(field string, isSet bool, apply func()) {
+		if isSet && te.vars[field] == "" {
+			apply()
+			set = true
+		}
+	}
+	fromGo("IdempotencyKey", h.IdempotencyKey != nil && !te.idempotencyKeySet, func() { tp.IdempotencyKey = h.IdempotencyKey })
+	fromGo("RetryTiers", h.RetryTiers != nil, func() { tp.RetryTiers = h.RetryTiers })
+	fromGo("LocalAttempts", h.LocalAttempts != 0, func() { tp.LocalAttempts = h.LocalAttempts })
+	fromGo("OnDeadLetter", h.OnDeadLetter != "", func() { tp.OnDeadLetter = h.OnDeadLetter })
+	fromGo("MaxRecordBytes", h.MaxRecordBytes != 0, func() { tp.MaxRecordBytes = h.MaxRecordBytes })
+	return tp, set
+}
+
+// settingSource says where topic's TopicPolicy field got its value: the TOPIC_<topic>_*
+// variable, the handler's Go field (Handler.<field> of the handler named), or "" when neither
+// sets it.
+func (e *env) settingSource(hs *registry, topic, field string) string {
+	te := e.topics[topic]
+	if v := te.vars[field]; v != "" {
+		return v
+	}
+	name := cmp.Or(te.handler, e.Handler)
+	h := hs.get(name)
+	if h == nil {
+		return ""
+	}
+	var isSet bool
+	switch field {
+	case "IdempotencyKey":
+		isSet = h.IdempotencyKey != nil
+	case "RetryTiers":
+		isSet = h.RetryTiers != nil
+	case "LocalAttempts":
+		isSet = h.LocalAttempts != 0
+	case "OnDeadLetter":
+		isSet = h.OnDeadLetter != ""
+	case "MaxRecordBytes":
+		isSet = h.MaxRecordBytes != 0
+	}
+	if !isSet {
+		return ""
+	}
+	return fmt.Sprintf("service.Handler{Name: %q}.%s", name, field)
 }
 
 // handlersUsed returns the names of the handlers the configuration runs, each once.

@@ -75,6 +75,16 @@ type Handler struct {
 	// IdempotencyKey, if set, deduplicates the records of every topic this handler handles (see
 	// processor.TopicPolicy.IdempotencyKey), unless TOPIC_<topic>_IDEMPOTENCY_KEY says otherwise.
 	IdempotencyKey processor.IdempotencyKey
+	// RetryTiers, LocalAttempts, OnDeadLetter and MaxRecordBytes, if set (not zero; RetryTiers
+	// not nil), are the retry and dead-letter settings of every topic this handler handles, in
+	// Go: each takes the place of the service-wide variable (RETRY_TIERS, RETRY_LOCAL_ATTEMPTS,
+	// ON_DEAD_LETTER, MAX_RECORD_BYTES) for these topics, and TOPIC_<topic>_<setting> overrides
+	// it in turn. An empty, non-nil RetryTiers means no tiers: records are dead-lettered after
+	// their local attempts. `<binary> config` shows which one is in force, and where it came from.
+	RetryTiers     []time.Duration
+	LocalAttempts  int
+	OnDeadLetter   processor.OnDeadLetter
+	MaxRecordBytes int
 }
 
 // SetupSQL returns a Handler.Setup that runs sql, which may hold several statements.
@@ -148,9 +158,10 @@ func progName() string {
 	return filepath.Base(os.Args[0])
 }
 
-const usage = `usage: %[1]s [run|migrate|dlq|keys|trace|help]
+const usage = `usage: %[1]s [run|config|migrate|dlq|keys|trace|help]
 
   run      consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
+  config   print the configuration in force (secrets redacted), then exit
   migrate  create or upgrade kafkapg's tables in DB_SCHEMA, then exit
   dlq      list, show, replay, discard and purge dead letters; list and cancel tasks
   keys     list held and blocked keys; release one
@@ -190,8 +201,8 @@ func run(args []string, stdout, stderr io.Writer, handlers ...Handler) int {
 	if len(args) > 0 {
 		cmd = args[0]
 	}
-	operator := cmd == "dlq" || cmd == "keys" || cmd == "trace"
-	if len(args) > 1 && !operator {
+	withArgs := cmd == "dlq" || cmd == "keys" || cmd == "trace" || cmd == "config"
+	if len(args) > 1 && !withArgs {
 		help()
 		return 2
 	}
@@ -204,6 +215,8 @@ func run(args []string, stdout, stderr io.Writer, handlers ...Handler) int {
 		return 0
 	case "migrate":
 		err = migrateOnly(ctx, stderr)
+	case "config":
+		err = configCmd(args[1:], hs, safetext.TerminalWriter(stdout), stderr)
 	case "dlq", "keys", "trace":
 		stderr = safetext.TerminalWriter(stderr) // the errors below may quote what came from outside
 		err = operate(ctx, cmd, args[1:], hs, stdout, stderr)
