@@ -83,6 +83,14 @@ func KeyFromJSON(path string) IdempotencyKey {
 	}
 }
 
+// dedupeSQL returns the statement dedupe runs: it records idempotency keys in schema's table,
+// returning the new ones.
+func dedupeSQL(schema string) string {
+	return `INSERT INTO ` + pgx.Identifier{schema, "idempotency_keys"}.Sanitize() + ` (key_hash, consumer_group, topic, partition, "offset")
+		SELECT k, $1, $2, p, o FROM unnest($3::bytea[], $4::int4[], $5::int8[]) AS u(k, p, o)
+		ON CONFLICT DO NOTHING RETURNING key_hash`
+}
+
 // dedupe records, in tx, the idempotency keys of recs (all of source) that were not applied
 // before, and marks the others duplicate: they are not given to the handler. Within recs, the
 // first record with a key wins. It returns the records to handle and, for each, its index in recs

@@ -151,9 +151,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 		return nil, fmt.Errorf("processor: %w", err)
 	}
 	keys := pgx.Identifier{c.Schema, "idempotency_keys"}.Sanitize()
-	p.dedupeSQL = `INSERT INTO ` + keys + ` (key_hash, consumer_group, topic, partition, "offset")
-		SELECT k, $1, $2, p, o FROM unnest($3::bytea[], $4::int4[], $5::int8[]) AS u(k, p, o)
-		ON CONFLICT DO NOTHING RETURNING key_hash`
+	p.dedupeSQL = dedupeSQL(c.Schema)
 	// A key a dead letter that may still be replayed shares (a copy of it was applied) is kept:
 	// the replay must find it.
 	p.pruneKeysSQL = `DELETE FROM ` + keys + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + keys + ` k

@@ -179,7 +179,7 @@ func (a *account) command(home string, deathSig syscall.Signal, name string, arg
 	}
 	cmd.Env = append(cmd.Env, "LC_ALL=C", "HOME="+home)
 	cmd.Dir = home
-	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: a.cred, Setpgid: true, Pdeathsig: deathSig}
+	cmd.SysProcAttr = sysProcAttr(a.cred, deathSig)
 	return cmd
 }
 

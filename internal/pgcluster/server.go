@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -459,3 +460,42 @@ func (s *Server) conninfo(app string) string {
 func (s *Server) errorf(op string, err error) error {
 	return fmt.Errorf("pgcluster: %s %s (%s, %s): %w%s", op, s.name, s.Addr(), s.dir, err, logTail(s.logPath))
 }
+
+// CloseWhenProcessExits has the server stopped (immediate shutdown) and its temp dir removed
+// when this process exits, however it exits, for a server shared by the tests of a test binary,
+// which has no hook at its end: a small shell, started now, waits for its standard input, a pipe
+// whose write end only this process holds, to close. It stops a server started after it too
+// (Start after Stop) only if it has the same pid, so call it on a running server you do not
+// restart.
+func (s *Server) CloseWhenProcessExits() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.proc == nil {
+		return s.errorf("close when this process exits", errors.New("the server is not running"))
+	}
+	pid := s.proc.cmd.Process.Pid
+	dir := ""
+	if s.temp {
+		dir = s.dir
+	}
+	r, w, err := os.Pipe()
+	if err != nil {
+		return s.errorf("close when this process exits", err)
+	}
+	// $1 the server's pid, $2 the dir to remove ("" for none).
+	cmd := exec.Command("/bin/sh", "-c", `read _; kill -QUIT "$1" 2>/dev/null; n=0; while kill -0 "$1" 2>/dev/null && [ $n -lt 100 ]; do sleep 0.1; n=$((n+1)); done; [ -n "$2" ] && rm -rf "$2"`, "pgcluster-reaper", strconv.Itoa(pid), dir)
+	cmd.Stdin = r
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // not stopped by a Ctrl-C to the test's process group
+	if err := cmd.Start(); err != nil {
+		r.Close()
+		w.Close()
+		return s.errorf("close when this process exits", err)
+	}
+	r.Close()
+	reapers = append(reapers, w) // never closed: the OS closes it when this process exits
+	go cmd.Wait()
+	return nil
+}
+
+// reapers keeps the write ends of CloseWhenProcessExits's pipes open as long as this process.
+var reapers []*os.File

@@ -32,6 +32,12 @@ func Postgres(t testing.TB) (*pgxpool.Pool, string) {
 		t.Fatal("TEST_DATABASE_URL is not set. Run `make test` (it starts a throwaway Postgres), or set it to a " +
 			"server where this user may CREATE DATABASE.")
 	}
+	return PostgresAt(t, base)
+}
+
+// PostgresAt is Postgres on the server of base, a URL whose user may CREATE DATABASE.
+func PostgresAt(t testing.TB, base string) (*pgxpool.Pool, string) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 

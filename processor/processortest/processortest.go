@@ -4,7 +4,13 @@
 // statement error or a connection the handler closed caught), and reports what the processor
 // would do with the outcome.
 //
+// DB gives a test its own database: on TEST_DATABASE_URL's server, or, when that is unset, on a
+// throwaway server the test binary starts from the PostgreSQL binaries. So `go test ./...` needs
+// no setup where they are installed.
+//
 //	func TestHandleOrder(t *testing.T) {
+//		pool := processortest.DB(t)
+//		// ... create the handler's tables ...
 //		res := processortest.Run(t, pool, processor.HandlerFunc(handleOrder),
 //			processortest.NewRecord("orders", "o-1", `{"order_id":"o-1","amount":42}`))
 //		if !res.Applied() {
@@ -14,6 +20,12 @@
 //
 // Run rolls the transaction back; RunInTx runs in a transaction of the test's, to look at what
 // the handler wrote before rolling back.
+//
+// Service runs a service.Handler as the service runs it for a topic, with what the service does
+// around the handler: its Setup, its idempotency key (Result.Duplicates: a copy of a record
+// applied before is skipped), and, for a failure, where the record would go under its policy
+// (Result.Next: retried in place, through which retry tiers, to which dead-letter topic).
+// It commits what succeeds, as the service does, so that a later Run sees it.
 package processortest
 
 import (
@@ -46,6 +58,13 @@ type Result struct {
 	// Emitted are the events the handler emitted (Record.Emit), with their ids, in order: what
 	// the processor would write to the outbox in the same transaction. Nil after a failure.
 	Emitted []sink.Event
+	// Duplicates are the indexes of the records skipped because their idempotency key was
+	// applied before (Service.Run only): the processor advances their offsets without handing
+	// them to the handler. Nil after a failure (the skips are rolled back with it).
+	Duplicates []int
+	// Next is where the failing record would go under its topic's policy (Service.Run only):
+	// retried in place, through the retry tiers, or to the dead-letter topic.
+	Next Path
 }
 
 // Applied reports whether the records would be applied.
@@ -53,13 +72,20 @@ func (r Result) Applied() bool { return r.Err == nil }
 
 // String describes the result, for test failures.
 func (r Result) String() string {
+	if r.Err == nil && len(r.Duplicates) > 0 {
+		return fmt.Sprintf("applied; records %v skipped as duplicates", r.Duplicates)
+	}
 	if r.Err == nil {
 		return "applied"
 	}
-	if r.Index < 0 {
-		return fmt.Sprintf("failed (%v): %v", r.Class, r.Err)
+	next := ""
+	if r.Next.InPlace || r.Next.DeadLetterTopic != "" {
+		next = "; " + r.Next.String()
 	}
-	return fmt.Sprintf("record %d failed (%v): %v", r.Index, r.Class, r.Err)
+	if r.Index < 0 {
+		return fmt.Sprintf("failed (%v): %v%s", r.Class, r.Err, next)
+	}
+	return fmt.Sprintf("record %d failed (%v): %v%s", r.Index, r.Class, r.Err, next)
 }
 
 // Beginner starts transactions: a *pgxpool.Pool or a *pgx.Conn.
