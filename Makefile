@@ -18,7 +18,7 @@ help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 .PHONY: build
-build: ## Build bin/processor, bin/devbroker and bin/demo
+build: ## Build bin/processor, bin/devbroker, bin/demo and bin/kafkapg (the dev loop)
 	$(GO) build -o $(BIN)/ ./cmd/...
 
 .PHONY: demo

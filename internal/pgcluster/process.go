@@ -435,3 +435,13 @@ func poll(ctx context.Context, interval time.Duration, what string, f func() (do
 		}
 	}
 }
+
+// Reachable returns an error, naming the parent at fault, if the account the servers run as
+// (the postgres user when this process is root) could not enter dir.
+func Reachable(dir string) error {
+	a, err := serverAccount()
+	if err != nil {
+		return err
+	}
+	return a.checkReachable(dir)
+}
