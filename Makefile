@@ -35,7 +35,7 @@ deploy-check: ## Validate deploy/: kustomize build, Kubernetes schemas, alert ru
 
 .PHONY: chaos
 chaos: build ## Fault-injection suite: kill, stop and cut processors, Postgres and the broker; check exactly-once
-	$(GO) build -o $(BIN)/ ./internal/cmd/chaos
+	$(GO) build -o $(BIN)/ ./internal/rig/chaos
 	scripts/with-postgres.sh DATABASE_URL $(BIN)/chaos $(CHAOS_FLAGS)
 
 # The topologies teams run (docs/testing.md): a three-broker Kafka cluster rolled and broken,
@@ -44,7 +44,7 @@ KAFKA_CLUSTER_DIR ?= /tmp/kafkapg-kafka-cluster
 
 .PHONY: chaos-cluster
 chaos-cluster: build ## make chaos against a three-broker Kafka cluster: broker kills, controlled shutdowns, freezes, a rolling restart
-	$(GO) build -o $(BIN)/ ./internal/cmd/chaos
+	$(GO) build -o $(BIN)/ ./internal/rig/chaos
 	@if scripts/kafka.sh cluster status >/dev/null 2>&1; then \
 		scripts/with-postgres.sh DATABASE_URL $(BIN)/chaos -kafka-cluster $(KAFKA_CLUSTER_DIR) $(CHAOS_FLAGS); \
 	else \
@@ -54,22 +54,22 @@ chaos-cluster: build ## make chaos against a three-broker Kafka cluster: broker 
 
 .PHONY: chaos-failover-sync
 chaos-failover-sync: build ## make chaos with Postgres failed over again and again to a synchronous standby
-	$(GO) build -o $(BIN)/ ./internal/cmd/chaos
+	$(GO) build -o $(BIN)/ ./internal/rig/chaos
 	$(BIN)/chaos -postgres sync-standby $(CHAOS_FLAGS)
 
 .PHONY: chaos-failover-async
 chaos-failover-async: build ## make chaos with Postgres failed over to a lagging asynchronous standby (commits lost)
-	$(GO) build -o $(BIN)/ ./internal/cmd/chaos
+	$(GO) build -o $(BIN)/ ./internal/rig/chaos
 	$(BIN)/chaos -postgres async-standby $(CHAOS_FLAGS)
 
 .PHONY: chaos-pgbouncer
 chaos-pgbouncer: build ## make chaos with the processors behind PgBouncer (Debian's) in transaction mode
-	$(GO) build -o $(BIN)/ ./internal/cmd/chaos
+	$(GO) build -o $(BIN)/ ./internal/rig/chaos
 	scripts/with-postgres.sh DATABASE_URL $(BIN)/chaos -postgres pgbouncer $(CHAOS_FLAGS)
 
 .PHONY: bench
 bench: ## End-to-end throughput: kafkapg vs hand-written loops on the same data (durable Postgres)
-	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test -run '^$$' -bench . -benchtime 1x -count 1 -timeout 60m ./internal/bench/
+	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test -run '^$$' -bench . -benchtime 1x -count 1 -timeout 60m ./internal/rig/bench/
 
 .PHONY: lint
 lint: ## gofmt check, go.mod tidy check and go vet (staticcheck too if installed)

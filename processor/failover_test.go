@@ -10,8 +10,8 @@ import (
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/pgcluster"
-	"github.com/kafkapg/kafkapg/internal/testenv"
-	"github.com/kafkapg/kafkapg/internal/testkit"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testkit"
 	"github.com/kafkapg/kafkapg/processor"
 )
 

@@ -11,8 +11,8 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
-	"github.com/kafkapg/kafkapg/internal/testenv"
-	"github.com/kafkapg/kafkapg/internal/testkit"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testkit"
 	"github.com/kafkapg/kafkapg/processor"
 )
 

@@ -21,7 +21,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/offsets"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"

@@ -7,8 +7,8 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/kafkapg/kafkapg/internal/testenv"
-	"github.com/kafkapg/kafkapg/internal/testkit"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testkit"
 )
 
 func TestMain(m *testing.M) {

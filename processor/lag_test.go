@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 )
 
 // TestConsumerLagFollowsPostgres stalls the handler on both partitions, so nothing commits while

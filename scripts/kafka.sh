@@ -12,7 +12,7 @@
 #
 #   start    fetch jars (cached), wipe the state dir, format storage, start the broker
 #            in the background and wait until it really serves requests (metadata and
-#            a group coordinator, checked by internal/cmd/kafkaready).
+#            a group coordinator, checked by internal/rig/kafkaready).
 #   stop     stop the broker started by `start` (TERM, then KILL after 15 s). Ok if not running.
 #   status   exit 0 if the broker answers requests, 1 otherwise.
 #   restart  stop, then start.
@@ -65,7 +65,7 @@
 #   MVN                    maven binary            (default: mvn on PATH)
 #
 # Tests then connect to 127.0.0.1:${KAFKA_PORT}, or to the cluster's bootstrap list
-# (`scripts/kafka.sh cluster brokers`); internal/kafkacluster drives the cluster's faults from Go.
+# (`scripts/kafka.sh cluster brokers`); internal/rig/kafkacluster drives the cluster's faults from Go.
 set -euo pipefail
 
 SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd -P)"
@@ -176,12 +176,12 @@ running_pid() {
 
 port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-# build_ready_helper [OUTPUT]: build internal/cmd/kafkaready (default output $READY_BIN).
+# build_ready_helper [OUTPUT]: build internal/rig/kafkaready (default output $READY_BIN).
 build_ready_helper() {
 	local out="${1:-$READY_BIN}"
-	command -v go >/dev/null 2>&1 || die "go not found; it is needed to build internal/cmd/kafkaready"
-	(cd "$REPO_ROOT" && go build -o "$out" ./internal/cmd/kafkaready) ||
-		die "could not build internal/cmd/kafkaready"
+	command -v go >/dev/null 2>&1 || die "go not found; it is needed to build internal/rig/kafkaready"
+	(cd "$REPO_ROOT" && go build -o "$out" ./internal/rig/kafkaready) ||
+		die "could not build internal/rig/kafkaready"
 }
 
 # show_log_tail [FILE [LINES]]: print the end of a broker log (default: the single broker's).
@@ -342,8 +342,8 @@ cmd_status() {
 	fi
 	local ready=("$READY_BIN")
 	if [[ ! -x "$READY_BIN" ]]; then
-		command -v go >/dev/null 2>&1 || die "go not found; it is needed to run internal/cmd/kafkaready"
-		ready=(go run ./internal/cmd/kafkaready)
+		command -v go >/dev/null 2>&1 || die "go not found; it is needed to run internal/rig/kafkaready"
+		ready=(go run ./internal/rig/kafkaready)
 	fi
 	if (cd "$REPO_ROOT" && "${ready[@]}" -brokers "127.0.0.1:$PORT" -timeout 5s -quiet 2>/dev/null); then
 		echo "kafka ready at 127.0.0.1:$PORT${pid:+ (pid $pid)}"

@@ -15,8 +15,8 @@ import (
 
 	"github.com/kafkapg/kafkapg/processor"
 
-	"github.com/kafkapg/kafkapg/internal/testenv"
-	"github.com/kafkapg/kafkapg/internal/testkit"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testkit"
 )
 
 // TestMain lets the test binary play cmd/processor: the process tests re-execute it as a child

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/sink"
 )
 

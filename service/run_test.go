@@ -22,10 +22,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/kafkapg/kafkapg/internal/faultproxy"
 	"github.com/kafkapg/kafkapg/internal/localrun"
 	"github.com/kafkapg/kafkapg/internal/promscrape"
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/faultproxy"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 )
 
 // get returns the status and body of GET url.

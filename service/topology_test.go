@@ -15,7 +15,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/pgcluster"
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/internal/topicread"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )

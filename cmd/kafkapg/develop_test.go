@@ -17,7 +17,7 @@ import (
 	"time"
 
 	"github.com/kafkapg/kafkapg/internal/localrun"
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 )
 
 // docFiles returns the files of a page: its code blocks whose info string names one

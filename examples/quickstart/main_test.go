@@ -15,7 +15,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/internal/localrun"
 	"github.com/kafkapg/kafkapg/internal/promscrape"
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 

@@ -15,7 +15,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/internal/console"
 	"github.com/kafkapg/kafkapg/internal/ops"
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/processor"
 )
 

@@ -1,16 +1,19 @@
 // Package pgcluster runs real PostgreSQL servers, streaming standbys and PgBouncer on
-// 127.0.0.1 for tests and the chaos suite: start a primary, copy it into standbys, make them
-// synchronous, crash the primary, promote a standby, make the old primary follow the new one,
-// put PgBouncer in front and move it to another server, and give a server a TLS certificate.
-// It is a test rig: trust authentication, loopback only, fsync off unless asked.
+// 127.0.0.1: the throwaway servers of a team's local loop (go tool kafkapg dev) and handler
+// tests (processortest.DB), and the rig's topologies: start a primary, copy it into standbys,
+// make them synchronous, crash the primary, promote a standby, make the old primary follow the
+// new one, put PgBouncer in front and move it to another server, and give a server a TLS
+// certificate. It is for development and tests: trust authentication, loopback only, fsync off
+// unless asked.
 //
 // # What it guarantees
 //
 //   - Every server and bouncer is a child process of this one, run as the postgres user when
-//     this process is root (initdb, postgres and pgbouncer refuse root). Each is sent a signal
-//     if this process dies (postgres SIGQUIT, an immediate shutdown; pgbouncer SIGKILL), so a
-//     crashed or timed-out test leaves no server running; its temp dir under /tmp
-//     (pgcluster-*, pgbouncer-*) is then left behind. Close stops it and removes its temp dir.
+//     this process is root (initdb, postgres and pgbouncer refuse root). On Linux each is sent a
+//     signal if this process dies (postgres SIGQUIT, an immediate shutdown; pgbouncer SIGKILL),
+//     so a crashed or timed-out test leaves no server running; its temp dir under /tmp
+//     (pgcluster-*, pgbouncer-*) is then left behind, unless CloseWhenProcessExits was called.
+//     Close stops it and removes its temp dir.
 //   - A call that returns has done what it says: Start and Standby return once the server
 //     accepts connections, Promote once pg_is_in_recovery() is false, SetSynchronous once
 //     pg_stat_replication shows the standby as sync, WaitReplayed once the standby has replayed

@@ -5,8 +5,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/internal/schema"
-	"github.com/kafkapg/kafkapg/internal/testenv"
 )
 
 func TestMigrateConcurrently(t *testing.T) {

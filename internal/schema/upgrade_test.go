@@ -7,8 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/internal/schema"
-	"github.com/kafkapg/kafkapg/internal/testenv"
 )
 
 // TestUpgradeKeepsRecordContent: rows written by a release before migration 3 keep their header

@@ -13,7 +13,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/internal/handlertest"
 	"github.com/kafkapg/kafkapg/internal/pgcluster"
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/testdb"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/service"
 	"github.com/kafkapg/kafkapg/sink"
@@ -35,7 +35,7 @@ func DB(t testing.TB) *pgxpool.Pool {
 			t.Fatal(err)
 		}
 	}
-	pool, _ := testenv.PostgresAt(t, base)
+	pool, _ := testdb.New(t, base, "TEST_DATABASE_URL")
 	return pool
 }
 

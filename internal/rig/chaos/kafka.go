@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
-	"github.com/kafkapg/kafkapg/internal/kafkacluster"
+	"github.com/kafkapg/kafkapg/internal/rig/kafkacluster"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 

@@ -1,4 +1,4 @@
-package docs
+package doccheck
 
 import (
 	"os"
@@ -12,12 +12,12 @@ import (
 func markdown(t *testing.T) []string {
 	t.Helper()
 	files := []string{"README.md", "deploy/README.md"}
-	more, err := filepath.Glob("../../docs/*.md")
+	more, err := filepath.Glob("../../../docs/*.md")
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, f := range more {
-		files = append(files, strings.TrimPrefix(f, "../../"))
+		files = append(files, strings.TrimPrefix(f, "../../../"))
 	}
 	return files
 }
@@ -47,7 +47,7 @@ func TestLinksLeadSomewhere(t *testing.T) {
 	}
 	checked := 0
 	for _, f := range files {
-		b, err := os.ReadFile(filepath.Join("../..", f))
+		b, err := os.ReadFile(filepath.Join("../../..", f))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -57,9 +57,9 @@ func TestLinksLeadSomewhere(t *testing.T) {
 				continue
 			}
 			path, frag, _ := strings.Cut(target, "#")
-			full := filepath.Join("../..", filepath.Dir(f), path)
+			full := filepath.Join("../../..", filepath.Dir(f), path)
 			if path == "" {
-				full = filepath.Join("../..", f)
+				full = filepath.Join("../../..", f)
 			}
 			checked++
 			if _, err := os.Stat(full); err != nil {

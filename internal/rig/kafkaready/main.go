@@ -2,7 +2,7 @@
 //
 // scripts/kafka.sh starts a real broker in the background and then runs
 //
-//	go run ./internal/cmd/kafkaready -brokers 127.0.0.1:9092 -timeout 120s
+//	go run ./internal/rig/kafkaready -brokers 127.0.0.1:9092 -timeout 120s
 //
 // Waiting for the TCP port is not enough: a KRaft broker opens its listener
 // before it has caught up with the metadata log, and for a while it answers
@@ -36,7 +36,7 @@
 //     leader and an ISR equal to its replica set (with -each-seed, in every
 //     seed's view), as a rolling restart needs before it stops the next node.
 //
-// It uses only franz-go, the standard library and internal/kafkacluster (for
+// It uses only franz-go, the standard library and internal/rig/kafkacluster (for
 // the in-sync check).
 package main
 
@@ -57,7 +57,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
-	"github.com/kafkapg/kafkapg/internal/kafkacluster"
+	"github.com/kafkapg/kafkapg/internal/rig/kafkacluster"
 )
 
 func main() {

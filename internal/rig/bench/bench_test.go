@@ -1,6 +1,3 @@
-// Package bench measures kafkapg end to end — producer → broker → processor → Postgres — against
-// hand-written loops that run the same SQL on the same records in the same run, so the figures
-// are ratios that survive a noisy shared machine. Run it with `make bench`.
 package bench
 
 import (
@@ -21,7 +18,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/processor"
 )
 

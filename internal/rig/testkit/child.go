@@ -17,7 +17,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/internal/localrun"
 	"github.com/kafkapg/kafkapg/internal/promscrape"
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 )
 
 // childEnv is set in a child's environment: its TestMain must then run the service (ChildMain).

@@ -20,7 +20,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 	"go.uber.org/goleak"
 
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 )
 
 func TestMain(m *testing.M) {
@@ -169,7 +169,7 @@ func TestAttachWithoutCluster(t *testing.T) {
 
 func scriptPath(t *testing.T) string {
 	t.Helper()
-	p, err := filepath.Abs(filepath.Join("..", "..", "scripts", "kafka.sh"))
+	p, err := filepath.Abs(filepath.Join("..", "..", "..", "scripts", "kafka.sh"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -184,7 +184,7 @@ const scriptTestEnv = "KAFKA_CLUSTER_SCRIPT_TEST"
 func TestFaults(t *testing.T) {
 	if os.Getenv(scriptTestEnv) != "1" {
 		t.Skipf("starts a three-node Kafka cluster through scripts/kafka.sh and runs faults on it (about 4 minutes); "+
-			"run it with: %s=1 go test -run TestFaults -v -timeout 20m ./internal/kafkacluster/", scriptTestEnv)
+			"run it with: %s=1 go test -run TestFaults -v -timeout 20m ./internal/rig/kafkacluster/", scriptTestEnv)
 	}
 	script := scriptPath(t)
 	dir := os.Getenv("KAFKA_CLUSTER_DIR")

@@ -21,9 +21,9 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
-	"github.com/kafkapg/kafkapg/internal/faultproxy"
-	"github.com/kafkapg/kafkapg/internal/kafkacluster"
 	"github.com/kafkapg/kafkapg/internal/localrun"
+	"github.com/kafkapg/kafkapg/internal/rig/faultproxy"
+	"github.com/kafkapg/kafkapg/internal/rig/kafkacluster"
 	"github.com/kafkapg/kafkapg/internal/topicread"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )

@@ -11,9 +11,9 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/kafkapg/kafkapg/internal/faultproxy"
 	"github.com/kafkapg/kafkapg/internal/localrun"
 	"github.com/kafkapg/kafkapg/internal/pgcluster"
+	"github.com/kafkapg/kafkapg/internal/rig/faultproxy"
 )
 
 // The Postgres topologies the suite runs against (-postgres).

@@ -20,7 +20,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/localrun"
-	"github.com/kafkapg/kafkapg/internal/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 )
 
 // containerLimit is the memory limit of the Deployment in deploy/kubernetes.

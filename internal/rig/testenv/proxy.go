@@ -3,8 +3,8 @@ package testenv
 import (
 	"testing"
 
-	"github.com/kafkapg/kafkapg/internal/faultproxy"
 	"github.com/kafkapg/kafkapg/internal/localrun"
+	"github.com/kafkapg/kafkapg/internal/rig/faultproxy"
 )
 
 // FreeAddr returns a local address (127.0.0.1:port) that was free a moment ago.
