@@ -51,6 +51,12 @@
 // Advance finds next_offset already equal to its target and reports ErrAlreadyAdvanced instead of
 // applying the batch a second time.
 //
+// A database can also lose the owner's last commits, or its claim (a failover to an asynchronous
+// standby, a restore): the stored offset is then behind the owner's, or the token below its own,
+// or the row gone. That is not another owner, and Advance says so with ErrMoved instead of
+// ErrFenced: the owner starts again from the stored position, and applies again what was lost.
+// Only a higher token is another owner's claim.
+//
 // # Keys held from outside: keys_epoch
 //
 // The owner keeps in memory which keys of its partition are held (their later records must wait

@@ -13,6 +13,15 @@ import (
 // stop processing it. The transaction that observed it has applied nothing.
 var ErrFenced = errors.New("partition was claimed by another owner (fenced)")
 
+// ErrMoved means the partition's stored position is not where its owner left it, and no other
+// owner has claimed it since: the database lost the owner's last commits or its claim (a failover
+// to a standby that lacked them, a restore from a backup), or an operator moved the position. The
+// transaction that observed it has applied nothing. The owner must not go on from its own
+// position: it starts again from the stored one (Reload), which applies again what the database
+// lost. That is safe even if another owner does the same: every advance is conditional on the
+// stored offset, so of two owners only one applies each record.
+var ErrMoved = errors.New("the partition's stored position moved under its owner, and nobody else claimed it")
+
 // ErrAlreadyAdvanced means the stored offset already equals the target of an Advance made with the
 // same token: an earlier commit whose outcome was unknown did succeed. Nothing must be re-applied.
 var ErrAlreadyAdvanced = errors.New("offset already advanced by an earlier commit of this owner")
@@ -265,20 +274,23 @@ func (s *Store) CheckAdvance(ctx context.Context, tx pgx.Tx, pos Position, next 
 	err := tx.QueryRow(ctx, s.readSQL, s.group, pos.Topic, pos.Partition).Scan(&token, &stored, &epoch, &start)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		return fmt.Errorf("advance %s: offsets row is missing (deleted while owned?): %w", pos.TP(), ErrFenced)
+		return fmt.Errorf("advance %s: the offsets row is missing (the database lost it, or it was deleted): %w", pos.TP(), ErrMoved)
 	case err != nil:
 		return fmt.Errorf("advance %s: read offsets row: %w", pos.TP(), err)
-	case token != pos.Token:
+	case token > pos.Token:
 		return fmt.Errorf("advance %s: token %d, now %d: %w", pos.TP(), pos.Token, token, ErrFenced)
+	case token < pos.Token:
+		// Claims only raise the token: the database lost this owner's claim.
+		return fmt.Errorf("advance %s: token %d, stored %d (the database lost this owner's claim): %w", pos.TP(), pos.Token, token, ErrMoved)
 	case stored != nil && *stored == next:
 		return ErrAlreadyAdvanced
 	case epoch != pos.KeysEpoch && (stored == nil) == !pos.Known && (stored == nil || *stored == pos.Next):
 		return fmt.Errorf("advance %s: keys epoch %d, now %d: %w", pos.TP(), pos.KeysEpoch, epoch, ErrKeysChanged)
 	default:
-		// Same owner, different offset: the row was edited underneath us (an operator rewinding the
-		// offset, say). Treat it like losing the partition; a re-assignment re-reads the row.
-		return fmt.Errorf("advance %s: stored offset is %s, this owner expected %s (edited while owned?): %w",
-			pos.TP(), fmtOffset(stored), fmtPos(pos), ErrFenced)
+		// Same owner, another offset: the database lost this owner's last commits (a failover to
+		// a standby that lacked them, a restore), or an operator moved the offset.
+		return fmt.Errorf("advance %s: stored offset is %s, this owner expected %s: %w",
+			pos.TP(), fmtOffset(stored), fmtPos(pos), ErrMoved)
 	}
 }
 

@@ -92,9 +92,43 @@ func TestAdvanceResolvesUnknownCommit(t *testing.T) {
 	if err := advance(t, pool, s, pos[0], 5); !errors.Is(err, offsets.ErrAlreadyAdvanced) {
 		t.Fatalf("retried advance: err = %v, want ErrAlreadyAdvanced", err)
 	}
-	// A different target from a stale position is an inconsistency, reported as fencing.
-	if err := advance(t, pool, s, pos[0], 7); !errors.Is(err, offsets.ErrFenced) {
-		t.Fatalf("advance from a stale position: err = %v, want ErrFenced", err)
+	// A different target from a stale position: the stored position moved under its owner.
+	if err := advance(t, pool, s, pos[0], 7); !errors.Is(err, offsets.ErrMoved) || errors.Is(err, offsets.ErrFenced) {
+		t.Fatalf("advance from a stale position: err = %v, want ErrMoved", err)
+	}
+}
+
+// TestAdvanceTellsALostClaimFromAnotherOwner: a database that lost an owner's claim (a lower
+// token) or the partition's row moved under the owner (ErrMoved: it starts again from the stored
+// position); only a higher token is another owner's claim (ErrFenced).
+func TestAdvanceTellsALostClaimFromAnotherOwner(t *testing.T) {
+	t.Parallel()
+	pool, s := setup(t)
+	ctx := context.Background()
+	parts := []offsets.Partition{{Topic: "a", Partition: 0}}
+	s.Claim(ctx, pool, "A", parts)
+	pos, _ := s.Claim(ctx, pool, "A", parts) // token 2
+	if err := advance(t, pool, s, pos[0], 5); err != nil {
+		t.Fatal(err)
+	}
+	mine := pos[0].Advanced(5)
+	if _, err := pool.Exec(ctx, `UPDATE kafkapg.offsets SET owner_token = 1`); err != nil {
+		t.Fatal(err)
+	}
+	if err := advance(t, pool, s, mine, 6); !errors.Is(err, offsets.ErrMoved) {
+		t.Errorf("a lost claim: err = %v, want ErrMoved", err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE kafkapg.offsets SET owner_token = 3`); err != nil {
+		t.Fatal(err)
+	}
+	if err := advance(t, pool, s, mine, 6); !errors.Is(err, offsets.ErrFenced) {
+		t.Errorf("another owner's claim: err = %v, want ErrFenced", err)
+	}
+	if _, err := pool.Exec(ctx, `DELETE FROM kafkapg.offsets`); err != nil {
+		t.Fatal(err)
+	}
+	if err := advance(t, pool, s, mine, 6); !errors.Is(err, offsets.ErrMoved) {
+		t.Errorf("a lost row: err = %v, want ErrMoved", err)
 	}
 }
 

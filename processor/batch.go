@@ -26,7 +26,7 @@ type outcome struct {
 // the range is split in halves until the failures are isolated. The fast path (no failure) is one
 // transaction.
 //
-// It returns nil, errStopped or an error wrapping offsets.ErrFenced.
+// It returns nil, errStopped or an error wrapping offsets.ErrFenced or offsets.ErrMoved.
 func (w *worker) applyRange(recs []*Record) error {
 	if len(recs) == 0 {
 		return nil
@@ -59,7 +59,7 @@ func (w *worker) applyRange(recs []*Record) error {
 // copies of retry records that have moved on are skipped, the handler runs over the rest.
 //
 // It returns nil, a *sink.HandlerError (the handler failed; its RecordError indexes recs),
-// errStopped or an error wrapping offsets.ErrFenced.
+// errStopped or an error wrapping offsets.ErrFenced or offsets.ErrMoved.
 func (w *worker) handleAll(recs []*Record) error {
 	for {
 		err := w.handleOnce(recs)

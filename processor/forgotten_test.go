@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
@@ -171,5 +172,82 @@ func expectOnly(t *testing.T, h *testkit.Harness, prefix string, n int) {
 	}
 	if len(ids) != n || bad > 0 {
 		t.Errorf("applied %d events, %d of them not %s-*: want the %d %s-* events", len(ids), bad, prefix, n, prefix)
+	}
+}
+
+// TestOwnerGoesOnAfterTheDatabaseLostItsLastCommits: a failover to an asynchronous standby that
+// lacked an owner's last commits leaves the owner running, with a position ahead of the stored
+// one and no rebalance to come. Its next transaction finds the stored position moved. It is no
+// zombie: it must start again from the stored position, applying again what the database lost
+// (their effects vanished with it), and go on (before the fix: it stopped as if fenced, and the
+// partition stayed stuck until a rebalance; the async-failover chaos run hung on 95 keys). The
+// same if the database lost its claim (a lower token), or the partition's row.
+func TestOwnerGoesOnAfterTheDatabaseLostItsLastCommits(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		lose string // SQL run on kafkapg.offsets, $1 the group, $2 the topic
+	}{
+		{"its last commits", `UPDATE kafkapg.offsets SET next_offset = 10 WHERE consumer_group = $1 AND topic = $2`},
+		{"its claim and its last commits", `UPDATE kafkapg.offsets SET next_offset = 10, owner_token = owner_token - 1 WHERE consumer_group = $1 AND topic = $2`},
+		{"the partition's row", `DELETE FROM kafkapg.offsets WHERE consumer_group = $1 AND topic = $2`},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			k := testenv.NewKfake(t)
+			h := testkit.New(t, k, 1)
+			ctx := context.Background()
+			if _, err := h.Pool.Exec(ctx, `CREATE TABLE seen (off bigint PRIMARY KEY)`); err != nil {
+				t.Fatal(err)
+			}
+			handler := processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, r *processor.Record) error {
+				_, err := tx.Exec(ctx, `INSERT INTO seen VALUES ($1)`, r.Offset)
+				return err // a second apply would fail on the primary key, and be dead-lettered
+			})
+			r := h.Start(h.Config(handler))
+			produce := func(from, n int) {
+				var recs []*kgo.Record
+				for i := from; i < from+n; i++ {
+					recs = append(recs, &kgo.Record{Topic: h.Topic, Key: []byte(fmt.Sprint(i)), Value: []byte("v")})
+				}
+				k.Produce(t, recs...)
+			}
+			seen := func() (n, distinct, max int64) {
+				if err := h.Pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT off), coalesce(max(off), -1) FROM seen`).Scan(&n, &distinct, &max); err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			produce(0, 30)
+			testenv.Eventually(t, 30*time.Second, func() error {
+				if n, _, _ := seen(); n != 30 {
+					return fmt.Errorf("%d of 30 applied", n)
+				}
+				return nil
+			})
+			// The database forgets: the effects and the offset together, as a failover does.
+			keep := int64(10)
+			if strings.Contains(tt.lose, "DELETE") {
+				keep = 0
+			}
+			if _, err := h.Pool.Exec(ctx, `DELETE FROM seen WHERE off >= $1`, keep); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := h.Pool.Exec(ctx, tt.lose, h.Group, h.Topic); err != nil {
+				t.Fatal(err)
+			}
+			produce(30, 20)
+			testenv.Eventually(t, 30*time.Second, func() error {
+				if n, distinct, max := seen(); n != 50 || distinct != 50 || max != 49 {
+					return fmt.Errorf("seen %d rows (%d distinct, up to offset %d), want offsets 0-49 once each", n, distinct, max)
+				}
+				return nil
+			})
+			var dead int
+			if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.dead_letters`).Scan(&dead); err != nil || dead != 0 {
+				t.Errorf("%d dead letters (%v), want none: a record was applied twice", dead, err)
+			}
+			if got := r.Counter("kafkapg_forgotten_partitions_total"); got < 1 {
+				t.Errorf("kafkapg_forgotten_partitions_total = %v, want it counted", got)
+			}
+		})
 	}
 }

@@ -260,10 +260,12 @@ func (p *Processor) poll(ctx context.Context, cl *kgo.Client) {
 	}
 }
 
-// rewindReq is a worker's request to fetch its partition again from offset.
+// rewindReq is a worker's request to fetch its partition again from offset, and, with replace,
+// to hand the partition to a new worker (restartPartition).
 type rewindReq struct {
-	w      *worker
-	offset int64
+	w       *worker
+	offset  int64
+	replace *worker
 }
 
 // rewind asks the poll loop to move w's partition's fetch back to offset (see
@@ -274,7 +276,7 @@ func (p *Processor) rewind(w *worker, offset int64) {
 	if p.rewinds == nil {
 		p.rewinds = map[offsets.Partition]rewindReq{}
 	}
-	p.rewinds[w.tp] = rewindReq{w, offset}
+	p.rewinds[w.tp] = rewindReq{w: w, offset: offset}
 	if p.wakePoll != nil {
 		p.wakePoll()
 	}
@@ -295,9 +297,105 @@ func (p *Processor) applyRewinds(cl *kgo.Client) {
 	}
 	p.mu.Unlock()
 	for _, r := range live {
-		cl.SetOffsets(map[string]map[int32]kgo.EpochOffset{r.w.tp.Topic: {r.w.tp.Partition: {Epoch: -1, Offset: r.offset}}})
-		r.w.rewound()
+		tp := r.w.tp
+		if r.replace != nil {
+			p.mu.Lock()
+			p.workers[tp] = r.replace
+			p.mu.Unlock()
+			p.rememberStart(r.replace.pos)
+			go r.replace.run()
+		}
+		cl.SetOffsets(map[string]map[int32]kgo.EpochOffset{tp.Topic: {tp.Partition: {Epoch: -1, Offset: r.offset}}})
+		if r.replace != nil {
+			cl.ResumeFetchPartitions(map[string][]int32{tp.Topic: {tp.Partition}}) // paused by the worker replaced
+			p.log.Info("partition started again from its stored position", "topic", tp.Topic, "partition", tp.Partition,
+				"token", r.replace.pos.Token, "from_offset", r.offset)
+		} else {
+			r.w.rewound()
+		}
 	}
+}
+
+// restartPartition starts w's partition again from the position Postgres has for it, after w
+// found that position moved under it (offsets.ErrMoved) and stopped. In the background, retrying
+// while Postgres fails, it reads the stored position (claiming the partition again if the
+// database lost its row, and resolving a start if it lost the first commit), then has the poll
+// loop hand the partition to a new worker and move its fetch there. It gives up once w is no
+// longer the partition's worker (revoked meanwhile), once another owner has claimed the
+// partition (that one goes on), and at shutdown.
+func (p *Processor) restartPartition(w *worker) {
+	go func() {
+		for failures := 1; ; failures++ {
+			if !p.isWorker(w) || p.lameDuck.Load() {
+				return
+			}
+			pos, err := p.storedPosition(p.clientCtx, w)
+			if errors.Is(err, offsets.ErrFenced) {
+				p.metrics.fenced.Inc()
+				w.log.Warn("partition was claimed by another owner; this worker stops and applies nothing more", "err", err)
+				return
+			}
+			if err == nil {
+				p.mu.Lock()
+				if p.rewinds == nil {
+					p.rewinds = map[offsets.Partition]rewindReq{}
+				}
+				p.rewinds[w.tp] = rewindReq{w: w, offset: pos.Next, replace: newWorker(p, w.cl, pos)}
+				if p.wakePoll != nil {
+					p.wakePoll()
+				}
+				p.mu.Unlock()
+				return
+			}
+			p.metrics.infraRetries.Inc()
+			d := p.backoff.Delay(failures)
+			w.log.Warn("cannot read the partition's stored position; retrying", "err", err, "retry_in", d)
+			if !backoff.Sleep(p.clientCtx, nil, d) {
+				return
+			}
+		}
+	}()
+}
+
+// isWorker reports whether w is its partition's worker.
+func (p *Processor) isWorker(w *worker) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.workers[w.tp] == w
+}
+
+// storedPosition returns the position Postgres has for w's partition, for a new worker: with the
+// stored token, or a new one if the database lost the row (claimed again), and a resolved start
+// if it lost the first commit. offsets.ErrFenced: another owner has claimed it since.
+func (p *Processor) storedPosition(ctx context.Context, w *worker) (offsets.Position, error) {
+	pos, err := p.store.Load(ctx, p.pool, w.tp)
+	if err != nil {
+		return pos, err
+	}
+	switch {
+	case pos.Token > w.pos.Token:
+		return pos, fmt.Errorf("%s: token %d, now %d: %w", w.tp, w.pos.Token, pos.Token, offsets.ErrFenced)
+	case pos.Token == 0: // no row: the database lost it
+		member, gen := w.cl.GroupMetadata()
+		claims, err := p.claim(ctx, fmt.Sprintf("%s member=%s generation=%d", p.cfg.InstanceName, member, gen), []offsets.Partition{w.tp})
+		if err != nil {
+			return pos, err
+		}
+		pos = claims[0]
+	}
+	if !pos.Known {
+		// As at an assignment: Kafka's committed offset, unless kafkapg made it.
+		at := kgo.NewOffset().AtStart()
+		if c, ok := w.cl.CommittedOffsets()[w.tp.Topic][w.tp.Partition]; ok && c.Offset >= 0 {
+			at = kgo.NewOffset().At(c.Offset)
+		}
+		claims, err := p.resolveStarts(ctx, w.cl, map[string]map[int32]kgo.Offset{w.tp.Topic: {w.tp.Partition: at}}, []offsets.Position{pos})
+		if err != nil {
+			return pos, err
+		}
+		pos = claims[0]
+	}
+	return pos, nil
 }
 
 // claimAssigned runs when partitions are assigned, before fetching starts (AdjustFetchOffsetsFn).

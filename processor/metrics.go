@@ -108,7 +108,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		forgotten: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "forgotten_partitions_total",
-			Help: "Partitions Postgres had no position for although Kafka held an offset kafkapg committed for them (a failover to a standby that lacked it, a restore from a backup): started again where they were first started.",
+			Help: "Partitions Postgres had no position for although Kafka held an offset kafkapg committed for them (a failover to a standby that lacked it, a restore from a backup): started again where they were first started; and partitions whose owner found the stored position moved under it (the database lost its last commits or its claim): started again from the stored position.",
 		}),
 		consumed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "records_consumed_total",

@@ -26,7 +26,7 @@ import (
 // again which records wait behind their keys.
 //
 // It returns nil, a *sink.HandlerError, errStopped, or an error wrapping offsets.ErrFenced,
-// offsets.ErrKeysChanged or retrytopics.ErrStale.
+// offsets.ErrMoved, offsets.ErrKeysChanged or retrytopics.ErrStale.
 func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(context.Context, pgx.Tx) error, blame bool) error {
 	last := recs[len(recs)-1]
 	next := last.consumed + 1
@@ -64,7 +64,7 @@ func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(contex
 
 // inPlace runs tx until it succeeds, retrying in place with backoff while the failure is not the
 // record's, until ctx is done or stopping is closed (then it returns errStopped). It returns at
-// once an error wrapping offsets.ErrFenced, offsets.ErrKeysChanged or retrytopics.ErrStale, and, if blame names a source
+// once an error wrapping offsets.ErrFenced, offsets.ErrMoved, offsets.ErrKeysChanged or retrytopics.ErrStale, and, if blame names a source
 // topic, a *sink.HandlerError that its handler's error is not classified as infrastructure: a
 // failure of the record.
 //
@@ -84,7 +84,7 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 		if ctx.Err() != nil {
 			return errStopped
 		}
-		if errors.Is(err, offsets.ErrFenced) || errors.Is(err, offsets.ErrKeysChanged) || errors.Is(err, retrytopics.ErrStale) {
+		if errors.Is(err, offsets.ErrFenced) || errors.Is(err, offsets.ErrMoved) || errors.Is(err, offsets.ErrKeysChanged) || errors.Is(err, retrytopics.ErrStale) {
 			return err
 		}
 		var herr *sink.HandlerError

@@ -328,6 +328,15 @@ func (w *worker) run() {
 	}
 	switch {
 	case errors.Is(err, errStopped):
+	case errors.Is(err, offsets.ErrMoved):
+		// Not a zombie: the database lost this owner's last commits (or its claim), or an
+		// operator moved the position. Going on from here would skip what the database lost;
+		// a new worker starts again from the stored position.
+		w.p.metrics.forgotten.Inc()
+		w.log.Warn("the partition's position in Postgres moved under this owner (a failover to a standby that lacked its last commits, a restore, or an edit); starting again from the stored position", "err", err)
+		w.stop()
+		w.cl.PauseFetchPartitions(map[string][]int32{w.tp.Topic: {w.tp.Partition}})
+		w.p.restartPartition(w)
 	case errors.Is(err, offsets.ErrFenced):
 		w.p.metrics.fenced.Inc()
 		w.log.Warn("partition was claimed by another owner; this worker stops and applies nothing more", "err", err)
@@ -336,7 +345,7 @@ func (w *worker) run() {
 		// to the other owner will revoke it from us; the pause is cleared then.
 		w.cl.PauseFetchPartitions(map[string][]int32{w.tp.Topic: {w.tp.Partition}})
 	default:
-		// applyRange returns only nil, errStopped or ErrFenced; anything else is a bug. Stop
+		// applyRange returns only nil, errStopped, ErrMoved or ErrFenced; anything else is a bug. Stop
 		// the whole processor rather than leave the partition silently stuck: a restart
 		// resumes from Postgres.
 		w.stop()

@@ -106,7 +106,7 @@ const (
 	sessionTimeout = 6 * time.Second
 )
 
-func run(ctx context.Context, c config) error {
+func run(ctx context.Context, c config) (err error) {
 	dbURL := os.Getenv("DATABASE_URL")
 	bin, err := localrun.BinDir("chaos")
 	if err != nil {
@@ -122,7 +122,12 @@ func run(ctx context.Context, c config) error {
 		return err
 	}
 	s := &suite{cfg: c, rng: rand.New(rand.NewPCG(c.seed, c.seed^0x5851f42d4c957f2d)), bin: bin, work: work, stats: stats{brokerFaults: map[string]int{}}}
-	defer s.close()
+	defer func() {
+		if err != nil {
+			s.cfg.keep = true // the logs of a failed run, whatever failed
+		}
+		s.close()
+	}()
 	procs := fmt.Sprintf("%d processes (HANDLER=%s", c.procs, c.handler)
 	if c.chain() {
 		procs = fmt.Sprintf("%d processes (0-%d HANDLER=%s, %d-%d HANDLER=%s", c.procs+c.postProcs, c.procs-1, c.handler, c.procs, c.procs+c.postProcs-1, postHandler)
