@@ -75,6 +75,7 @@ type Store struct {
 	listSQL    string
 	startSQL   string
 	staleSQL   string
+	storedSQL  string
 }
 
 // Querier runs queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
@@ -102,6 +103,8 @@ func NewStore(schema, group string) *Store {
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
 		listSQL: `SELECT topic, partition, next_offset FROM ` + t + `
 			WHERE consumer_group = $1 AND topic = ANY($2) AND next_offset IS NOT NULL`,
+		storedSQL: `SELECT topic, partition, owner_token, coalesce(next_offset, -1) FROM ` + t + `
+			WHERE consumer_group = $1 AND (topic, partition) IN (SELECT * FROM unnest($2::text[], $3::int[]))`,
 		// A row an uncommitted UPDATE locks has the updating transaction's id as its xmax; the
 		// backend running that transaction shows it as backend_xid.
 		staleSQL: `SELECT a.pid, o.topic, o.partition, pg_terminate_backend(a.pid) FROM ` + t + ` AS o
@@ -292,6 +295,36 @@ func (s *Store) CheckAdvance(ctx context.Context, tx pgx.Tx, pos Position, next 
 		return fmt.Errorf("advance %s: stored offset is %s, this owner expected %s: %w",
 			pos.TP(), fmtOffset(stored), fmtPos(pos), ErrMoved)
 	}
+}
+
+// Stored is a partition's row as Stored reads it: its token and next offset (-1: none yet).
+type Stored struct {
+	Token, Next int64
+}
+
+// Stored reads the token and next offset of parts, in one query; a partition without a row is
+// not in the result.
+func (s *Store) Stored(ctx context.Context, q Querier, parts []Partition) (map[Partition]Stored, error) {
+	topics := make([]string, len(parts))
+	nums := make([]int32, len(parts))
+	for i, p := range parts {
+		topics[i], nums[i] = p.Topic, p.Partition
+	}
+	rows, err := q.Query(ctx, s.storedSQL, s.group, topics, nums)
+	if err != nil {
+		return nil, fmt.Errorf("read stored positions: %w", err)
+	}
+	out := make(map[Partition]Stored, len(parts))
+	var p Partition
+	var st Stored
+	_, err = pgx.ForEachRow(rows, []any{&p.Topic, &p.Partition, &st.Token, &st.Next}, func() error {
+		out[p] = st
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read stored positions: %w", err)
+	}
+	return out, nil
 }
 
 // Load returns the stored position of one partition, without claiming it (for tools and tests).

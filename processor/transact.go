@@ -52,6 +52,7 @@ func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(contex
 			return err
 		}
 		w.pos = w.pos.Advanced(next)
+		w.nextSeen.Store(next)
 		w.prog.advanced()
 		w.cl.MarkCommitOffsets(map[string]map[int32]kgo.EpochOffset{
 			w.tp.Topic: {w.tp.Partition: {Epoch: last.leaderEpoch, Offset: next}},

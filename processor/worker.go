@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -34,6 +36,11 @@ type worker struct {
 
 	prog progress // whether it moves on (see checkStalls)
 
+	// token is pos.Token, and nextSeen the stored next offset as this worker last wrote it (-1:
+	// none yet), for Processor.checkPositions, which reads them from another goroutine.
+	token    int64
+	nextSeen atomic.Int64
+
 	// held is a superset of the partition's held keys (source partitions only): only this
 	// partition's owner ever adds a key to held_keys, and it loads the set when it starts, so a
 	// key not in it cannot be held and its records need no check in Postgres. A key leaves it
@@ -52,6 +59,7 @@ type worker struct {
 	paused     bool      // fetching from the partition is paused (full or waiting)
 	busy       bool      // the partition holds records (queued or in flight): counted in Processor.busy
 	closed     bool      // no more records are accepted
+	verify     bool      // check the stored position between batches (requestVerify)
 	// dropped: the queued records of a retry tier, none due for a while, were dropped, to be
 	// fetched again from rewindTo at dueAt (see dropWaiting): records fetched meanwhile are
 	// dropped too, until the poll loop has moved the partition's fetch back (rewound).
@@ -85,6 +93,11 @@ func newWorker(p *Processor, cl *kgo.Client, pos offsets.Position) *worker {
 	}
 	if t, ok := p.tierOf[pos.Topic]; ok {
 		w.source, w.tier = t.source, t.n
+	}
+	w.token = pos.Token
+	w.nextSeen.Store(-1)
+	if pos.Known {
+		w.nextSeen.Store(pos.Next)
 	}
 	w.applied = p.metrics.applied.WithLabelValues(w.source)
 	w.consumed = p.metrics.consumed.WithLabelValues(pos.Topic)
@@ -170,6 +183,11 @@ func (w *worker) take() []*kgo.Record {
 	for {
 		wait, rewindTo := time.Duration(-1), int64(-1)
 		w.mu.Lock()
+		if w.verify {
+			w.verify = false
+			w.mu.Unlock()
+			return verifyBatch
+		}
 		if n := len(w.queue); n > 0 {
 			limit := w.p.cfg.BatchMaxRecords
 			ready, nextDue := min(n, limit), time.Time{}
@@ -323,6 +341,10 @@ func (w *worker) run() {
 		if batch == nil {
 			return
 		}
+		if len(batch) == 0 { // verifyBatch
+			err = w.verifyPosition()
+			continue
+		}
 		err = w.applyRange(w.records(batch))
 		w.release()
 	}
@@ -351,6 +373,55 @@ func (w *worker) run() {
 		w.stop()
 		w.p.fail(fmt.Errorf("partition %s: %w", w.tp, err))
 	}
+}
+
+// verifyBatch is what take returns when the worker is to check its position (requestVerify).
+var verifyBatch = []*kgo.Record{}
+
+// requestVerify asks the worker to check, between batches, that the stored position is still its
+// own (verifyPosition).
+func (w *worker) requestVerify() {
+	w.mu.Lock()
+	w.verify = true
+	w.mu.Unlock()
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+// verifyPosition reads the partition's row and compares it with the worker's position, between
+// batches (no transaction of the worker's is in flight): offsets.ErrMoved if the database lost
+// the worker's last commits or its claim (a failover to a standby that lacked them), which an
+// idle partition would otherwise never find out, offsets.ErrFenced if another owner claimed it.
+func (w *worker) verifyPosition() error {
+	var st offsets.Position
+	if err := w.p.inPlace(w.ctx, w.stopping, w.log, "", &w.prog, func() error {
+		var err error
+		st, err = w.p.store.Load(w.ctx, w.p.pool, w.tp)
+		return err
+	}); err != nil {
+		return err
+	}
+	switch {
+	case st.Token > w.pos.Token:
+		return fmt.Errorf("%s: token %d, now %d: %w", w.tp, w.pos.Token, st.Token, offsets.ErrFenced)
+	case st.Token == 0:
+		return fmt.Errorf("%s: the offsets row is missing (the database lost it, or it was deleted): %w", w.tp, offsets.ErrMoved)
+	case st.Token < w.pos.Token:
+		return fmt.Errorf("%s: token %d, stored %d (the database lost this owner's claim): %w", w.tp, w.pos.Token, st.Token, offsets.ErrMoved)
+	case st.Known != w.pos.Known || st.Known && st.Next != w.pos.Next:
+		return fmt.Errorf("%s: stored offset is %s, this owner's is %s: %w", w.tp, fmtNext(st), fmtNext(w.pos), offsets.ErrMoved)
+	}
+	return nil
+}
+
+// fmtNext formats a position's next offset.
+func fmtNext(pos offsets.Position) string {
+	if !pos.Known {
+		return "none"
+	}
+	return strconv.FormatInt(pos.Next, 10)
 }
 
 // heldRefresh is how often a partition with held keys reloads them (see worker.held).
