@@ -291,8 +291,11 @@ func (p *Processor) applyRewinds(cl *kgo.Client) {
 	p.rewinds = nil
 	var live []rewindReq
 	for tp, r := range reqs {
-		if p.workers[tp] == r.w {
+		switch {
+		case p.workers[tp] == r.w:
 			live = append(live, r)
+		case r.replace != nil:
+			r.replace.cancel() // never run: the partition was revoked meanwhile
 		}
 	}
 	p.mu.Unlock()
