@@ -50,14 +50,15 @@ func stopsWhileAMemberIsSilent(t *testing.T, k *testenv.Kafka, protocol processo
 	h := newHarness(t, k, 4)
 	items := ledger.Generate(ledger.GenConfig{Events: 400, Accounts: 20, Seed: 31, Prefix: "sd"})
 	first, second := items[:200], items[200:]
-	config := func(session time.Duration) *processor.Config {
+	config := func(name string, session time.Duration) *processor.Config {
 		cfg := h.Config(ledger.Handler{})
+		cfg.InstanceName = name // so that the positions say whose they are
 		cfg.GroupProtocol = protocol
 		cfg.SessionTimeout = session
 		return cfg
 	}
 
-	cfgA := config(60 * time.Second)
+	cfgA := config("A", 60*time.Second)
 	cfgA.RebalanceTimeout = 40 * time.Second
 	cfgA.ShutdownTimeout = 30 * time.Second
 	a := h.Start(cfgA)
@@ -68,7 +69,7 @@ func stopsWhileAMemberIsSilent(t *testing.T, k *testenv.Kafka, protocol processo
 	waitJoined(t, a)
 
 	net := testenv.NewNetFault()
-	cfgC := config(8 * time.Second)
+	cfgC := config("C", 8*time.Second)
 	cfgC.ShutdownTimeout = 3 * time.Second
 	cfgC.KafkaOptions = append(slices.Clone(cfgC.KafkaOptions), kgo.Dialer(net.Dial))
 	c := h.Start(cfgC)
@@ -83,12 +84,24 @@ func stopsWhileAMemberIsSilent(t *testing.T, k *testenv.Kafka, protocol processo
 		// C's session is the group's: it must be C's 8 s, not A's 60 s, before C goes silent, or C
 		// keeps its partitions for a minute (the likeliest cause of a CI flake, 2026-12-01).
 		waitGroupSession(t, k, h.Group, 8*time.Second)
+		// And C must have heartbeated since: the broker sets a member's session timer at each
+		// heartbeat, from the group's setting at that moment. C starts shortly before the cut,
+		// and a CI run (2026-12-02) cut it before any heartbeat under the 8 s setting: the broker
+		// kept the silent C, with C's partitions, for A's 60 s. Waiting for the group to settle
+		// (A has handed C its partitions, which takes heartbeats of both) and then for a few
+		// more of C's heartbeats makes the silent member the one the test means.
+		waitGroupSettled(t, k, h.Group)
+		time.Sleep(2 * time.Second) // members heartbeat every 500 ms (processor.heartbeatInterval)
 	}
 
 	// C goes silent; B joins.
+	t.Logf("before the cut: %s", h.Positions())
+	if gtype == "consumer" {
+		t.Logf("before the cut, the group: %s", describeConsumerGroup(t, k, h.Group))
+	}
 	net.Cut()
 	cut := time.Now()
-	b := h.Start(config(8 * time.Second))
+	b := h.Start(config("B", 8*time.Second))
 	time.Sleep(4 * time.Second) // A learns of the rebalance at its next heartbeat and rejoins
 
 	stopStart := time.Now()
@@ -115,6 +128,7 @@ func stopsWhileAMemberIsSilent(t *testing.T, k *testenv.Kafka, protocol processo
 		if t.Failed() {
 			t.Logf("positions in Postgres: %s", h.Positions())
 			t.Logf("the group, as the broker describes it: %s", describeConsumerGroup(t, k, h.Group))
+			t.Logf("the group's session timeout: %s", groupSessionTimeout(k.Client(t), h.Group))
 		}
 	}()
 
@@ -261,25 +275,58 @@ func waitGroupSession(t *testing.T, k *testenv.Kafka, group string, want time.Du
 	t.Helper()
 	cl := k.Client(t)
 	testenv.Eventually(t, 20*time.Second, func() error {
-		req := kmsg.NewPtrDescribeConfigsRequest()
-		res := kmsg.NewDescribeConfigsRequestResource()
-		res.ResourceType, res.ResourceName = kmsg.ConfigResourceTypeGroupConfig, group
-		res.ConfigNames = []string{"consumer.session.timeout.ms"}
-		req.Resources = append(req.Resources, res)
+		got := groupSessionTimeout(cl, group)
+		if got != fmt.Sprint(want.Milliseconds()) {
+			return fmt.Errorf("the group's consumer.session.timeout.ms is %s, want %d", got, want.Milliseconds())
+		}
+		return nil
+	})
+}
+
+// waitGroupSettled waits until every member of a consumer-protocol group has its target
+// assignment at the group's epoch.
+func waitGroupSettled(t *testing.T, k *testenv.Kafka, group string) {
+	t.Helper()
+	cl := k.Client(t)
+	testenv.Eventually(t, 30*time.Second, func() error {
+		req := kmsg.NewPtrConsumerGroupDescribeRequest()
+		req.Groups = []string{group}
 		resp, err := req.RequestWith(context.Background(), cl)
 		if err != nil {
 			return err
 		}
-		for _, r := range resp.Resources {
-			for _, c := range r.Configs {
-				if c.Value != nil && *c.Value == fmt.Sprint(want.Milliseconds()) {
-					return nil
+		for _, g := range resp.Groups {
+			if err := kerr.ErrorForCode(g.ErrorCode); err != nil {
+				return err
+			}
+			for _, m := range g.Members {
+				if m.MemberEpoch != g.Epoch || assignmentString(m.Assignment) != assignmentString(m.TargetAssignment) {
+					return fmt.Errorf("the group has not settled: %s", describeConsumerGroup(t, k, group))
 				}
-				return fmt.Errorf("the group's consumer.session.timeout.ms is %s, want %d", derefStr(c.Value), want.Milliseconds())
 			}
 		}
-		return errors.New("the broker described no session timeout for the group")
+		return nil
 	})
+}
+
+// groupSessionTimeout is the group's consumer.session.timeout.ms as the broker describes it, or
+// what kept the broker from describing it.
+func groupSessionTimeout(cl *kgo.Client, group string) string {
+	req := kmsg.NewPtrDescribeConfigsRequest()
+	res := kmsg.NewDescribeConfigsRequestResource()
+	res.ResourceType, res.ResourceName = kmsg.ConfigResourceTypeGroupConfig, group
+	res.ConfigNames = []string{"consumer.session.timeout.ms"}
+	req.Resources = append(req.Resources, res)
+	resp, err := req.RequestWith(context.Background(), cl)
+	if err != nil {
+		return "describe: " + err.Error()
+	}
+	for _, r := range resp.Resources {
+		for _, c := range r.Configs {
+			return derefStr(c.Value)
+		}
+	}
+	return "not described"
 }
 
 func derefStr(s *string) string {
@@ -315,7 +362,8 @@ func describeConsumerGroup(t *testing.T, k *testenv.Kafka, group string) string 
 func assignmentString(a kmsg.Assignment) string {
 	var parts []string
 	for _, tp := range a.TopicPartitions {
-		parts = append(parts, fmt.Sprintf("%s%v", tp.Topic, tp.Partitions))
+		parts = append(parts, fmt.Sprintf("%s%v", tp.Topic, slices.Sorted(slices.Values(tp.Partitions))))
 	}
+	slices.Sort(parts)
 	return "[" + strings.Join(parts, " ") + "]"
 }
