@@ -5,7 +5,9 @@ import (
 	"errors"
 
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/trace"
 
+	"github.com/kafkapg/kafkapg/internal/tracing"
 	"github.com/kafkapg/kafkapg/offsets"
 	"github.com/kafkapg/kafkapg/retrytopics"
 	"github.com/kafkapg/kafkapg/sink"
@@ -73,7 +75,12 @@ func (w *worker) handleAll(recs []*Record) error {
 func (w *worker) handleOnce(recs []*Record) error {
 	var out outcome
 	var live []*Record
+	var span trace.Span
 	err := w.transact(recs, nil, func(ctx context.Context, tx pgx.Tx) error {
+		if w.p.tracer != nil {
+			tracing.End(span, errRetried, "retried") // a try before this one, retried in place
+			ctx, span = w.p.tracer.StartBatch(ctx, w.tp.Topic, w.tp.Partition, len(recs))
+		}
 		out = outcome{}
 		var index []int
 		var err error
@@ -100,6 +107,7 @@ func (w *worker) handleOnce(recs []*Record) error {
 		}
 		return nil
 	}, true)
+	tracing.End(span, err, batchErrorType(err))
 	if err == nil {
 		out.applied -= w.p.committed(w.source, live)
 		w.applied.Add(float64(out.applied))
@@ -121,6 +129,29 @@ func (w *worker) handleOnce(recs []*Record) error {
 		}
 	}
 	return err
+}
+
+// errRetried ends the span of a batch transaction tried again in place (Postgres failed).
+var errRetried = errors.New("retried in place")
+
+// batchErrorType names why a batch transaction did not commit, for its span.
+func batchErrorType(err error) string {
+	var herr *sink.HandlerError
+	switch {
+	case err == nil:
+		return ""
+	case errors.As(err, &herr):
+		return "handler" // the records' own spans say which failed, and how
+	case errors.Is(err, errStopped):
+		return "stopped"
+	case errors.Is(err, offsets.ErrFenced):
+		return "fenced"
+	case errors.Is(err, offsets.ErrMoved):
+		return "moved"
+	case errors.Is(err, offsets.ErrKeysChanged):
+		return "keys_changed"
+	}
+	return "_OTHER"
 }
 
 // admit decides, inside the batch transaction, which of recs the handler applies now: on a

@@ -13,6 +13,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -246,6 +248,16 @@ type Config struct {
 	// Registerer receives the processor's Prometheus metrics, including franz-go's client
 	// metrics. Defaults to a private registry (metrics are then not exported).
 	Registerer prometheus.Registerer
+	// TracerProvider, if not nil, receives OpenTelemetry spans: a "process {topic}" span for each
+	// delivery of a record to the handler (a child of the trace context the record carries), a
+	// "commit {topic}" span for each batch transaction, a "send {topic}" span for each record the
+	// outbox relay publishes (emitted events, retry and dead-letter copies), whose trace context
+	// replaces the one the record carried. Nil: no tracing, at no cost. The service sets it from
+	// the standard OTEL_* environment (see docs/operations.md, "Tracing").
+	TracerProvider trace.TracerProvider
+	// Propagator reads and writes trace context in record headers. Defaults to W3C Trace Context
+	// and Baggage (traceparent, tracestate, baggage).
+	Propagator propagation.TextMapPropagator
 	// KafkaOptions are extra franz-go options (TLS, SASL, ...), applied after kafkapg's own.
 	// Options that change group callbacks, offsets or commits break the guarantees.
 	KafkaOptions []kgo.Opt

@@ -13,7 +13,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/trace"
 
+	"github.com/kafkapg/kafkapg/internal/tracing"
 	"github.com/kafkapg/kafkapg/retrytopics"
 	"github.com/kafkapg/kafkapg/sink"
 )
@@ -50,7 +52,8 @@ type Record struct {
 	// that key was applied before: it is not given to the handler. Nil otherwise.
 	duplicate []byte
 	proc      *Processor
-	pending   []sink.Event // events it emitted in the current handler call, written when the handler returns
+	pending   []sink.Event      // events it emitted in the current handler call, written when the handler returns
+	span      trace.SpanContext // its last process span's; invalid if tracing is off
 }
 
 // Emit writes events into tx, the transaction the record is being handled in: they are published
@@ -73,6 +76,9 @@ func (r *Record) Emit(ctx context.Context, tx pgx.Tx, events ...sink.Event) erro
 		if e.ID == "" {
 			e.ID = sink.DerivedID(r.proc.cfg.Group, r.Topic, r.Partition, r.Offset, len(r.pending))
 		}
+		// The outbox row keeps the emitting delivery's trace context; the relay's send span
+		// is its child.
+		e.Headers = r.proc.tracer.Inject(ctx, e.Headers)
 		r.pending = append(r.pending, e)
 	}
 	return nil
@@ -95,6 +101,67 @@ func (p *Processor) writeEmits(ctx context.Context, tx pgx.Tx, recs []*Record) e
 		return own(err) // kafkapg's statements: retried in place (a deadlock waits, quietly)
 	}
 	return nil
+}
+
+// delivery describes r for its process span.
+func (p *Processor) delivery(r *Record) tracing.Delivery {
+	topic := r.Topic
+	if r.tier > 0 {
+		topic = retrytopics.TierTopic(r.Topic, p.cfg.Group, r.tier)
+	}
+	d := tracing.Delivery{Topic: topic, Partition: r.Partition, Offset: r.consumed, Source: r.Topic, Attempt: r.Attempt, Headers: r.Headers}
+	for _, h := range r.Headers {
+		if h.Key == sink.HeaderMessageID {
+			d.MessageID = string(h.Value)
+		}
+	}
+	return d
+}
+
+// startProcess starts r's process span, if tracing is on, linked both ways with the batch
+// transaction's span in ctx. r keeps its context, for where it goes if it fails.
+func (p *Processor) startProcess(ctx context.Context, r *Record) (context.Context, trace.Span) {
+	if p.tracer == nil {
+		return ctx, nil
+	}
+	rctx, span := p.tracer.StartProcess(ctx, p.delivery(r))
+	r.span = span.SpanContext()
+	tracing.Link(trace.SpanFromContext(ctx), rctx)
+	return rctx, span
+}
+
+// startProcessBatch starts the process span of a BatchHandler's call over run, if tracing is on.
+func (p *Processor) startProcessBatch(ctx context.Context, run []*Record) (context.Context, trace.Span) {
+	if p.tracer == nil {
+		return ctx, nil
+	}
+	ds := make([]tracing.Delivery, len(run))
+	for i, r := range run {
+		ds[i] = p.delivery(r)
+	}
+	bctx, span := p.tracer.StartProcessBatch(ctx, ds[0].Topic, run[0].Partition, ds)
+	for _, r := range run {
+		r.span = span.SpanContext()
+	}
+	return bctx, span
+}
+
+// endProcess ends a process span; a failure's error.type is its class.
+func (p *Processor) endProcess(span trace.Span, source string, err error) {
+	if span == nil {
+		return
+	}
+	var class string
+	if err != nil {
+		_, cause := failedRecord(err, 1)
+		class = p.classify(source, cause).String()
+	}
+	tracing.End(span, err, class)
+}
+
+// traceAttrs are the log attributes that point at a delivery's span.
+func traceAttrs(sc trace.SpanContext) []any {
+	return []any{"trace_id", sc.TraceID().String(), "span_id", sc.SpanID().String()}
 }
 
 // size is what Config.MaxRecordBytes bounds: key, value and headers.
@@ -239,7 +306,9 @@ func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs
 				j++
 			}
 			run := recs[i:j]
-			err := p.call(run, func() error { return usable(tx, pol.batch.HandleBatch(ctx, tx, run)) })
+			bctx, span := p.startProcessBatch(ctx, run)
+			err := p.call(run, func() error { return usable(tx, pol.batch.HandleBatch(bctx, tx, run)) })
+			p.endProcess(span, run[0].Topic, err)
 			if err != nil {
 				p.metrics.handlerDuration.Observe(time.Since(start).Seconds())
 				if k, cause := failedRecord(err, len(run)); k >= 0 && i > 0 {
@@ -253,7 +322,10 @@ func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs
 		return p.writeEmits(ctx, tx, recs)
 	}
 	for i, r := range recs {
-		if err := p.call(recs[i:i+1], func() error { return usable(tx, pol.handler.Handle(ctx, tx, r)) }); err != nil {
+		rctx, span := p.startProcess(ctx, r)
+		err := p.call(recs[i:i+1], func() error { return usable(tx, pol.handler.Handle(rctx, tx, r)) })
+		p.endProcess(span, r.Topic, err)
+		if err != nil {
 			p.metrics.handlerDuration.Observe(time.Since(start).Seconds())
 			return &RecordError{Index: i, Err: err}
 		}
@@ -285,6 +357,9 @@ func (p *Processor) call(recs []*Record, fn func() error) (err error) {
 			p.metrics.handlerPanics.Inc()
 			first := recs[0]
 			log := p.log.With("topic", first.Topic, "partition", first.Partition, "offset", first.Offset)
+			if first.span.IsValid() {
+				log = log.With(traceAttrs(first.span)...)
+			}
 			if len(recs) == 1 {
 				log = log.With("key_hash", keyHash(first.Key))
 			} else {

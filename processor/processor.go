@@ -21,6 +21,7 @@ import (
 	"github.com/kafkapg/kafkapg/internal/backoff"
 	"github.com/kafkapg/kafkapg/internal/pooler"
 	"github.com/kafkapg/kafkapg/internal/schema"
+	"github.com/kafkapg/kafkapg/internal/tracing"
 	"github.com/kafkapg/kafkapg/offsets"
 	"github.com/kafkapg/kafkapg/retrytopics"
 	"github.com/kafkapg/kafkapg/sink"
@@ -38,6 +39,7 @@ type Processor struct {
 	sink         *sink.Sink
 	outbox       *sink.Outbox       // where Record.Emit writes
 	captured     *[]sink.Event      // processortest: what Record.Emit was given, instead of the outbox
+	tracer       *tracing.Tracer    // nil: tracing off
 	dedupeSQL    string             // records idempotency keys, returning the new ones
 	pruneKeysSQL string             // deletes idempotency keys past their retention
 	policies     map[string]*policy // by source topic
@@ -119,6 +121,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 		tierOf:   map[string]tierRef{},
 		policies: map[string]*policy{},
 		buf:      newBuffer(c.MaxBufferedBytes),
+		tracer:   tracing.New(c.TracerProvider, c.Propagator, c.Group),
 	}
 	for _, t := range c.Topics {
 		pol := c.policy(t)
@@ -225,7 +228,9 @@ func (p *Processor) Run(ctx context.Context) error {
 			p.metrics.published.WithLabelValues(m.Topic).Inc()
 			p.metrics.publishWait.Observe(waited.Seconds())
 		},
-		Refused: p.refused,
+		Refused:        p.refused,
+		TracerProvider: p.cfg.TracerProvider,
+		Propagator:     p.cfg.Propagator,
 	})
 	p.relay.Store(relay)
 	relayCtx, stopRelay := context.WithCancel(context.WithoutCancel(ctx))

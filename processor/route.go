@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kafkapg/kafkapg/internal/backoff"
 	"github.com/kafkapg/kafkapg/offsets"
@@ -96,6 +97,7 @@ type move struct {
 	retrytopics.Move
 	tier int // 0: dead letter
 	msg  sink.Message
+	span trace.SpanContext // of the delivery that failed; invalid if tracing is off
 }
 
 // plan decides where a record that failed as f says goes: the next retry tier if the error is
@@ -160,6 +162,12 @@ func (p *Processor) plan(rec *Record, source string, f failure) move {
 		m.msg.Value = nil
 		m.msg.Headers = append(m.msg.Headers, kgo.RecordHeader{Key: retrytopics.HeaderValueOmitted, Value: []byte(strconv.Itoa(len(rec.Value)))})
 	}
+	if rec.span.IsValid() {
+		// The copy goes on from the delivery that failed (the relay's send span is its child),
+		// in place of the context the record came with.
+		m.span = rec.span
+		m.msg.Headers = p.tracer.Inject(trace.ContextWithSpanContext(context.Background(), rec.span), m.msg.Headers)
+	}
 	return m
 }
 
@@ -178,6 +186,9 @@ func (p *Processor) moved(m move, source string, f failure) {
 	}
 	log := p.log.With("topic", source, "partition", m.Partition, "offset", m.Offset, "key_hash", keyHash(m.Key),
 		"attempt", m.Attempt, "tries", f.tries, "class", m.Class, "to", m.msg.Topic)
+	if m.span.IsValid() {
+		log = log.With(traceAttrs(m.span)...)
+	}
 	if m.tier > 0 {
 		p.metrics.routed.WithLabelValues(source, tierLabel(m.tier)).Inc()
 		log.Info("record sent to a retry tier", "due_at", m.DueAt, "err", f.cause)

@@ -15,9 +15,12 @@ import (
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kafkapg/kafkapg/internal/backoff"
 	"github.com/kafkapg/kafkapg/internal/safetext"
+	"github.com/kafkapg/kafkapg/internal/tracing"
 )
 
 // RelayConfig configures a Relay.
@@ -71,6 +74,13 @@ type RelayConfig struct {
 	// error), or every refused message when Refused is nil, stays in the outbox set aside
 	// (refused_at, refused_error) for an operator, and the rest flows on.
 	Refused func(ctx context.Context, tx pgx.Tx, m Message, refusal error) (*Message, error)
+	// TracerProvider, if not nil, receives a "send {topic}" span for each record published, a
+	// child of the trace context the row's headers carry; the record carries the send span's
+	// context instead (see package processor, Config.TracerProvider).
+	TracerProvider trace.TracerProvider
+	// Propagator reads and writes that context in headers. Defaults to W3C Trace Context and
+	// Baggage.
+	Propagator propagation.TextMapPropagator
 }
 
 // Relay publishes outbox rows to Kafka and deletes them once the broker acknowledged them.
@@ -82,6 +92,7 @@ type RelayConfig struct {
 // to RelayConfig.Refused or are set aside; one bad row never holds up the others.
 type Relay struct {
 	cfg       RelayConfig
+	tracer    *tracing.Tracer // nil: tracing off
 	pool      *pgxpool.Pool
 	client    *kgo.Client
 	notify    chan struct{}
@@ -139,6 +150,7 @@ func NewRelay(pool *pgxpool.Pool, client *kgo.Client, cfg RelayConfig) *Relay {
 	t := pgx.Identifier{cfg.Schema, "outbox"}.Sanitize()
 	r := &Relay{
 		cfg:       cfg,
+		tracer:    tracing.New(cfg.TracerProvider, cfg.Propagator, cfg.Group),
 		pool:      pool,
 		client:    client,
 		notify:    make(chan struct{}, 1),
@@ -377,7 +389,8 @@ type row struct {
 	msg     Message
 	created time.Time
 	rec     *kgo.Record
-	err     error // its produce result
+	err     error      // its produce result
+	span    trace.Span // its send span; nil if tracing is off
 }
 
 // publishBatch publishes one batch of rows in one transaction: of the topics found missing if
@@ -414,6 +427,7 @@ func (r *Relay) publishBatch(parent context.Context, missing bool) (n int, full 
 			rw.err = why
 			continue
 		}
+		r.startSend(rw)
 		recs = append(recs, rw.rec)
 		byRec[rw.rec] = rw
 	}
@@ -429,6 +443,10 @@ func (r *Relay) publishBatch(parent context.Context, missing bool) (n int, full 
 		if isRefusal(rw.err) {
 			rw.err = r.client.ProduceSync(ctx, rw.rec).FirstErr()
 		}
+	}
+
+	for _, rw := range rows {
+		tracing.End(rw.span, rw.err, produceErrorType(rw.err))
 	}
 
 	var done []int64
@@ -473,6 +491,37 @@ func (r *Relay) publishBatch(parent context.Context, missing bool) (n int, full 
 		return len(done), false, fmt.Errorf("%d of %d records not published (will retry): %w", failedRows, len(rows), failed)
 	}
 	return len(done), full, nil
+}
+
+// startSend starts rw's send span, if tracing is on, and puts its context in the record's headers
+// in place of the context the row carries (the transaction's that wrote it). The row keeps its
+// headers: published again, the record gets the context of its new send span.
+func (r *Relay) startSend(rw *row) {
+	if r.tracer == nil {
+		return
+	}
+	var id string
+	for _, h := range rw.msg.Headers {
+		if h.Key == HeaderMessageID {
+			id = string(h.Value)
+		}
+	}
+	ctx, span := r.tracer.StartSend(rw.msg.Headers, rw.msg.Topic, rw.msg.Partition, id)
+	rw.span = span
+	rw.rec.Headers = r.tracer.Inject(ctx, rw.msg.Headers)
+}
+
+// produceErrorType names a produce failure for a span's error.type: Kafka's error code name, or
+// the Go type of other errors.
+func produceErrorType(err error) string {
+	var ke *kerr.Error
+	if errors.As(err, &ke) {
+		return ke.Message
+	}
+	if err == nil {
+		return ""
+	}
+	return fmt.Sprintf("%T", err)
 }
 
 // setMissing notes that topic does not exist (it was deleted): its rows are not produced until
