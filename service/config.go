@@ -83,6 +83,7 @@ type env struct {
 
 	tiers     []time.Duration        // RETRY_TIERS, parsed
 	kafkaOpts []kgo.Opt              // KAFKA_TLS_*, KAFKA_SASL_*, parsed
+	tracing   tracingSetup           // OTEL_*, parsed
 	topics    map[string]topicPolicy // TOPIC_<topic>_*, parsed, by topic
 }
 
@@ -357,6 +358,9 @@ func (e *env) validate(hs *registry) error {
 		errs = append(errs, err)
 	}
 	e.kafkaOpts = opts
+	tr, err := readTracing(os.Getenv)
+	errs = append(errs, err)
+	e.tracing = tr
 	topics, err := topicEnv(e.KafkaTopics, hs)
 	errs = append(errs, err)
 	e.topics = topics

@@ -43,6 +43,7 @@ import (
 	"time"
 
 	"github.com/KimMachineGun/automemlimit/memlimit"
+	"github.com/exaring/otelpgx"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
@@ -282,10 +283,13 @@ func newLogger(env *env, w io.Writer) *slog.Logger {
 // before the pool is used: it finds out whether DATABASE_URL leads to a connection pooler in
 // transaction mode (PgBouncer) and then, unless DATABASE_URL chose a query mode, switches the
 // pool to one that works through it (see package pooler). openPool itself connects nowhere.
-func openPool(ctx context.Context, env *dbEnv) (pool *pgxpool.Pool, adapt func(context.Context, *slog.Logger) error, err error) {
+func openPool(ctx context.Context, env *dbEnv, opts ...func(*pgxpool.Config)) (pool *pgxpool.Pool, adapt func(context.Context, *slog.Logger) error, err error) {
 	cfg, err := pgxpool.ParseConfig(env.DatabaseURL)
 	if err != nil {
 		return nil, nil, &configError{fmt.Errorf("DATABASE_URL is not a valid connection string: %v", err)}
+	}
+	for _, o := range opts {
+		o(cfg)
 	}
 	if !strings.Contains(env.DatabaseURL, "pool_max_conns") {
 		cfg.MaxConns = env.DBMaxConns
@@ -357,7 +361,28 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	// what is left of it, and is abandoned, with a warning, when that runs out.
 	bound := &exitBound{timeout: env.ShutdownTimeout, log: log}
 	context.AfterFunc(ctx, bound.signalled)
-	pool, adapt, err := openPool(ctx, &env.dbEnv)
+	tp, err := newTracerProvider(ctx, env.tracing, env.KafkaGroupID, log)
+	if err != nil {
+		return err
+	}
+	var poolOpts []func(*pgxpool.Config)
+	if tp != nil {
+		// Spans are flushed last: after the processor, whose last spans they are.
+		defer bound.within("flushing spans to the OpenTelemetry collector", func() {
+			sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+			defer cancel()
+			if err := tp.Shutdown(sctx); err != nil {
+				log.Warn("flushing spans to the OpenTelemetry collector", "err", err)
+			}
+		})
+		log.Info("tracing on: OpenTelemetry spans exported over OTLP", "protocol", env.tracing.protocol, "sampler", cmp.Or(os.Getenv("OTEL_TRACES_SAMPLER"), "parentbased_always_on"))
+		// Statements a handler (or kafkapg, in a record's transaction) runs in a traced
+		// delivery are its child spans; others are not traced.
+		poolOpts = append(poolOpts, func(c *pgxpool.Config) {
+			c.ConnConfig.Tracer = otelpgx.NewTracer(otelpgx.WithTracerProvider(tp), otelpgx.WithDisableConnectionDetailsInAttributes())
+		})
+	}
+	pool, adapt, err := openPool(ctx, &env.dbEnv, poolOpts...)
 	if err != nil {
 		return err
 	}
@@ -466,7 +491,11 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		return err
 	}
 
-	p, err := processor.New(pool, env.processorConfig(hs, log, reg))
+	cfg := env.processorConfig(hs, log, reg)
+	if tp != nil {
+		cfg.TracerProvider, cfg.Propagator = tp, env.tracing.prop
+	}
+	p, err := processor.New(pool, cfg)
 	if err != nil {
 		return err
 	}

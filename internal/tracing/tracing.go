@@ -186,10 +186,14 @@ func (t *Tracer) StartProcess(ctx context.Context, d Delivery) (context.Context,
 }
 
 // StartProcessBatch starts the span of a BatchHandler's call over ds: a child of ctx's span (the
-// batch transaction's), linked to the context each record carries.
+// batch transaction's), linked to the context each record carries. A call over one record (a
+// failing record is retried alone) is that record's delivery, as StartProcess has it.
 func (t *Tracer) StartProcessBatch(ctx context.Context, topic string, partition int32, ds []Delivery) (context.Context, trace.Span) {
 	if t == nil {
 		return ctx, nil
+	}
+	if len(ds) == 1 {
+		return t.StartProcess(ctx, ds[0])
 	}
 	links := make([]trace.Link, 0, len(ds))
 	for _, d := range ds {
