@@ -109,7 +109,8 @@ func (p *Processor) delivery(r *Record) tracing.Delivery {
 	if r.tier > 0 {
 		topic = retrytopics.TierTopic(r.Topic, p.cfg.Group, r.tier)
 	}
-	d := tracing.Delivery{Topic: topic, Partition: r.Partition, Offset: r.consumed, Source: r.Topic, Attempt: r.Attempt, Headers: r.Headers}
+	d := tracing.Delivery{Topic: topic, Partition: r.Partition, Offset: r.consumed, Source: r.Topic, Attempt: r.Attempt, Headers: r.Headers,
+		DeadLetter: r.deadLetter}
 	for _, h := range r.Headers {
 		if h.Key == sink.HeaderMessageID {
 			d.MessageID = string(h.Value)

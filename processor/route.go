@@ -165,8 +165,11 @@ func (p *Processor) plan(rec *Record, source string, f failure) move {
 	if rec.span.IsValid() {
 		// The copy goes on from the delivery that failed (the relay's send span is its child),
 		// in place of the context the record came with.
+		// The dead_letters row keeps that context too: a replay goes on from it.
 		m.span = rec.span
-		m.msg.Headers = p.tracer.Inject(trace.ContextWithSpanContext(context.Background(), rec.span), m.msg.Headers)
+		sctx := trace.ContextWithSpanContext(context.Background(), rec.span)
+		m.msg.Headers = p.tracer.Inject(sctx, m.msg.Headers)
+		m.Rec.Headers = p.tracer.Inject(sctx, m.Rec.Headers)
 	}
 	return m
 }

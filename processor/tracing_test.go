@@ -15,6 +15,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/internal/tracing"
 	"github.com/kafkapg/kafkapg/processor"
@@ -23,10 +24,11 @@ import (
 )
 
 // TestOneTracePerRecord follows two records a traced producer published through a processor
-// with tracing on: one fails at every delivery (source, one retry tier, then the dead-letter
-// topic), the other is applied and emits an event. Each record's deliveries and copies must be
-// spans of the producer's trace, each the child of the hop before it, with the messaging
-// attributes; the copies and the emitted event must carry exactly one traceparent, their send
+// with tracing on: one fails at both its deliveries (source, one retry tier, then the dead-letter
+// topic), is replayed and applied, and emits an event that a second service (another group)
+// consumes; the other is applied and emits an event at once. Each record's deliveries and copies
+// must be spans of the producer's trace, each the child of the hop before it, with the messaging
+// attributes; the copies and the emitted events must carry exactly one traceparent, their send
 // span's.
 func TestOneTracePerRecord(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
@@ -40,12 +42,18 @@ func TestOneTracePerRecord(t *testing.T) {
 		handler := processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, r *processor.Record) error {
 			switch string(r.Value) {
 			case "fails":
-				return fmt.Errorf("delivery %d of this record fails", r.Attempt)
+				if r.Attempt <= 2 {
+					return fmt.Errorf("delivery %d of this record fails", r.Attempt)
+				}
+				fallthrough // replayed
 			case "emits":
-				if _, err := tx.Exec(ctx, `INSERT INTO ledger_entries (event_id, account, amount, seq) VALUES ('emits', 'a', 1, 1)`); err != nil {
+				if _, err := tx.Exec(ctx, `INSERT INTO ledger_entries (event_id, account, amount, seq) VALUES ($1, 'a', 1, 1)`, r.Value); err != nil {
 					return err
 				}
-				return r.Emit(ctx, tx, sink.Event{Topic: emitTo, Key: r.Key, Value: []byte("emitted")})
+				return r.Emit(ctx, tx, sink.Event{Topic: emitTo, Key: r.Key, Value: append([]byte("emitted by "), r.Value...)})
+			case "after":
+				_, err := tx.Exec(ctx, `INSERT INTO ledger_entries (event_id, account, amount, seq) VALUES ('after', 'a', 1, 1)`)
+				return err
 			}
 			return errors.New("unexpected record")
 		})
@@ -53,21 +61,23 @@ func TestOneTracePerRecord(t *testing.T) {
 		cfg.RetryTiers = []time.Duration{100 * time.Millisecond}
 		cfg.LocalAttempts = 1
 		cfg.TracerProvider = tp
-		h.Start(cfg)
+		r := h.Start(cfg)
 
 		// The producer's own spans, as an instrumented producer would make them.
 		producer := tp.Tracer("test producer")
 		prop := tracing.DefaultPropagator()
-		produce := func(value string) trace.SpanContext {
+		produce := func(key, value string) trace.SpanContext {
 			ctx, span := producer.Start(context.Background(), "send "+h.Topic, trace.WithSpanKind(trace.SpanKindProducer))
 			defer span.End()
-			r := &kgo.Record{Topic: h.Topic, Key: []byte("k-" + value), Value: []byte(value),
+			r := &kgo.Record{Topic: h.Topic, Key: []byte(key), Value: []byte(value),
 				Headers: []kgo.RecordHeader{{Key: "app", Value: []byte("x")}}}
 			r.Headers = tracing.New(tp, prop, "").Inject(ctx, r.Headers)
 			k.Produce(t, r)
 			return span.SpanContext()
 		}
-		failsRoot, emitsRoot := produce("fails"), produce("emits")
+		// "after" has the failing record's key: it waits in held_records while that one is in
+		// the tier, and is applied once it is dead-lettered.
+		failsRoot, afterRoot, emitsRoot := produce("k1", "fails"), produce("k1", "after"), produce("k2", "emits")
 
 		dlq := retrytopics.DLQTopic(h.Topic, h.Group)
 		tier := retrytopics.TierTopic(h.Topic, h.Group, 1)
@@ -80,6 +90,9 @@ func TestOneTracePerRecord(t *testing.T) {
 			// The relay ends a send span after Kafka acknowledged the record.
 			if len(spansNamed(rec.Ended(), "send "+dlq)) != 1 || len(spansNamed(rec.Ended(), "send "+emitTo)) != 1 {
 				return errors.New("the send spans have not ended yet")
+			}
+			if len(spansNamed(inTrace(rec.Ended(), afterRoot), "process "+h.Topic)) != 1 {
+				return errors.New("the held record has not been applied yet")
 			}
 			return nil
 		})
@@ -122,6 +135,13 @@ func TestOneTracePerRecord(t *testing.T) {
 			wantTraceparent(t, "the tier copy", r.Headers, s1.SpanContext())
 		}
 
+		// The held record: applied from held_records, its delivery a child of its producer's span.
+		pa := only(t, spansNamed(inTrace(spans, afterRoot), "process "+h.Topic))
+		wantParent(t, pa, afterRoot)
+		if r.Counter("kafkapg_records_held_total") != 1 {
+			t.Errorf("kafkapg_records_held_total = %v: the record with the failing one's key was not held", r.Counter("kafkapg_records_held_total"))
+		}
+
 		// The applied record: producer → process (source) → send (emitted event), and the
 		// batch transaction's commit span linked to its process span.
 		pe := only(t, spansNamed(inTrace(spans, emitsRoot), "process "+h.Topic))
@@ -147,6 +167,40 @@ func TestOneTracePerRecord(t *testing.T) {
 		if !linksTo(pe, commit.SpanContext()) {
 			t.Errorf("the process span does not link to its batch transaction's span")
 		}
+
+		// The dead letter replayed: its delivery goes on from the one that dead-lettered it, and
+		// the event it emits is a second service's delivery, in the same trace.
+		second := h.Config(processor.HandlerFunc(func(context.Context, pgx.Tx, *processor.Record) error { return nil }))
+		second.Group, second.Topics, second.TracerProvider = h.Group+"-downstream", []string{emitTo}, tp
+		h.Start(second)
+		o := ops.New(h.Pool, "kafkapg", h.Group)
+		task, err := o.StartTask(context.Background(), ops.Replay, ops.Filter{}, ops.Actor{Name: "tester", Reason: "traced"}, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := o.RunTask(context.Background(), task.ID, "test", nil); err != nil {
+			t.Fatal(err)
+		}
+		var downstream sdktrace.ReadOnlySpan
+		testenv.Eventually(t, 30*time.Second, func() error {
+			for _, s := range spansNamed(inTrace(rec.Ended(), failsRoot), "process "+emitTo) {
+				downstream = s
+				return nil
+			}
+			return errors.New("the second service has not processed the replayed record's event yet")
+		})
+		spans = inTrace(rec.Ended(), failsRoot)
+		p3 := only(t, spansNamed(spans, "process "+h.Topic)[1:]) // [0] is p1
+		s3 := only(t, spansNamed(spans, "send "+emitTo))
+		wantParent(t, p3, p2.SpanContext())
+		var deadLetter int64
+		if err := h.Pool.QueryRow(context.Background(), `SELECT id FROM kafkapg.dead_letters`).Scan(&deadLetter); err != nil {
+			t.Fatal(err)
+		}
+		wantAttrs(t, p3, map[string]string{"kafkapg.attempt": "3", "kafkapg.replayed_dead_letter": fmt.Sprint(deadLetter)})
+		wantParent(t, s3, p3.SpanContext())
+		wantParent(t, downstream, s3.SpanContext())
+		wantAttrs(t, downstream, map[string]string{"messaging.consumer.group.name": second.Group})
 	})
 }
 

@@ -135,6 +135,9 @@ type Delivery struct {
 	Attempt   int
 	Headers   []kgo.RecordHeader
 	MessageID string // sink.HeaderMessageID, when a kafkapg service emitted it
+	// DeadLetter is its dead_letters row when a replay brought it back; its headers then carry
+	// the context of the delivery that dead-lettered it, which its span goes on from.
+	DeadLetter int64
 }
 
 // StartBatch starts the span of a batch transaction over n records of topic's partition.
@@ -180,6 +183,9 @@ func (t *Tracer) StartProcess(ctx context.Context, d Delivery) (context.Context,
 	}
 	if d.MessageID != "" {
 		attrs = append(attrs, semconv.MessagingMessageID(d.MessageID))
+	}
+	if d.DeadLetter != 0 {
+		attrs = append(attrs, attribute.Int64("kafkapg.replayed_dead_letter", d.DeadLetter))
 	}
 	opts = append(opts, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...))
 	return t.tracer.Start(parent, "process "+d.Topic, opts...)
