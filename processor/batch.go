@@ -80,6 +80,7 @@ func (w *worker) handleOnce(recs []*Record) error {
 		if w.p.tracer != nil {
 			tracing.End(span, errRetried, "retried") // a try before this one, retried in place
 			ctx, span = w.p.tracer.StartBatch(ctx, w.tp.Topic, w.tp.Partition, len(recs))
+			w.txSpan = span.SpanContext()
 		}
 		out = outcome{}
 		var index []int
@@ -108,6 +109,7 @@ func (w *worker) handleOnce(recs []*Record) error {
 		return nil
 	}, true)
 	tracing.End(span, err, batchErrorType(err))
+	w.txSpan = trace.SpanContext{}
 	if err == nil {
 		out.applied -= w.p.committed(w.source, live)
 		w.applied.Add(float64(out.applied))

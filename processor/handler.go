@@ -311,7 +311,7 @@ func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs
 			err := p.call(run, func() error { return usable(tx, pol.batch.HandleBatch(bctx, tx, run)) })
 			p.endProcess(span, run[0].Topic, err)
 			if err != nil {
-				p.metrics.handlerDuration.Observe(time.Since(start).Seconds())
+				observe(p.metrics.handlerDuration, time.Since(start).Seconds(), run[0].span)
 				if k, cause := failedRecord(err, len(run)); k >= 0 && i > 0 {
 					return &RecordError{Index: i + k, Err: cause}
 				}
@@ -319,7 +319,7 @@ func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs
 			}
 			i = j
 		}
-		p.metrics.handlerDuration.Observe(time.Since(start).Seconds())
+		observe(p.metrics.handlerDuration, time.Since(start).Seconds(), recs[0].span)
 		return p.writeEmits(ctx, tx, recs)
 	}
 	for i, r := range recs {
@@ -327,11 +327,11 @@ func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs
 		err := p.call(recs[i:i+1], func() error { return usable(tx, pol.handler.Handle(rctx, tx, r)) })
 		p.endProcess(span, r.Topic, err)
 		if err != nil {
-			p.metrics.handlerDuration.Observe(time.Since(start).Seconds())
+			observe(p.metrics.handlerDuration, time.Since(start).Seconds(), r.span)
 			return &RecordError{Index: i, Err: err}
 		}
 	}
-	p.metrics.handlerDuration.Observe(time.Since(start).Seconds())
+	observe(p.metrics.handlerDuration, time.Since(start).Seconds(), recs[len(recs)-1].span)
 	return p.writeEmits(ctx, tx, recs)
 }
 

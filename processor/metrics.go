@@ -4,6 +4,7 @@ import (
 	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -312,4 +313,16 @@ func (m *metrics) setRetryStats(st retrytopics.Stats, tiers int) {
 		m.tierRecords.WithLabelValues(tierLabel(n)).Set(float64(t.Records))
 		m.tierOverdue.WithLabelValues(tierLabel(n)).Set(t.Overdue.Seconds())
 	}
+}
+
+// observe records v in h, with an exemplar pointing at the span of sc when it is sampled (tracing
+// on): a slow bucket of a latency histogram then leads to a trace of what was slow.
+func observe(h prometheus.Histogram, v float64, sc trace.SpanContext) {
+	if sc.IsSampled() {
+		if eo, ok := h.(prometheus.ExemplarObserver); ok {
+			eo.ObserveWithExemplar(v, prometheus.Labels{"trace_id": sc.TraceID().String(), "span_id": sc.SpanID().String()})
+			return
+		}
+	}
+	h.Observe(v)
 }

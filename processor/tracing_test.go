@@ -135,6 +135,33 @@ func TestOneTracePerRecord(t *testing.T) {
 			wantTraceparent(t, "the tier copy", r.Headers, s1.SpanContext())
 		}
 
+		// Latency histograms point at traces (exemplars, for Prometheus's exemplar storage).
+		traced := map[string]bool{}
+		for _, s := range spans {
+			traced[s.SpanContext().TraceID().String()] = true
+		}
+		mfs, err := r.Reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		exemplars := map[string]int{}
+		for _, mf := range mfs {
+			for _, m := range mf.GetMetric() {
+				for _, b := range m.GetHistogram().GetBucket() {
+					for _, l := range b.GetExemplar().GetLabel() {
+						if l.GetName() == "trace_id" && traced[l.GetValue()] {
+							exemplars[mf.GetName()]++
+						}
+					}
+				}
+			}
+		}
+		for _, name := range []string{"kafkapg_handler_duration_seconds", "kafkapg_transaction_duration_seconds"} {
+			if exemplars[name] == 0 {
+				t.Errorf("%s has no exemplar of a trace the processor reported (exemplars: %v)", name, exemplars)
+			}
+		}
+
 		// The held record: applied from held_records, its delivery a child of its producer's span.
 		pa := only(t, spansNamed(inTrace(spans, afterRoot), "process "+h.Topic))
 		wantParent(t, pa, afterRoot)

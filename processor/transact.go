@@ -57,7 +57,7 @@ func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(contex
 		w.cl.MarkCommitOffsets(map[string]map[int32]kgo.EpochOffset{
 			w.tp.Topic: {w.tp.Partition: {Epoch: last.leaderEpoch, Offset: next}},
 		})
-		w.p.metrics.txDuration.Observe(time.Since(start).Seconds())
+		observe(w.p.metrics.txDuration, time.Since(start).Seconds(), w.txSpan)
 		w.p.metrics.batchRecords.Observe(float64(len(recs)))
 		return nil
 	})

@@ -12,6 +12,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kafkapg/kafkapg/offsets"
 	"github.com/kafkapg/kafkapg/retrytopics"
@@ -29,6 +30,7 @@ type worker struct {
 	tp       offsets.Partition
 	pos      offsets.Position
 	log      *slog.Logger
+	txSpan   trace.SpanContext  // the batch transaction's span, while tracing: its exemplar
 	source   string             // the source topic: tp.Topic, or the topic whose retry tier tp is
 	tier     int                // 0 for a source topic's partition, n for retry tier n
 	applied  prometheus.Counter // kafkapg_records_applied_total of the source topic, looked up once
