@@ -195,6 +195,15 @@ func TestOneTracePerRecord(t *testing.T) {
 			t.Errorf("the process span does not link to its batch transaction's span")
 		}
 
+		// trace (and the console's trace page) name the dead letter's trace.
+		tr, err := ops.New(h.Pool, "kafkapg", h.Group).Trace(context.Background(), ops.TraceQuery{Topic: h.Topic, Partition: 0, Offset: 0}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(tr.Records) != 1 || tr.Records[0].TraceID != failsRoot.TraceID().String() {
+			t.Errorf("trace of the dead letter: %+v, want trace id %s", tr.Records, failsRoot.TraceID())
+		}
+
 		// The dead letter replayed: its delivery goes on from the one that dead-lettered it, and
 		// the event it emits is a second service's delivery, in the same trace.
 		second := h.Config(processor.HandlerFunc(func(context.Context, pgx.Tx, *processor.Record) error { return nil }))

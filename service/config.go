@@ -18,6 +18,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/console"
+	"github.com/kafkapg/kafkapg/internal/tracing"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -52,6 +53,7 @@ type env struct {
 	ConsoleTokens        string        `envconfig:"CONSOLE_TOKENS"`
 	ConsoleHideValues    bool          `envconfig:"CONSOLE_HIDE_VALUES"`
 	ConsoleSampleEvery   time.Duration `envconfig:"CONSOLE_SAMPLE_INTERVAL" default:"15s"`
+	TraceURL             string        `envconfig:"TRACE_URL"`
 	BatchMaxRecords      int           `envconfig:"BATCH_MAX_RECORDS" default:"500" field:"BatchMaxRecords"`
 	BatchMaxWait         batchWait     `envconfig:"BATCH_MAX_WAIT" default:"20ms" field:"BatchMaxWait"`
 	RetryLocalAttempts   int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3" field:"LocalAttempts"`
@@ -201,7 +203,7 @@ func loadOpsEnv(hs *registry) (*env, error) {
 		errs = append(errs, fmt.Errorf("STALL_TIMEOUT must be positive, got %v", e.StallTimeout))
 	}
 	opts, err := e.kafkaSecurityEnv.options()
-	errs = append(errs, err)
+	errs = append(errs, err, tracing.CheckViewerURL(e.TraceURL))
 	e.kafkaOpts = opts
 	if len(e.KafkaTopics) > 0 { // per-topic variables name topics of KAFKA_TOPICS
 		topics, err := topicEnv(e.KafkaTopics, hs)
@@ -359,7 +361,7 @@ func (e *env) validate(hs *registry) error {
 	}
 	e.kafkaOpts = opts
 	tr, err := readTracing(os.Getenv)
-	errs = append(errs, err)
+	errs = append(errs, err, tracing.CheckViewerURL(e.TraceURL))
 	e.tracing = tr
 	topics, err := topicEnv(e.KafkaTopics, hs)
 	errs = append(errs, err)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/safetext"
+	"github.com/kafkapg/kafkapg/internal/tracing"
 )
 
 const keysUsage = `usage: %[1]s keys COMMAND [flags]
@@ -307,6 +308,13 @@ func printTrace(c *opsCmd, recs []ops.RecordTrace) {
 			key = " key=" + safetext.Truncate(r.KeyText, 64)
 		}
 		fmt.Fprintf(w, "%s[%d]@%d%s: %s\n", r.Topic, r.Partition, r.Offset, key, r.Now)
+		if r.TraceID != "" {
+			link := ""
+			if u := tracing.ViewerURL(c.env.TraceURL, r.TraceID); u != "" {
+				link = " " + u
+			}
+			fmt.Fprintf(w, "  trace %s%s\n", r.TraceID, link)
+		}
 		for _, s := range r.Steps {
 			fmt.Fprintf(w, "  %s  %s\n", s.At.UTC().Format(time.RFC3339), s.What)
 		}

@@ -578,7 +578,8 @@ func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, reg prometh
 	go samples.Run(sctx)
 	con, err := console.New(console.Config{
 		Ops: o, Admin: kadm.NewClient(cl), Kafka: cl, Stuck: env.stuckScope(), HideValues: env.ConsoleHideValues, Samples: samples,
-		Users: users, Tokens: tokens, Log: log, Run: tasks.run,
+		TraceURL: env.TraceURL,
+		Users:    users, Tokens: tokens, Log: log, Run: tasks.run,
 	})
 	if err != nil {
 		stopSampling()

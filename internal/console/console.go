@@ -103,9 +103,12 @@ type Config struct {
 	Samples *Sampler
 	// HideValues hides record values and header values from viewers (operators see them).
 	HideValues bool
-	Users      []User // who may sign in with a password (basic authentication)
-	Tokens     []User // who may send a bearer token (Password is the token)
-	Log        *slog.Logger
+	// TraceURL is the page of a trace in the team's trace viewer, {trace_id} standing for the
+	// trace id (TRACE_URL); "" shows trace ids without a link.
+	TraceURL string
+	Users    []User // who may sign in with a password (basic authentication)
+	Tokens   []User // who may send a bearer token (Password is the token)
+	Log      *slog.Logger
 	// Run runs a task StartTask created (in the background, as the JSON API does); nil: the
 	// console cannot act, only browse.
 	Run func(id int64)

@@ -971,3 +971,26 @@ func TestRetryPathPageIsBoundedInBytes(t *testing.T) {
 		}
 	}
 }
+
+// TestConsoleTraceShowsTheTraceID: a dead letter whose record carried a trace context shows its
+// trace id on the trace page, linked to the trace viewer of TRACE_URL.
+func TestConsoleTraceShowsTheTraceID(t *testing.T) {
+	h, srv, _ := consoleOf(t, func(c *console.Config) { c.TraceURL = "https://traces.example/trace/{trace_id}?from=kafkapg" })
+	const id = "4bf92f3577b34da6a3ce929d0e0e4736"
+	if _, err := h.Pool.Exec(context.Background(), `INSERT INTO kafkapg.dead_letters
+		(consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp", error_class, error_message, attempts, first_failed_at)
+		VALUES ($1, $2, 0, 100000, 'k', 'v', ARRAY['traceparent'::bytea], ARRAY[$3::bytea], 0, 'permanent', 'by hand', 1, now())`,
+		h.Group, h.Topic, []byte("00-"+id+"-00f067aa0ba902b7-01")); err != nil {
+		t.Fatal(err)
+	}
+	req, _ := http.NewRequest("GET", fmt.Sprintf("%s/trace?topic=%s&partition=0&offset=100000", srv.URL, h.Topic), nil)
+	req.SetBasicAuth("victor", viewerPassword)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	page := readAll(resp)
+	if !strings.Contains(page, `id="trace-id">`+id+`<`) || !strings.Contains(page, `href="https://traces.example/trace/`+id+`?from=kafkapg"`) {
+		t.Errorf("the trace page does not show trace %s with its link:\n%s", id, page)
+	}
+}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/safetext"
+	"github.com/kafkapg/kafkapg/internal/tracing"
 )
 
 type traceData struct {
@@ -22,7 +23,8 @@ type traceData struct {
 // traced is a record's trace and its path: the kinds of its steps, then where it is now.
 type traced struct {
 	ops.RecordTrace
-	Path []pathStep
+	Path     []pathStep
+	TraceURL string // its trace in the trace viewer (Config.TraceURL); "" if none
 }
 
 type pathStep struct {
@@ -77,7 +79,7 @@ func (c *Console) trace(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	for _, rt := range res.Records {
-		d.Records = append(d.Records, traced{RecordTrace: rt, Path: pathOf(rt)})
+		d.Records = append(d.Records, traced{RecordTrace: rt, Path: pathOf(rt), TraceURL: tracing.ViewerURL(c.cfg.TraceURL, rt.TraceID)})
 	}
 	d.Notes = res.Notes
 	if c.cfg.Kafka == nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/safetext"
+	"github.com/kafkapg/kafkapg/internal/tracing"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
@@ -113,6 +114,10 @@ type RecordTrace struct {
 	Now string `json:"now"`
 	// Steps say how it got there, in the order it went.
 	Steps []TraceStep `json:"steps"`
+	// TraceID is the OpenTelemetry trace the record belongs to (hex), as the trace context it
+	// carries says: its dead letter's (the delivery that dead-lettered it), its held record's, or
+	// its Kafka record's. Empty when it carries none (tracing off, or an untraced producer).
+	TraceID string `json:"trace_id,omitempty"`
 }
 
 // TraceStep is a step of a record's way through kafkapg.
@@ -469,6 +474,18 @@ func (o *Ops) keyOrigins(ctx context.Context, q TraceQuery) ([]traceOrigin, erro
 	return out, nil
 }
 
+// traceparentSQL selects a row's W3C traceparent header (bytes; NULL if none).
+var traceparentSQL = `(SELECT h.v FROM unnest(header_keys, header_values) AS h(k, v) WHERE h.k = '\x` +
+	fmt.Sprintf("%x", "traceparent") + `'::bytea LIMIT 1)`
+
+// traceID is the trace id a traceparent header value names, or "".
+func traceID(traceparent []byte) string {
+	if traceparent == nil {
+		return ""
+	}
+	return tracing.TraceID([]kgo.RecordHeader{{Key: "traceparent", Value: traceparent}})
+}
+
 // outboxOriginsSQL selects the group's ($1) outbox rows that are copies of records of the topic
 // $2 (as bytes), with the partition (p) and offset (off) of the record, as their headers say.
 func (o *Ops) outboxOriginsSQL() string {
@@ -531,15 +548,17 @@ type traceRetry struct {
 }
 
 type traceHeld struct {
-	key        []byte
-	keyless    bool
-	timestamp  int64
-	heldAt     time.Time
-	attempt    int
-	deadLetter int64
+	traceparent []byte
+	key         []byte
+	keyless     bool
+	timestamp   int64
+	heldAt      time.Time
+	attempt     int
+	deadLetter  int64
 }
 
 type traceDead struct {
+	traceparent                         []byte
 	id                                  int64
 	key                                 []byte
 	timestamp                           int64
@@ -605,17 +624,17 @@ func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigi
 				[]any{o.group, topic, parts, offs},
 				[]any{&org.partition, &org.offset, &rt.key, &rt.attempt, &rt.firstFailed, &rt.due, &rt.updated, &rt.class, &rt.message, &rt.tier},
 				func() error { f.retries[org] = rt; rt = traceRetry{}; return nil }},
-			{"held records", `SELECT partition, "offset", key, keyless, "timestamp", held_at, attempt, coalesce(dead_letter_id, 0)
+			{"held records", `SELECT partition, "offset", key, keyless, "timestamp", held_at, attempt, coalesce(dead_letter_id, 0), ` + traceparentSQL + `
 				FROM ` + o.table("held_records") + ` WHERE consumer_group = $1 AND topic = $2 ` + in,
 				[]any{o.group, topic, parts, offs},
-				[]any{&org.partition, &org.offset, &hr.key, &hr.keyless, &hr.timestamp, &hr.heldAt, &hr.attempt, &hr.deadLetter},
+				[]any{&org.partition, &org.offset, &hr.key, &hr.keyless, &hr.timestamp, &hr.heldAt, &hr.attempt, &hr.deadLetter, &hr.traceparent},
 				func() error { f.held[org] = hr; hr = traceHeld{}; return nil }},
 			{"dead letters", `SELECT partition, "offset", id, key, "timestamp", error_class, error_message, status, attempts,
-					first_failed_at, dead_lettered_at, status_changed_at
+					first_failed_at, dead_lettered_at, status_changed_at, ` + traceparentSQL + `
 				FROM ` + o.table("dead_letters") + ` WHERE consumer_group = $1 AND topic = $2 ` + in,
 				[]any{o.group, topic, parts, offs},
 				[]any{&org.partition, &org.offset, &dl.id, &dl.key, &dl.timestamp, &dl.class, &dl.message, &dl.status, &dl.attempts,
-					&dl.firstFailed, &dl.deadLettered, &dl.statusAt},
+					&dl.firstFailed, &dl.deadLettered, &dl.statusAt, &dl.traceparent},
 				func() error { f.dead[org] = dl; dl = traceDead{}; return nil }},
 			{"outbox", `SELECT p, off, topic, key, created_at, refused_at, refused_error FROM (` + o.outboxOriginsSQL() + `) x
 				WHERE (p, off) IN (SELECT convert_to(a, 'UTF8'), convert_to(b, 'UTF8') FROM unnest($3::text[], $4::text[]) AS u(a, b))
@@ -797,6 +816,14 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Rec
 	}
 	if known {
 		t.KeyText = KeyText(t.Key)
+	}
+	switch {
+	case dead && dl.traceparent != nil:
+		t.TraceID = traceID(dl.traceparent)
+	case held && hr.traceparent != nil:
+		t.TraceID = traceID(hr.traceparent)
+	case kr != nil:
+		t.TraceID = tracing.TraceID(kr.Headers)
 	}
 	if produced > 0 {
 		step(time.UnixMilli(produced).UTC(), StepProduced, "produced (record timestamp)")

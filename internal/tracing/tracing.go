@@ -18,8 +18,11 @@ package tracing
 
 import (
 	"context"
+	"fmt"
+	"net/url"
 	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 	"go.opentelemetry.io/otel/attribute"
@@ -124,6 +127,30 @@ func TraceID(hs []kgo.RecordHeader) string {
 		return ""
 	}
 	return sc.TraceID().String()
+}
+
+// ViewerURL is the page of trace traceID in a trace viewer, from a template with {trace_id} in
+// it (TRACE_URL); "" if either is empty.
+func ViewerURL(template, traceID string) string {
+	if template == "" || traceID == "" {
+		return ""
+	}
+	return strings.ReplaceAll(template, "{trace_id}", traceID)
+}
+
+// CheckViewerURL says what is wrong with a TRACE_URL template, if anything.
+func CheckViewerURL(template string) error {
+	if template == "" {
+		return nil
+	}
+	u, err := url.Parse(strings.ReplaceAll(template, "{trace_id}", "0"))
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return fmt.Errorf("TRACE_URL=%q: want an http(s) URL of the trace viewer", template)
+	}
+	if !strings.Contains(template, "{trace_id}") {
+		return fmt.Errorf("TRACE_URL=%q: put {trace_id} where the trace id goes, e.g. https://grafana.example/explore?traceId={trace_id}", template)
+	}
+	return nil
 }
 
 // Delivery describes a record delivered to the handler: where it was read, and what it is.
