@@ -43,7 +43,6 @@ import (
 	"time"
 
 	"github.com/KimMachineGun/automemlimit/memlimit"
-	"github.com/exaring/otelpgx"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
@@ -56,6 +55,7 @@ import (
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/pooler"
 	"github.com/kafkapg/kafkapg/internal/safetext"
+	"github.com/kafkapg/kafkapg/internal/tracing"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -379,7 +379,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		// Statements a handler (or kafkapg, in a record's transaction) runs in a traced
 		// delivery are its child spans; others are not traced.
 		poolOpts = append(poolOpts, func(c *pgxpool.Config) {
-			c.ConnConfig.Tracer = otelpgx.NewTracer(otelpgx.WithTracerProvider(tp), otelpgx.WithDisableConnectionDetailsInAttributes())
+			c.ConnConfig.Tracer = tracing.PostgresTracer(tp)
 		})
 	}
 	pool, adapt, err := openPool(ctx, &env.dbEnv, poolOpts...)

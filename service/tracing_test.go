@@ -2,89 +2,16 @@ package service
 
 import (
 	"fmt"
-	"io"
-	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
-	coltrace "go.opentelemetry.io/proto/otlp/collector/trace/v1"
-	"google.golang.org/protobuf/proto"
 
+	"github.com/kafkapg/kafkapg/internal/rig/otlprecv"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 )
-
-// otlpReceiver is an OTLP/HTTP trace receiver: it decodes what exporters post to /v1/traces.
-type otlpReceiver struct {
-	mu    sync.Mutex
-	reqs  []*coltrace.ExportTraceServiceRequest
-	fails []string
-}
-
-func (o *otlpReceiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	body, err := io.ReadAll(r.Body)
-	req := &coltrace.ExportTraceServiceRequest{}
-	if err == nil {
-		err = proto.Unmarshal(body, req)
-	}
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if r.URL.Path != "/v1/traces" || r.Header.Get("Content-Type") != "application/x-protobuf" || err != nil {
-		o.fails = append(o.fails, fmt.Sprintf("%s %s (%s): %v", r.Method, r.URL.Path, r.Header.Get("Content-Type"), err))
-		http.Error(w, "bad request", http.StatusBadRequest)
-		return
-	}
-	o.reqs = append(o.reqs, req)
-	w.Header().Set("Content-Type", "application/x-protobuf")
-	out, _ := proto.Marshal(&coltrace.ExportTraceServiceResponse{})
-	w.Write(out)
-}
-
-// spans returns, for each span received, its name, trace id, service.name and attributes.
-func (o *otlpReceiver) spans() []receivedSpan {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	var out []receivedSpan
-	for _, req := range o.reqs {
-		for _, rs := range req.ResourceSpans {
-			service := ""
-			for _, kv := range rs.GetResource().GetAttributes() {
-				if kv.Key == "service.name" {
-					service = kv.GetValue().GetStringValue()
-				}
-			}
-			for _, ss := range rs.ScopeSpans {
-				for _, s := range ss.Spans {
-					attrs := map[string]string{}
-					for _, kv := range s.Attributes {
-						v := kv.GetValue()
-						attrs[kv.Key] = v.GetStringValue()
-						if v.GetStringValue() == "" {
-							attrs[kv.Key] = fmt.Sprint(v.GetIntValue())
-						}
-					}
-					var links []string
-					for _, l := range s.Links {
-						links = append(links, fmt.Sprintf("%x-%x", l.TraceId, l.SpanId))
-					}
-					out = append(out, receivedSpan{name: s.Name, traceID: fmt.Sprintf("%x", s.TraceId), service: service, scope: ss.GetScope().GetName(),
-						attrs: attrs, links: links, parent: fmt.Sprintf("%x-%x", s.TraceId, s.ParentSpanId)})
-				}
-			}
-		}
-	}
-	return out
-}
-
-type receivedSpan struct {
-	name, traceID, service, scope string
-	attrs                         map[string]string
-	links                         []string // trace id-span id
-	parent                        string   // trace id-span id
-}
 
 // TestTracesExportedOverOTLP runs the service with the standard OpenTelemetry environment
 // pointing at an OTLP/HTTP receiver in the test, applies records that carry a traceparent, and
@@ -95,7 +22,7 @@ func TestTracesExportedOverOTLP(t *testing.T) {
 	_, dbURL := testenv.Postgres(t)
 	k := testenv.NewKfake(t)
 	topic := k.CreateTopic(t, 1)
-	recv := &otlpReceiver{}
+	recv := &otlprecv.Receiver{}
 	srv := httptest.NewServer(recv)
 	t.Cleanup(srv.Close)
 
@@ -114,20 +41,20 @@ func TestTracesExportedOverOTLP(t *testing.T) {
 	}
 	k.Produce(t, recs...)
 
-	var process []receivedSpan
+	var process []otlprecv.Span
 	testenv.Eventually(t, 30*time.Second, func() error {
 		process = process[:0]
 		linked := map[string]bool{}
 		var names []string
-		for _, s := range recv.spans() {
-			names = append(names, s.name)
-			if s.name == "process "+topic {
+		for _, s := range recv.Spans() {
+			names = append(names, s.Name)
+			if s.Name == "process "+topic {
 				process = append(process, s)
-				for _, l := range s.links {
+				for _, l := range s.Links {
 					linked[l] = true
 				}
 				// A record fetched alone is a call over one record: a child of its producer's span.
-				linked[s.parent] = true
+				linked[s.TraceID+"-"+s.Parent] = true
 			}
 		}
 		for _, id := range traceIDs {
@@ -138,20 +65,20 @@ func TestTracesExportedOverOTLP(t *testing.T) {
 		return nil
 	})
 	for _, p := range process {
-		if p.service != "ledger-svc" {
-			t.Errorf("service.name = %q, want OTEL_SERVICE_NAME's ledger-svc", p.service)
+		if p.Service != "ledger-svc" {
+			t.Errorf("service.name = %q, want OTEL_SERVICE_NAME's ledger-svc", p.Service)
 		}
 		for k, v := range map[string]string{"messaging.system": "kafka", "messaging.destination.name": topic, "messaging.consumer.group.name": "traced",
 			"messaging.operation.type": "process"} {
-			if p.attrs[k] != v {
-				t.Errorf("process span: %s = %q, want %q", k, p.attrs[k], v)
+			if p.Attrs[k] != v {
+				t.Errorf("process span: %s = %q, want %q", k, p.Attrs[k], v)
 			}
 		}
 	}
 	var statements []string
-	for _, s := range recv.spans() {
-		if s.traceID == process[0].traceID && strings.Contains(s.scope, "otelpgx") {
-			statements = append(statements, s.name)
+	for _, s := range recv.Spans() {
+		if s.TraceID == process[0].TraceID && strings.Contains(s.Scope, "otelpgx") {
+			statements = append(statements, s.Name)
 		}
 	}
 	if len(statements) == 0 {
@@ -159,10 +86,8 @@ func TestTracesExportedOverOTLP(t *testing.T) {
 	}
 	t.Logf("%d process spans; the handler's statements as spans %v", len(process), statements)
 	svc.stop()
-	recv.mu.Lock()
-	defer recv.mu.Unlock()
-	if len(recv.fails) > 0 {
-		t.Errorf("the receiver refused %d exports: %v", len(recv.fails), recv.fails)
+	if refused := recv.Refused(); len(refused) > 0 {
+		t.Errorf("the receiver refused %d exports: %v", len(refused), refused)
 	}
 }
 

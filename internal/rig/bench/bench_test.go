@@ -123,15 +123,16 @@ func measureTable(b *testing.B, name, topic string, want int, table string, vari
 }
 
 // measureVia is measureTable on a pool whose URL via rewrites (to go through PgBouncer, say) if
-// it is not nil.
-func measureVia(b *testing.B, name, topic string, want int, table string, via func(url string) string, variant func(*pgxpool.Pool) func(context.Context) error) float64 {
+// it is not nil, configured further by opts.
+func measureVia(b *testing.B, name, topic string, want int, table string, via func(url string) string, variant func(*pgxpool.Pool) func(context.Context) error,
+	opts ...func(*pgxpool.Config)) float64 {
 	b.Helper()
 	_, url := testenv.Postgres(b)
 	if via != nil {
 		url = via(url)
 	}
 	ctx := context.Background()
-	pool := benchPool(b, url)
+	pool := benchPool(b, url, opts...)
 	defer pool.Close()
 	run := variant(pool)
 	runCtx, cancel := context.WithCancel(ctx)

@@ -123,13 +123,16 @@ func drainProcessor(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.
 
 // benchPool connects to a fresh database with poolConns connections and creates kafkapg's
 // tables, the ledger's and the hand-written loops' bench_offsets.
-func benchPool(b *testing.B, url string) *pgxpool.Pool {
+func benchPool(b *testing.B, url string, opts ...func(*pgxpool.Config)) *pgxpool.Pool {
 	ctx := context.Background()
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		b.Fatal(err)
 	}
 	cfg.MaxConns = poolConns
+	for _, o := range opts {
+		o(cfg)
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		b.Fatal(err)
