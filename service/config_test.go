@@ -18,7 +18,7 @@ import (
 // setEnv unsets every variable Env reads, then sets vars. The test must not be parallel.
 func setEnv(t *testing.T, vars map[string]string) {
 	t.Helper()
-	names := envNames()
+	names := append(envNames(), otelEnv...)
 	for _, kv := range os.Environ() {
 		if n, _, _ := strings.Cut(kv, "="); strings.HasPrefix(n, topicPrefix) {
 			names = append(names, n)
@@ -111,6 +111,7 @@ func TestLoadEnvDefaults(t *testing.T) {
 		MaxBufferedBytes:      64 << 20,
 		LogLevel:              "info",
 		LogFormat:             "json",
+		tracing:               tracingSetup{exporter: "none"},
 		topics:                map[string]topicPolicy{},
 	}
 	if !reflect.DeepEqual(e, want) {
