@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kafkapg/kafkapg/internal/tracing"
@@ -54,6 +55,8 @@ type Record struct {
 	proc      *Processor
 	pending   []sink.Event      // events it emitted in the current handler call, written when the handler returns
 	span      trace.SpanContext // its last process span's; invalid if tracing is off
+	// sharedSpan: span is a BatchHandler's call over several records, a trace of its own.
+	sharedSpan bool
 }
 
 // Emit writes events into tx, the transaction the record is being handled in: they are published
@@ -77,8 +80,13 @@ func (r *Record) Emit(ctx context.Context, tx pgx.Tx, events ...sink.Event) erro
 			e.ID = sink.DerivedID(r.proc.cfg.Group, r.Topic, r.Partition, r.Offset, len(r.pending))
 		}
 		// The outbox row keeps the emitting delivery's trace context; the relay's send span
-		// is its child.
-		e.Headers = r.proc.tracer.Inject(ctx, e.Headers)
+		// is its child. A BatchHandler's call over several records is a trace of its own,
+		// linked to theirs: what one of them emits goes on in that record's trace.
+		ectx := ctx
+		if r.sharedSpan {
+			ectx = r.proc.tracer.Extract(ctx, r.Headers)
+		}
+		e.Headers = r.proc.tracer.Inject(ectx, e.Headers)
 		r.pending = append(r.pending, e)
 	}
 	return nil
@@ -126,7 +134,7 @@ func (p *Processor) startProcess(ctx context.Context, r *Record) (context.Contex
 		return ctx, nil
 	}
 	rctx, span := p.tracer.StartProcess(ctx, p.delivery(r))
-	r.span = span.SpanContext()
+	r.span, r.sharedSpan = span.SpanContext(), false
 	tracing.Link(trace.SpanFromContext(ctx), rctx)
 	return rctx, span
 }
@@ -142,9 +150,29 @@ func (p *Processor) startProcessBatch(ctx context.Context, run []*Record) (conte
 	}
 	bctx, span := p.tracer.StartProcessBatch(ctx, ds[0].Topic, run[0].Partition, ds)
 	for _, r := range run {
-		r.span = span.SpanContext()
+		r.span, r.sharedSpan = span.SpanContext(), len(run) > 1
 	}
 	return bctx, span
+}
+
+// failedInBatch gives the record a BatchHandler's call over several records named as failed
+// (index k of run; -1: none) a process span of its own, in its own trace and linked to the call's
+// span (in bctx), so that its retry or dead-letter copy goes on in its trace, not in the call's.
+// The other records of the run lose the call's span: they are tried again, each in its own trace.
+func (p *Processor) failedInBatch(ctx, bctx context.Context, run []*Record, k int, cause error) {
+	if p.tracer == nil || len(run) < 2 {
+		return
+	}
+	for _, r := range run {
+		r.span, r.sharedSpan = trace.SpanContext{}, false
+	}
+	if k < 0 {
+		return
+	}
+	_, span := p.startProcess(ctx, run[k])
+	tracing.Link(span, bctx)
+	span.SetAttributes(attribute.Bool("kafkapg.failed_in_batch", true))
+	p.endProcess(span, run[k].Topic, cause)
 }
 
 // endProcess ends a process span; a failure's error.type is its class.
@@ -312,7 +340,9 @@ func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs
 			p.endProcess(span, run[0].Topic, err)
 			if err != nil {
 				observe(p.metrics.handlerDuration, time.Since(start).Seconds(), run[0].span)
-				if k, cause := failedRecord(err, len(run)); k >= 0 && i > 0 {
+				k, cause := failedRecord(err, len(run))
+				p.failedInBatch(ctx, bctx, run, k, cause)
+				if k >= 0 && i > 0 {
 					return &RecordError{Index: i + k, Err: cause}
 				}
 				return err

@@ -323,3 +323,107 @@ func wantTraceparent(t *testing.T, what string, hs []kgo.RecordHeader, sc trace.
 		t.Errorf("%s carries traceparent %q, want exactly one, %q", what, got, want)
 	}
 }
+
+// TestBatchHandlerTraces: a BatchHandler's call over several records is a trace of its own,
+// linked to the records' traces; a record it names as failed (RecordFailed) is dead-lettered in
+// its own trace, and an event another record emits goes on in that record's trace, not in the
+// call's.
+func TestBatchHandlerTraces(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 1)
+		emitTo := k.CreateTopic(t, 1)
+		rec := tracetest.NewSpanRecorder()
+		tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+		t.Cleanup(func() { tp.Shutdown(context.Background()) })
+		tracer := tracing.New(tp, tracing.DefaultPropagator(), "")
+
+		// Produced before the processor starts: one batch.
+		roots := map[string]trace.SpanContext{}
+		for _, v := range []string{"emits", "plain", "poison"} {
+			ctx, span := tp.Tracer("test producer").Start(context.Background(), "send "+h.Topic)
+			k.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte(v), Value: []byte(v), Headers: tracer.Inject(ctx, nil)})
+			span.End()
+			roots[v] = span.SpanContext()
+		}
+		var calls []int
+		handler := processor.BatchHandlerFunc(func(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
+			calls = append(calls, len(recs))
+			for i, r := range recs {
+				switch string(r.Value) {
+				case "poison":
+					return processor.RecordFailed(i, processor.Permanent(errors.New("poison")))
+				case "emits":
+					if err := r.Emit(ctx, tx, sink.Event{Topic: emitTo, Key: r.Key, Value: []byte("emitted")}); err != nil {
+						return err
+					}
+				}
+			}
+			return nil
+		})
+		cfg := h.Config(handler)
+		cfg.TracerProvider = tp
+		h.Start(cfg)
+
+		dlq := retrytopics.DLQTopic(h.Topic, h.Group)
+		var dead, emitted []*kgo.Record
+		testenv.Eventually(t, 30*time.Second, func() error {
+			// The DLQ topic exists once the processor consumes: it creates it first.
+			if emitted = k.ReadAll(t, emitTo); len(emitted) != 1 {
+				return fmt.Errorf("%d emitted events, want 1", len(emitted))
+			}
+			if dead = k.ReadAll(t, dlq); len(dead) != 1 || len(emitted) != 1 {
+				return fmt.Errorf("%d dead letters and %d emitted events, want 1 and 1", len(dead), len(emitted))
+			}
+			if len(spansNamed(rec.Ended(), "send "+dlq)) != 1 || len(spansNamed(rec.Ended(), "send "+emitTo)) != 1 {
+				return errors.New("the send spans have not ended yet")
+			}
+			return nil
+		})
+		if len(calls) == 0 || calls[0] != 3 {
+			t.Fatalf("the handler's calls had %v records, want a first call over all three", calls)
+		}
+		spans := rec.Ended()
+
+		// The first call: a process span in a trace of its own, linked to the three records'.
+		var first sdktrace.ReadOnlySpan
+		for _, s := range spansNamed(spans, "process "+h.Topic) {
+			if len(s.Links()) >= 3 {
+				first = s
+			}
+		}
+		if first == nil {
+			t.Fatal("no process span links to the three records of the first call")
+		}
+		for v, root := range roots {
+			if !linksTo(first, root) {
+				t.Errorf("the first call's span does not link to %s's trace", v)
+			}
+			if first.SpanContext().TraceID() == root.TraceID() {
+				t.Errorf("the first call's span is in %s's trace", v)
+			}
+		}
+
+		// The poison record: a failed process span of its own, a child of its producer's span,
+		// linked to the call; the DLQ copy's send span its child.
+		pp := only(t, spansNamed(inTrace(spans, roots["poison"]), "process "+h.Topic))
+		wantParent(t, pp, roots["poison"])
+		wantAttrs(t, pp, map[string]string{"error.type": "permanent", "kafkapg.failed_in_batch": "true"})
+		if !linksTo(pp, first.SpanContext()) {
+			t.Errorf("the poison record's span does not link to the call it failed in")
+		}
+		sd := only(t, spansNamed(inTrace(spans, roots["poison"]), "send "+dlq))
+		wantParent(t, sd, pp.SpanContext())
+		wantTraceparent(t, "the dead-letter copy", dead[0].Headers, sd.SpanContext())
+
+		// The emitted event, from the second call (emits and plain, after the poison record was
+		// dead-lettered): in the emitting record's trace, a child of its producer's span (the
+		// call's span is the other records' too, and links to it).
+		if len(calls) != 2 || calls[1] != 2 {
+			t.Fatalf("the handler's calls had %v records, want 3, then the two records before the poison one", calls)
+		}
+		se := only(t, spansNamed(inTrace(spans, roots["emits"]), "send "+emitTo))
+		wantParent(t, se, roots["emits"])
+		wantTraceparent(t, "the emitted event", emitted[0].Headers, se.SpanContext())
+	})
+}
