@@ -55,6 +55,7 @@ func main() {
 	flag.StringVar(&c.kafkaCluster, "kafka-cluster", "", "the state directory of a three-broker cluster that `scripts/kafka.sh cluster start` runs (/tmp/kafkapg-kafka-cluster):"+
 		" run against it, with broker faults (kill, controlled shutdown, freeze, a rolling restart) instead of broker cuts; KAFKA_BROKERS is not used")
 	flag.StringVar(&c.protocol, "group-protocol", "auto", "the processors' KAFKA_GROUP_PROTOCOL: auto (the consumer protocol where the broker offers it) or classic")
+	flag.BoolVar(&c.trace, "trace", false, "the processors export OpenTelemetry traces to a receiver of the suite's, and every record's trace must go on through every hop")
 	flag.Parse()
 	if c.handler != "ledger" && c.handler != "ledger-careless" && c.handler != chainHandler {
 		fmt.Fprintf(os.Stderr, "chaos: -handler must be ledger, ledger-careless or %s, got %q\n", chainHandler, c.handler)
@@ -89,6 +90,7 @@ type config struct {
 	// kafkaCluster is the state directory of the three-broker cluster to run against, if any.
 	kafkaCluster string
 	postProcs    int // stage 2's, in a chain
+	trace        bool
 }
 
 // chain reports whether the run is a chain of two stages.
@@ -140,6 +142,12 @@ func run(ctx context.Context, c config) (err error) {
 	}
 	if err := s.setupKafka(ctx); err != nil {
 		return err
+	}
+	if c.trace {
+		if s.traces, err = newTraces(c.seed, s.topic); err != nil {
+			return err
+		}
+		defer s.traces.close()
 	}
 	for _, st := range s.stages {
 		// The relay does not create topics: stage 1's postings topic is created with the others.
@@ -205,6 +213,12 @@ func run(ctx context.Context, c config) (err error) {
 		}
 	}
 	s.stopAll()
+	if s.traces != nil {
+		var terr error
+		if s.traced, terr = s.traces.check(ctx, s, items); err == nil {
+			err = terr
+		}
+	}
 	if verr := s.violations(); err == nil {
 		err = verr
 	}

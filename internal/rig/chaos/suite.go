@@ -58,6 +58,9 @@ type suite struct {
 	mu    sync.Mutex
 	stats stats
 
+	traces *traces     // -trace: the receiver of the processors' spans, or nil
+	traced traceReport // what the trace check found
+
 	replayed *replayReport  // the replay phase's, once it ran
 	bg       sync.WaitGroup // recovery measurements in flight
 }
@@ -262,6 +265,9 @@ func (s *suite) procEnv(st *stage, addr string, idx int) []string {
 	if s.cfg.chain() && st.n == 1 {
 		env = append(env, "OUTBOX_RETENTION=1h") // published postings are kept for relayAckLost
 	}
+	if s.traces != nil {
+		env = append(env, s.traces.env()...)
+	}
 	return env
 }
 
@@ -291,8 +297,12 @@ func (s *suite) produce(ctx context.Context, items []ledger.Item) error {
 	pause := (measureSpan + s.cfg.duration) * 8 / 10 / time.Duration(max(chunks, 1))
 	for i := 0; i < len(items); i += chunk {
 		recs := make([]*kgo.Record, 0, chunk)
-		for _, it := range items[i:min(i+chunk, len(items))] {
-			recs = append(recs, it.Record(s.topic))
+		for j, it := range items[i:min(i+chunk, len(items))] {
+			r := it.Record(s.topic)
+			if s.traces != nil {
+				r.Headers = append(r.Headers, s.traces.header(i+j))
+			}
+			recs = append(recs, r)
 		}
 		sent := time.Now()
 		for j := i; j < min(i+chunk, len(items)); j++ {
@@ -820,6 +830,10 @@ func (s *suite) summary(rep report, err error) string {
 				r.copiesSkipped, r.chain.published, r.chain.posted, r.chain.republished)
 		}
 	}
+	traced := ""
+	if s.traces != nil {
+		traced = " | " + s.traced.describe(s.cfg.chain())
+	}
 	handler, events := "HANDLER="+s.cfg.handler, fmt.Sprintf("%d events", s.cfg.events)
 	chain, acksLost := "", ""
 	if s.cfg.chain() {
@@ -834,13 +848,13 @@ func (s *suite) summary(rep report, err error) string {
 		" | faults: %d kill, %d term, %d stop, %d pg-drop, %d pg-cut, %d pg-stall, %d broker-cut, %d broker-restart%s"+
 		" | recovery, one fault at a time: SIGTERM->exit %s (target 5s), kill->partitions flowing elsewhere %s (target %s: session timeout + 1s), postgres back->commits %s (target 10s)"+
 		" | under random faults: SIGTERM->exit max %s; kill->flowing median %s max %s; postgres back->commits median %s max %s; %d not measured"+
-		" | %s | settled in %s | %s | %s",
+		" | %s | settled in %s | %s%s | %s",
 		s.brokerName, s.groupType, handler, s.cfg.seed, events, rep.applied, rep.dead, rep.dlq, rep.dups, rep.rows, chain,
 		st.kills, st.terms, st.stops, st.pgDrops, st.pgCuts, st.pgStalls, st.brokerCuts, st.brokerRestarts, acksLost,
 		measured(st.alone.term), measured(st.alone.kill), sessionTimeout+time.Second, measured(st.alone.pg),
 		maxDuration(st.termExit), medianDuration(st.killRecovery), maxDuration(st.killRecovery),
 		medianDuration(st.pgRecovery), maxDuration(st.pgRecovery), st.unmeasured,
-		s.topology(st), st.settle.Round(100*time.Millisecond), replay, result)
+		s.topology(st), st.settle.Round(100*time.Millisecond), replay, traced, result)
 }
 
 // topology describes, for the summary, what the processors ran against and what its own faults

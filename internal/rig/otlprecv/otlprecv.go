@@ -28,6 +28,10 @@ type Span struct {
 
 // Receiver is an http.Handler for OTLP/HTTP trace exports.
 type Receiver struct {
+	// OnSpan, if set, is given each span as it arrives (one call at a time) instead of the
+	// receiver keeping it: for runs that export more spans than are worth holding.
+	OnSpan func(Span)
+
 	mu      sync.Mutex
 	spans   []Span
 	refused []string
@@ -71,7 +75,11 @@ func (o *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 				for _, l := range s.Links {
 					sp.Links = append(sp.Links, fmt.Sprintf("%x-%x", l.TraceId, l.SpanId))
 				}
-				o.spans = append(o.spans, sp)
+				if o.OnSpan != nil {
+					o.OnSpan(sp)
+				} else {
+					o.spans = append(o.spans, sp)
+				}
 			}
 		}
 	}
