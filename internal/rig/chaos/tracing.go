@@ -119,9 +119,13 @@ func (t *traces) add(sp otlprecv.Span, source string) {
 	if kind == "process" && len(sp.Links) > 0 { // a BatchHandler's call over several records
 		for _, l := range sp.Links {
 			traceID, _, _ := strings.Cut(l, "-")
-			if t.index(traceID) < 0 {
+			i := t.index(traceID)
+			if i < 0 {
 				t.stray(sp, "links to trace "+traceID)
 				return
+			}
+			if sp.Name == "process "+source {
+				t.handled[i] = true
 			}
 		}
 		return
@@ -168,6 +172,12 @@ func (t *traces) check(ctx context.Context, s *suite, items []ledger.Item) (trac
 	own := func(what string, hs []kgo.RecordHeader, want []string) bool {
 		got := tracing.TraceID(hs)
 		if slices.Contains(want, got) {
+			return true
+		}
+		// An oversized record's DLQ copy has no value (the dead_letters row keeps it).
+		if i := t.index(got); len(want) == 0 && i >= 0 && i < len(items) && slices.ContainsFunc(hs, func(h kgo.RecordHeader) bool {
+			return h.Key == retrytopics.HeaderValueOmitted && string(h.Value) == strconv.Itoa(len(items[i].Value))
+		}) {
 			return true
 		}
 		if len(errs) < 20 {
@@ -228,7 +238,7 @@ func (t *traces) check(ctx context.Context, s *suite, items []ledger.Item) (trac
 
 // describe is the summary's segment.
 func (r traceReport) describe(chain bool) string {
-	out := fmt.Sprintf("tracing: %d spans exported (%d process, %d send, %d commit, %d Postgres) in %d traces; %d of %d produced records have a process span (a killed process's unexported spans are lost);"+
+	out := fmt.Sprintf("tracing: %d spans exported (%d process, %d send, %d commit, %d Postgres) in %d traces; %d of %d produced records were handled in a process span of their trace or linked from one (copies skipped as duplicates before the handler have none, and a killed process's unexported spans are lost);"+
 		" every process and send span in its record's trace, and so are %d dead_letters rows and %d DLQ records",
 		r.spans, r.kinds["process"], r.kinds["send"], r.kinds["commit"], r.kinds["postgres"], r.traces, r.handled, r.produced, r.rows, r.dlq)
 	if chain {
