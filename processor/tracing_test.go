@@ -35,9 +35,7 @@ func TestOneTracePerRecord(t *testing.T) {
 		t.Parallel()
 		h := newHarness(t, k, 1)
 		emitTo := k.CreateTopic(t, 1)
-		rec := tracetest.NewSpanRecorder()
-		tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-		t.Cleanup(func() { tp.Shutdown(context.Background()) })
+		rec, tp := recordSpans(t)
 
 		handler := processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, r *processor.Record) error {
 			switch string(r.Value) {
@@ -240,6 +238,14 @@ func TestOneTracePerRecord(t *testing.T) {
 	})
 }
 
+// recordSpans returns a tracer provider that records every span, shut down when the test ends.
+func recordSpans(t *testing.T) (*tracetest.SpanRecorder, *sdktrace.TracerProvider) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	t.Cleanup(func() { tp.Shutdown(context.Background()) })
+	return rec, tp
+}
+
 func spansNamed(spans []sdktrace.ReadOnlySpan, name string) []sdktrace.ReadOnlySpan {
 	var out []sdktrace.ReadOnlySpan
 	for _, s := range spans {
@@ -333,9 +339,7 @@ func TestBatchHandlerTraces(t *testing.T) {
 		t.Parallel()
 		h := newHarness(t, k, 1)
 		emitTo := k.CreateTopic(t, 1)
-		rec := tracetest.NewSpanRecorder()
-		tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-		t.Cleanup(func() { tp.Shutdown(context.Background()) })
+		rec, tp := recordSpans(t)
 		tracer := tracing.New(tp, tracing.DefaultPropagator(), "")
 
 		// Produced before the processor starts: one batch.
