@@ -133,9 +133,13 @@ func (c *Cluster) inSync(ctx context.Context) error {
 // another broker, so a dead or frozen broker only costs time; it gives up after one attempt per
 // node, or when ctx ends. A partition without a leader is returned with Leader -1 and its error
 // in Err.
+//
+// A topic created a moment ago may be unknown to the broker asked, until the controller's
+// metadata reaches it: that answer is asked again, for up to newTopicWait.
 func (c *Cluster) Partition(ctx context.Context, topic string, partition int32) (kadm.PartitionDetail, error) {
 	var lastErr error
-	for range len(c.ids) + 1 {
+	start := time.Now()
+	for try := 0; try <= len(c.ids) || errors.Is(lastErr, kerr.UnknownTopicOrPartition) && time.Since(start) < newTopicWait; try++ {
 		d, err := c.partitionOnce(ctx, topic, partition)
 		if err == nil {
 			return d, nil
@@ -144,9 +148,18 @@ func (c *Cluster) Partition(ctx context.Context, topic string, partition int32) 
 		if ctx.Err() != nil {
 			break
 		}
+		if errors.Is(err, kerr.UnknownTopicOrPartition) {
+			select {
+			case <-ctx.Done():
+			case <-time.After(100 * time.Millisecond):
+			}
+		}
 	}
 	return kadm.PartitionDetail{}, fmt.Errorf("metadata of %s/%d: %w", topic, partition, lastErr)
 }
+
+// newTopicWait bounds how long Partition waits for brokers to learn of a new topic.
+const newTopicWait = 10 * time.Second
 
 func (c *Cluster) partitionOnce(ctx context.Context, topic string, partition int32) (kadm.PartitionDetail, error) {
 	rctx, cancel := context.WithTimeout(ctx, requestTimeout)
