@@ -35,7 +35,7 @@ import (
 //     spans are lost);
 //   - the receiver refused nothing.
 type traces struct {
-	prefix uint64 // the high half of every trace id the producer starts
+	prefix string // the high half of every trace id the producer starts, in hex
 	recv   otlprecv.Receiver
 	srv    *http.Server
 	addr   string
@@ -49,7 +49,7 @@ type traces struct {
 }
 
 func newTraces(seed uint64, source string) (*traces, error) {
-	t := &traces{prefix: seed | 1<<63, kinds: map[string]int{}, traceIDs: map[string]struct{}{}, handled: map[int]bool{}}
+	t := &traces{prefix: fmt.Sprintf("%016x", seed|1<<63), kinds: map[string]int{}, traceIDs: map[string]struct{}{}, handled: map[int]bool{}}
 	t.recv.OnSpan = func(sp otlprecv.Span) { t.add(sp, source) }
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -73,7 +73,7 @@ func (t *traces) env() []string {
 }
 
 // traceID is the trace id of the record produced at index i.
-func (t *traces) traceID(i int) string { return fmt.Sprintf("%016x%016x", t.prefix, i) }
+func (t *traces) traceID(i int) string { return fmt.Sprintf("%s%016x", t.prefix, i) }
 
 // header is the traceparent the producer gives the record at index i.
 func (t *traces) header(i int) kgo.RecordHeader {
@@ -86,7 +86,7 @@ func (t *traces) index(traceID string) int {
 		return -1
 	}
 	hi, lo := traceID[:16], traceID[16:]
-	if hi != fmt.Sprintf("%016x", t.prefix) {
+	if hi != t.prefix {
 		return -1
 	}
 	i, err := strconv.ParseInt(lo, 16, 64)
