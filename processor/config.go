@@ -78,6 +78,8 @@ type TopicPolicy struct {
 	// transaction that applies the record, so it is recorded if and only if the record's effects
 	// are. See KeyFromHeader, KeyFromJSON.
 	IdempotencyKey IdempotencyKey
+	// Concurrency replaces Config.Concurrency.
+	Concurrency int
 }
 
 // Config configures a Processor. Zero fields take the defaults their comments give. The service
@@ -117,6 +119,13 @@ type Config struct {
 	// Otherwise a batch is what arrived while the partition's previous transaction committed,
 	// applied at once. NoBatchWait never waits. Defaults to 20ms.
 	BatchMaxWait time.Duration
+	// Concurrency is how many records of one partition are prepared at once, for a Handler that
+	// implements Preparer (its step that waits on other systems, outside the transaction): records
+	// of different keys are prepared side by side, ahead of the partition's transactions, which
+	// still apply them in offset order; the records of one key are prepared one at a time, in
+	// offset order. 1 prepares each record just before its Handle, in its batch's transaction.
+	// More than 1 needs a Preparer. At most 10000. Defaults to 1.
+	Concurrency int
 	// MaxBufferedBytes bounds the memory that fetched records take while they wait to be applied
 	// or are being applied, across all partitions (source and retry tiers): fetching stops while
 	// they cost this much, and each partition pauses at its equal share of it (resuming at half),
@@ -282,6 +291,9 @@ func (c *Config) withDefaults() *Config {
 	} else if out.BatchMaxWait < 0 {
 		out.BatchMaxWait = 0
 	}
+	if out.Concurrency == 0 {
+		out.Concurrency = 1
+	}
 	if out.MaxBufferedBytes == 0 {
 		out.MaxBufferedBytes = 64 << 20
 	}
@@ -374,6 +386,8 @@ type policy struct {
 	onDeadLetter   OnDeadLetter
 	maxRecordBytes int
 	idempotencyKey IdempotencyKey
+	preparer       Preparer // handler as a Preparer, if it is one
+	concurrency    int      // records of one partition prepared at once (Config.Concurrency)
 }
 
 // policy returns topic's policy, c's defaults applied.
@@ -386,12 +400,14 @@ func (c *Config) policy(topic string) *policy {
 		onDeadLetter:   cmp.Or(tp.OnDeadLetter, c.OnDeadLetter),
 		maxRecordBytes: cmp.Or(tp.MaxRecordBytes, c.MaxRecordBytes),
 		idempotencyKey: tp.IdempotencyKey,
+		concurrency:    cmp.Or(tp.Concurrency, c.Concurrency),
 	}
 	if tp.RetryTiers != nil {
 		p.tiers = tp.RetryTiers
 	}
 	p.batch, _ = p.handler.(BatchHandler)
 	p.classifier, _ = p.handler.(ErrorClassifier)
+	p.preparer, _ = p.handler.(Preparer)
 	return p
 }
 
@@ -481,6 +497,15 @@ func (c *Config) validate() error {
 				break
 			}
 			bad("Handler", "required: topic %q has no handler in TopicPolicies", t)
+			continue
+		}
+		if pol := c.policy(t); pol.concurrency > 1 && pol.preparer == nil {
+			e := &ConfigError{Field: "Concurrency", Err: fmt.Errorf("is %d for topic %q, whose handler (%T) does not implement Preparer: only a Preparer's step runs concurrently (Handle runs in the partition's transaction, in offset order)",
+				pol.concurrency, t, pol.handler)}
+			if c.TopicPolicies[t].Concurrency > 1 {
+				e.Topic = t
+			}
+			errs = append(errs, e)
 		}
 	}
 	if c.TopicReplicationFactor < -1 {
@@ -498,7 +523,8 @@ func (c *Config) validate() error {
 	if c.GroupProtocol != GroupProtocolAuto && c.GroupProtocol != GroupProtocolClassic {
 		bad("GroupProtocol", "must be %q or %q, got %q", GroupProtocolAuto, GroupProtocolClassic, c.GroupProtocol)
 	}
-	c.validatePolicy(&errs, "", TopicPolicy{RetryTiers: c.RetryTiers, LocalAttempts: c.LocalAttempts, OnDeadLetter: c.OnDeadLetter, MaxRecordBytes: c.MaxRecordBytes})
+	c.validatePolicy(&errs, "", TopicPolicy{RetryTiers: c.RetryTiers, LocalAttempts: c.LocalAttempts, OnDeadLetter: c.OnDeadLetter, MaxRecordBytes: c.MaxRecordBytes,
+		Concurrency: c.Concurrency})
 	for _, t := range slices.Sorted(maps.Keys(c.TopicPolicies)) {
 		c.validatePolicy(&errs, t, c.TopicPolicies[t])
 	}
@@ -568,4 +594,10 @@ func (c *Config) validatePolicy(errs *[]error, topic string, p TopicPolicy) {
 	if p.LocalAttempts < 0 || (topic == "" && p.LocalAttempts < 1) {
 		bad("LocalAttempts", "must be at least 1, got %d", p.LocalAttempts)
 	}
+	if p.Concurrency < 0 || (topic == "" && p.Concurrency < 1) || p.Concurrency > maxConcurrency {
+		bad("Concurrency", "must be between 1 and %d, got %d", maxConcurrency, p.Concurrency)
+	}
 }
+
+// maxConcurrency bounds Config.Concurrency: the goroutines of one partition's prepares.
+const maxConcurrency = 10000

@@ -57,6 +57,14 @@ type Record struct {
 	span      trace.SpanContext // its last process span's; invalid if tracing is off
 	// sharedSpan: span is a BatchHandler's call over several records, a trace of its own.
 	sharedSpan bool
+	// prepared: the handler's Prepare (Preparer) returned nil for this attempt; prepErr: it
+	// failed in the partition's window, and fails the record when it reaches the handler.
+	prepared bool
+	prepErr  error
+
+	// Prepared is what the handler's Prepare left for its Handle (see Preparer); nil when the
+	// handler is no Preparer.
+	Prepared any
 }
 
 // Emit writes events into tx, the transaction the record is being handled in: they are published
@@ -325,6 +333,11 @@ func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs
 		// The handler's emits count from 0 on every try: the same ids.
 		r.proc, r.pending = p, r.pending[:0]
 	}
+	if pol.preparer != nil {
+		if k, err := p.prepareInline(ctx, pol, recs); k >= 0 {
+			return &RecordError{Index: k, Err: err}
+		}
+	}
 	start := time.Now()
 	if pol.batch != nil {
 		// One call per partition's run of records: the BatchHandler contract (the held-record
@@ -342,6 +355,9 @@ func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs
 				observe(p.metrics.handlerDuration, time.Since(start).Seconds(), run[0].span)
 				k, cause := failedRecord(err, len(run))
 				p.failedInBatch(ctx, bctx, run, k, cause)
+				if k >= 0 {
+					run[k].unprepare() // its next attempt prepares it again
+				}
 				if k >= 0 && i > 0 {
 					return &RecordError{Index: i + k, Err: cause}
 				}
@@ -358,6 +374,7 @@ func (p *Processor) handleLive(ctx context.Context, tx pgx.Tx, pol *policy, recs
 		p.endProcess(span, r.Topic, err)
 		if err != nil {
 			observe(p.metrics.handlerDuration, time.Since(start).Seconds(), r.span)
+			r.unprepare() // its next attempt prepares it again
 			return &RecordError{Index: i, Err: err}
 		}
 	}

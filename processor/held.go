@@ -30,6 +30,9 @@ type heldApplier struct {
 
 	analyzed time.Time // when held_records was last analyzed (see analyze)
 
+	mu       sync.Mutex
+	prepared map[retrytopics.Origin]keptPrepare // see keepPrepared; nil if no handler prepares
+
 	stopping chan struct{} // closed: finish the transaction in flight, start nothing new
 	stopOnce sync.Once
 	ctx      context.Context
@@ -39,7 +42,7 @@ type heldApplier struct {
 
 func newHeldApplier(p *Processor) *heldApplier {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &heldApplier{
+	d := &heldApplier{
 		p:        p,
 		log:      p.log.With("component", "heldApplier"),
 		wake:     make(chan struct{}, 1),
@@ -48,6 +51,12 @@ func newHeldApplier(p *Processor) *heldApplier {
 		cancel:   cancel,
 		done:     make(chan struct{}),
 	}
+	for _, pol := range p.policies {
+		if pol.preparer != nil {
+			d.prepared = map[retrytopics.Origin]keptPrepare{}
+		}
+	}
+	return d
 }
 
 // pageBytes bounds the values of the held records one heldApplier goroutine takes at once: all of
@@ -244,7 +253,7 @@ func (d *heldApplier) applyBundle(keys []retrytopics.Key) (more []retrytopics.Ke
 		}
 		for i, h := range held {
 			for _, r := range h {
-				recs = append(recs, heldRecord(r))
+				recs = append(recs, d.heldRecord(r))
 			}
 			if len(h) > 0 {
 				more = append(more, keys[i]) // until a transaction finds none
@@ -259,6 +268,7 @@ func (d *heldApplier) applyBundle(keys []retrytopics.Key) (more []retrytopics.Ke
 			return cmp.Or(cmp.Compare(a.Partition, b.Partition), cmp.Compare(a.Offset, b.Offset))
 		})
 		if err := d.p.handle(ctx, tx, topic, recs); err != nil {
+			d.keepPrepared(recs)
 			return err // retried here if Postgres failed (see Processor.inPlace)
 		}
 		return own(d.p.retry.AppliedHeldKeys(ctx, tx, keys, held))
@@ -335,12 +345,13 @@ func (d *heldApplier) applyHeld(k retrytopics.Key, limit int) (int, *Record, err
 		}
 		recs = recs[:0]
 		for _, r := range held {
-			recs = append(recs, heldRecord(r))
+			recs = append(recs, d.heldRecord(r))
 		}
 		if len(recs) == 0 {
 			return nil
 		}
 		if err := d.p.handle(ctx, tx, k.Topic, recs); err != nil {
+			d.keepPrepared(recs)
 			return err
 		}
 		return own(d.p.retry.AppliedHeld(ctx, tx, k, held))
@@ -361,6 +372,7 @@ func (d *heldApplier) applied(topic string, recs []*Record) {
 	if len(recs) == 0 {
 		return
 	}
+	d.forgetPrepared(recs)
 	d.p.metrics.applied.WithLabelValues(topic).Add(float64(len(recs) - d.p.committed(topic, recs)))
 	replayed := 0
 	for _, r := range recs {
@@ -431,7 +443,62 @@ func (d *heldApplier) transact(apply func(context.Context, pgx.Tx) error, blame 
 }
 
 // heldRecord is the Record of a held record: attempt 1, like any record delivered for the
-// first time, or the attempt after its last for a dead letter a replay brought back.
+// first time, or the attempt after its last for a dead letter a replay brought back. A record
+// a failed transaction of this applier prepared keeps its Prepare (see keepPrepared).
+func (d *heldApplier) heldRecord(r retrytopics.Rec) *Record {
+	rec := heldRecord(r)
+	if d.prepared != nil {
+		d.mu.Lock()
+		if c, ok := d.prepared[rec.origin()]; ok && c.attempt == rec.Attempt {
+			rec.prepared, rec.Prepared = true, c.v
+		}
+		d.mu.Unlock()
+	}
+	return rec
+}
+
+// keepPrepared remembers what the handler's Prepare left for recs, read by a transaction that did
+// not commit (a record failed, Postgres failed): the next transaction reads them again from
+// held_records, new Records, and would otherwise prepare them all again — every record of a key
+// once per record isolated before it.
+func (d *heldApplier) keepPrepared(recs []*Record) {
+	if d.prepared == nil {
+		return
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if len(d.prepared) > maxKeptPrepared {
+		clear(d.prepared)
+	}
+	for _, r := range recs {
+		if r.prepared {
+			d.prepared[r.origin()] = keptPrepare{attempt: r.Attempt, v: r.Prepared}
+		}
+	}
+}
+
+// forgetPrepared drops what keepPrepared kept of recs, applied.
+func (d *heldApplier) forgetPrepared(recs []*Record) {
+	if d.prepared == nil {
+		return
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, r := range recs {
+		delete(d.prepared, r.origin())
+	}
+}
+
+// maxKeptPrepared bounds keepPrepared's memory (the values are the handler's): past it, it starts
+// afresh.
+const maxKeptPrepared = 10000
+
+// keptPrepare is what a held record's Prepare left, at its delivery attempt.
+type keptPrepare struct {
+	attempt int
+	v       any
+}
+
 func heldRecord(r retrytopics.Rec) *Record {
 	return &Record{
 		Attempt:    max(r.Attempt, 1),

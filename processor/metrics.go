@@ -65,6 +65,10 @@ type metrics struct {
 	publishWait prometheus.Histogram
 	dupKeys     *prometheus.CounterVec
 	keysPruned  prometheus.Counter
+	// Prepares (Preparer, Config.Concurrency).
+	preparing       *prometheus.GaugeVec
+	prepareWait     prometheus.Histogram
+	prepareDuration prometheus.Histogram
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -98,6 +102,20 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		keysPruned: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "idempotency_keys_pruned_total",
 			Help: "Idempotency keys deleted because they were older than the retention.",
+		}),
+		preparing: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Name: "prepares_in_flight",
+			Help: "Records of a partition's window being prepared (Preparer) at this moment, by source topic: as many keys at work at once.",
+		}, []string{"topic"}),
+		prepareWait: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: ns, Name: "prepare_wait_seconds",
+			Help:    "Time a record waited in its partition's window, behind an earlier record of its key or for a free slot of Concurrency, before its Prepare started.",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18),
+		}),
+		prepareDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: ns, Name: "prepare_duration_seconds",
+			Help:    "Time spent in the handler's Prepare per record, failed calls included.",
+			Buckets: prometheus.ExponentialBuckets(0.0001, 2, 18),
 		}),
 		infraRetries: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "infrastructure_retries_total",
@@ -243,7 +261,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		m.fenced, m.forgotten, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.recordsHeld, m.duplicates, m.replayed, m.deadLetters, m.tasks, m.interrupted, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors, m.stuckKeys,
-		m.outboxWaiting, m.outboxAside, m.outboxOldest, m.publishWait, m.dupKeys, m.keysPruned} {
+		m.outboxWaiting, m.outboxAside, m.outboxOldest, m.publishWait, m.dupKeys, m.keysPruned,
+		m.preparing, m.prepareWait, m.prepareDuration} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -263,6 +282,7 @@ func (m *metrics) initLabels(t string, group string, tiers int) {
 	m.recordsHeld.WithLabelValues(t)
 	m.duplicates.WithLabelValues(t)
 	m.dupKeys.WithLabelValues(t)
+	m.preparing.WithLabelValues(t)
 	m.replayed.WithLabelValues(t, "applied")
 	m.replayed.WithLabelValues(t, "dead_lettered")
 	for _, c := range classes {

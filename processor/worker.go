@@ -38,6 +38,10 @@ type worker struct {
 
 	prog progress // whether it moves on (see checkStalls)
 
+	// win, on a source partition whose handler prepares concurrently (Config.Concurrency), holds
+	// the records taken from queue while they are prepared; nil otherwise.
+	win *window
+
 	// token is pos.Token, and nextSeen the stored next offset as this worker last wrote it (-1:
 	// none yet), for Processor.checkPositions, which reads them from another goroutine.
 	token    int64
@@ -101,6 +105,9 @@ func newWorker(p *Processor, cl *kgo.Client, pos offsets.Position) *worker {
 	if pos.Known {
 		w.nextSeen.Store(pos.Next)
 	}
+	if pol := p.policy(w.source); w.tier == 0 && pol != nil && pol.preparer != nil && pol.concurrency > 1 {
+		w.win = newWindow(w, pol)
+	}
 	w.applied = p.metrics.applied.WithLabelValues(w.source)
 	w.consumed = p.metrics.consumed.WithLabelValues(pos.Topic)
 	return w
@@ -139,7 +146,14 @@ func (w *worker) push(fetched []*kgo.Record) {
 func (w *worker) release() {
 	w.mu.Lock()
 	n := w.flightCost
-	w.flightCost = 0
+	w.mu.Unlock()
+	w.releaseCost(n)
+}
+
+// releaseCost says records costing n, of those take (or the window) took, are no longer in memory.
+func (w *worker) releaseCost(n int64) {
+	w.mu.Lock()
+	w.flightCost -= n
 	w.syncBusy()
 	w.mu.Unlock()
 	w.p.buf.release(n)
@@ -332,12 +346,29 @@ func (w *worker) describe() []any {
 func (w *worker) run() {
 	defer close(w.done)
 	defer w.cancel()
+	if w.win != nil {
+		defer w.release() // the window's records: the partition's next owner fetches them again
+		defer w.win.close()
+	}
 	err := w.loadHeld()
 	for err == nil {
 		if len(w.held) > 0 && time.Since(w.heldLoaded) > heldRefresh {
 			if err = w.loadHeld(); err != nil {
 				break
 			}
+		}
+		if w.win != nil {
+			recs, verify := w.win.take()
+			switch {
+			case verify:
+				err = w.verifyPosition()
+			case recs == nil:
+				return
+			default:
+				err = w.applyRange(recs)
+				w.win.applied(recs)
+			}
+			continue
 		}
 		batch := w.take()
 		if batch == nil {

@@ -58,6 +58,7 @@ type env struct {
 	BatchMaxWait         batchWait     `envconfig:"BATCH_MAX_WAIT" default:"20ms" field:"BatchMaxWait"`
 	RetryLocalAttempts   int           `envconfig:"RETRY_LOCAL_ATTEMPTS" default:"3" field:"LocalAttempts"`
 	MaxRecordBytes       int           `envconfig:"MAX_RECORD_BYTES" default:"1048576" field:"MaxRecordBytes"`
+	Concurrency          int           `envconfig:"CONCURRENCY" default:"1" field:"Concurrency"`
 	MaxBufferedBytes     int           `envconfig:"MAX_BUFFERED_BYTES" default:"67108864" field:"MaxBufferedBytes"`
 	RetryBackoffBase     time.Duration `envconfig:"RETRY_BACKOFF_BASE" default:"200ms" field:"BackoffBase"`
 	RetryBackoffMax      time.Duration `envconfig:"RETRY_BACKOFF_MAX" default:"5s" field:"BackoffMax"`
@@ -121,6 +122,7 @@ var topicSettings = []struct{ name, field string }{
 	{"ON_DEAD_LETTER", "OnDeadLetter"},
 	{"MAX_RECORD_BYTES", "MaxRecordBytes"},
 	{"IDEMPOTENCY_KEY", "IdempotencyKey"},
+	{"CONCURRENCY", "Concurrency"},
 }
 
 // topicPrefix starts every per-topic variable.
@@ -336,6 +338,7 @@ func (e *env) validate(hs *registry) error {
 	atLeast1("BATCH_MAX_RECORDS", e.BatchMaxRecords)
 	atLeast1("RETRY_LOCAL_ATTEMPTS", e.RetryLocalAttempts)
 	atLeast1("MAX_RECORD_BYTES", e.MaxRecordBytes)
+	atLeast1("CONCURRENCY", e.Concurrency)
 	atLeast1("MAX_BUFFERED_BYTES", e.MaxBufferedBytes)
 	atLeast1("BREAKER_MIN_RECORDS", e.BreakerMinRecords)
 	if e.BatchMaxWait == 0 || time.Duration(e.BatchMaxWait) < processor.NoBatchWait {
@@ -482,7 +485,7 @@ func (tp *topicPolicy) set(setting, value string, hs *registry) error {
 			return err
 		}
 		tp.policy.RetryTiers = tiers
-	case "RETRY_LOCAL_ATTEMPTS", "MAX_RECORD_BYTES":
+	case "RETRY_LOCAL_ATTEMPTS", "MAX_RECORD_BYTES", "CONCURRENCY":
 		n, err := strconv.Atoi(strings.TrimSpace(value))
 		if err != nil {
 			return errors.New("not an integer")
@@ -490,9 +493,12 @@ func (tp *topicPolicy) set(setting, value string, hs *registry) error {
 		if n < 1 {
 			return fmt.Errorf("must be at least 1, got %d", n)
 		}
-		if setting == "RETRY_LOCAL_ATTEMPTS" {
+		switch setting {
+		case "RETRY_LOCAL_ATTEMPTS":
 			tp.policy.LocalAttempts = n
-		} else {
+		case "CONCURRENCY":
+			tp.policy.Concurrency = n
+		default:
 			tp.policy.MaxRecordBytes = n
 		}
 	case "ON_DEAD_LETTER":
@@ -603,6 +609,7 @@ func (e *env) processorConfig(hs *registry, log *slog.Logger, reg prometheus.Reg
 		BatchMaxWait:           time.Duration(e.BatchMaxWait),
 		LocalAttempts:          e.RetryLocalAttempts,
 		MaxRecordBytes:         e.MaxRecordBytes,
+		Concurrency:            e.Concurrency,
 		MaxBufferedBytes:       e.MaxBufferedBytes,
 		RetryTiers:             e.tiers,
 		OnDeadLetter:           processor.OnDeadLetter(e.OnDeadLetter),
@@ -669,6 +676,7 @@ func (e *env) topicPolicy(hs *registry, topic string) (tp processor.TopicPolicy,
 	fromGo("LocalAttempts", h.LocalAttempts != 0, func() { tp.LocalAttempts = h.LocalAttempts })
 	fromGo("OnDeadLetter", h.OnDeadLetter != "", func() { tp.OnDeadLetter = h.OnDeadLetter })
 	fromGo("MaxRecordBytes", h.MaxRecordBytes != 0, func() { tp.MaxRecordBytes = h.MaxRecordBytes })
+	fromGo("Concurrency", h.Concurrency != 0, func() { tp.Concurrency = h.Concurrency })
 	return tp, set
 }
 
@@ -697,6 +705,8 @@ func (e *env) settingSource(hs *registry, topic, field string) string {
 		isSet = h.OnDeadLetter != ""
 	case "MaxRecordBytes":
 		isSet = h.MaxRecordBytes != 0
+	case "Concurrency":
+		isSet = h.Concurrency != 0
 	}
 	if !isSet {
 		return ""

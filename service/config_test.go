@@ -530,6 +530,7 @@ var builtinHandlers = []Handler{
 	{Name: "ledger-keyed", Handler: ledger.Handler{}, IdempotencyKey: processor.KeyFromJSON("event_id")},
 	{Name: "ledger", Handler: ledger.Handler{}, Setup: SetupSQL(ledger.Schema)},
 	{Name: "ledger-careless", Handler: ledger.Careless{}, Setup: SetupSQL(ledger.CarelessSchema)},
+	{Name: "ledger-careless-slow", Handler: ledger.NewPrepared(ledger.Careless{}, 5*time.Millisecond), Setup: SetupSQL(ledger.CarelessSchema + ledger.PreparedSchema)},
 }
 
 // builtins returns the registry of builtinHandlers.

@@ -42,6 +42,7 @@ type topicSettingsShown struct {
 	LocalAttempts  int               `json:"local_attempts"`
 	OnDeadLetter   string            `json:"on_dead_letter"`
 	MaxRecordBytes int               `json:"max_record_bytes"`
+	Concurrency    int               `json:"concurrency"`
 	IdempotencyKey string            `json:"idempotency_key"`
 	From           map[string]string `json:"from"` // setting -> where its value came from
 }
@@ -97,6 +98,7 @@ func configCmd(args []string, hs *registry, stdout, stderr io.Writer) error {
 		row("local attempts", fmt.Sprint(t.LocalAttempts), t.From["local_attempts"])
 		row("on dead letter", t.OnDeadLetter, t.From["on_dead_letter"])
 		row("max record bytes", fmt.Sprint(t.MaxRecordBytes), t.From["max_record_bytes"])
+		row("concurrency", fmt.Sprint(t.Concurrency), t.From["concurrency"])
 		row("idempotency key", t.IdempotencyKey, t.From["idempotency_key"])
 		tw.Flush()
 	}
@@ -260,6 +262,8 @@ func (e *env) topicShown(hs *registry, topic string) topicSettingsShown {
 	from("on_dead_letter", "OnDeadLetter", "ON_DEAD_LETTER")
 	ts.MaxRecordBytes = cmp.Or(tp.MaxRecordBytes, e.MaxRecordBytes)
 	from("max_record_bytes", "MaxRecordBytes", "MAX_RECORD_BYTES")
+	ts.Concurrency = cmp.Or(tp.Concurrency, e.Concurrency)
+	from("concurrency", "Concurrency", "CONCURRENCY")
 	switch src := e.settingSource(hs, topic, "IdempotencyKey"); {
 	case tp.IdempotencyKey == nil && src == "":
 		ts.IdempotencyKey = "none"

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/processor"
 
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
@@ -77,11 +78,46 @@ func TestShutdownBoundHoldsForAStuckHandler(t *testing.T) {
 func TestKilledProcessesApplyExactlyOnce(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
+		killAndVerify(t, testkit.New(t, k, 6), "kill", nil)
+	})
+}
+
+// TestKilledProcessesWithConcurrentPreparesApplyExactlyOnce is the same with CONCURRENCY=32 and a
+// careless handler (ledger_entries without a primary key: an event applied twice is two rows)
+// whose Prepare waits 0-5 ms: processes die with prepares in flight and records of their windows
+// prepared but not applied. Nothing may be skipped or applied twice, each account's events
+// must be applied in order, and no two prepares of a key may overlap in a process.
+func TestKilledProcessesWithConcurrentPreparesApplyExactlyOnce(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := testkit.New(t, k, 6)
+		ctx := context.Background()
+		if _, err := h.Pool.Exec(ctx, `DROP TABLE ledger_entries, ledger_balances`); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := h.Pool.Exec(ctx, ledger.CarelessSchema+ledger.PreparedSchema); err != nil {
+			t.Fatal(err)
+		}
+		killAndVerify(t, h, "killconc", []string{"HANDLER=ledger-careless-slow", "CONCURRENCY=32"})
+		bad, err := ledger.PrepareViolations(ctx, h.Pool)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range bad {
+			t.Error(p)
+		}
+	})
+}
+
+// killAndVerify is TestKilledProcessesApplyExactlyOnce's run, its processes started with extra
+// variables.
+func killAndVerify(t *testing.T, h *testkit.Harness, prefix string, extra []string) {
+	k := h.K
+	{
 		seed := rand.Uint64()
 		t.Logf("seed %d", seed)
 		rng := rand.New(rand.NewPCG(seed, seed))
-		h := testkit.New(t, k, 6)
-		items := testkit.FlakyMix(20000, seed, "kill")
+		items := testkit.FlakyMix(20000, seed, prefix)
 
 		produced := make(chan struct{})
 		go func() {
@@ -91,7 +127,7 @@ func TestKilledProcessesApplyExactlyOnce(t *testing.T) {
 				time.Sleep(200 * time.Millisecond)
 			}
 		}()
-		env := []string{"SHUTDOWN_TIMEOUT=5s", "RETRY_TIERS=200ms,500ms,1s"}
+		env := append([]string{"SHUTDOWN_TIMEOUT=5s", "RETRY_TIERS=200ms,500ms,1s"}, extra...)
 		procs := []*testkit.Child{h.StartChild(env...), h.StartChild(env...)}
 		for i := range 6 {
 			time.Sleep(time.Duration(300+rng.IntN(1500)) * time.Millisecond)
@@ -121,7 +157,7 @@ func TestKilledProcessesApplyExactlyOnce(t *testing.T) {
 			t.Logf("process %d: SIGTERM to exit %v", i, time.Since(start).Round(time.Millisecond))
 		}
 		h.Verify(items, testkit.TiersMaxAttempt, true)
-	})
+	}
 }
 
 // TestPausedProcessComesBackAsZombie freezes a processor (SIGSTOP) mid-stream for longer than its session

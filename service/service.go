@@ -86,6 +86,10 @@ type Handler struct {
 	LocalAttempts  int
 	OnDeadLetter   processor.OnDeadLetter
 	MaxRecordBytes int
+	// Concurrency, if set, is how many records of a partition a processor.Preparer prepares
+	// at once for the topics this handler handles (processor.Config.Concurrency), in place of
+	// CONCURRENCY; TOPIC_<topic>_CONCURRENCY overrides it.
+	Concurrency int
 }
 
 // SetupSQL returns a Handler.Setup that runs sql, which may hold several statements.
