@@ -48,7 +48,7 @@ type Processor struct {
 	tierOf       map[string]tierRef // retry-tier topic -> its source topic and tier
 	heldApplier  *heldApplier
 	breaker      *breaker
-	prepLocks    prepLocks // keeps a key's Prepare calls from overlapping (see Preparer)
+	prepLocks    prepLocks    // keeps a key's Prepare calls from overlapping (see Preparer)
 	buf          *buffer      // fetched records in memory, across partitions
 	nWorkers     atomic.Int32 // len(workers), read without the lock
 	busy         atomic.Int32 // workers holding records: they share the buffer budget
