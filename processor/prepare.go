@@ -253,14 +253,14 @@ func (h *slotHeap) Pop() any {
 func newWindow(w *worker, pol *policy) *window {
 	ctx, cancel := context.WithCancel(context.Background())
 	return &window{w: w, pol: pol, limit: pol.concurrency,
-		size: max(windowPerSlot*pol.concurrency, w.p.cfg.BatchMaxRecords),
+		size: max(windowPerSlot*pol.concurrency, 4*w.p.cfg.BatchMaxRecords),
 		ctx:  ctx, stop: cancel, keys: map[string]*keyQ{},
 		preparing: w.p.metrics.preparing.WithLabelValues(w.source)}
 }
 
 // windowPerSlot is how many records the window holds per prepare it may run: enough that a slow
 // record at the head does not leave the others idle.
-const windowPerSlot = 8
+const windowPerSlot = 32
 
 // take returns the longest prepared prefix of the window (at most BatchMaxRecords), or the
 // window's first record alone if its Prepare failed. It refills the window from the queue and
