@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Preparer is an optional interface for a Handler whose records wait on other systems (a pricing
@@ -39,8 +40,9 @@ type Preparer interface {
 }
 
 // prepareOne runs the handler's Prepare over r, recovering a panic, under the lock of r's key
-// (Prepare calls of one key never overlap in a process, from whichever path they come).
-func (p *Processor) prepareOne(ctx context.Context, pol *policy, r *Record) (err error) {
+// (Prepare calls of one key never overlap in a process, from whichever path they come), in a
+// "prepare {topic}" span of r's trace while tracing.
+func (p *Processor) prepareOne(ctx context.Context, pol *policy, r *Record) error {
 	if r.ordered {
 		unlock, err := p.prepLocks.lock(ctx, prepKey{r.Topic, r.Partition, string(r.Key)})
 		if err != nil {
@@ -48,7 +50,19 @@ func (p *Processor) prepareOne(ctx context.Context, pol *policy, r *Record) (err
 		}
 		defer unlock()
 	}
+	pctx, span := ctx, trace.Span(nil)
+	if p.tracer != nil {
+		pctx, span = p.tracer.StartPrepare(ctx, p.delivery(r))
+	}
 	start := time.Now()
+	err := p.callPrepare(pctx, pol, r)
+	p.metrics.prepareDuration.Observe(time.Since(start).Seconds())
+	p.endProcess(span, r.Topic, err)
+	return err
+}
+
+// callPrepare calls the handler's Prepare, turning a panic into a *PanicError.
+func (p *Processor) callPrepare(ctx context.Context, pol *policy, r *Record) (err error) {
 	defer func() {
 		if v := recover(); v != nil {
 			stack := debug.Stack()
@@ -57,7 +71,6 @@ func (p *Processor) prepareOne(ctx context.Context, pol *policy, r *Record) (err
 				"key_hash", keyHash(r.Key), "panic", fmt.Sprint(v), "stack", string(stack))
 			err = &PanicError{Value: v, Stack: stack}
 		}
-		p.metrics.prepareDuration.Observe(time.Since(start).Seconds())
 	}()
 	r.Prepared = nil
 	return pol.preparer.Prepare(ctx, r)

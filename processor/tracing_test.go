@@ -431,3 +431,67 @@ func TestBatchHandlerTraces(t *testing.T) {
 		wantTraceparent(t, "the emitted event", emitted[0].Headers, se.SpanContext())
 	})
 }
+
+// preparing is a handler whose Prepare starts a span of its own (a call it makes) and fails the
+// record "bad" permanently.
+type preparing struct{ tp trace.TracerProvider }
+
+func (h preparing) Prepare(ctx context.Context, rec *processor.Record) error {
+	_, span := h.tp.Tracer("test client").Start(ctx, "GET /price")
+	defer span.End()
+	if string(rec.Value) == "bad" {
+		return processor.Permanent(errors.New("no price"))
+	}
+	rec.Prepared = len(rec.Value)
+	return nil
+}
+
+func (preparing) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record) error { return nil }
+
+// TestPrepareTraces: with Concurrency, each record's Prepare is a "prepare {topic}" span in the
+// record's trace (a child of its producer's span), the calls Prepare makes are its children, and a
+// failed Prepare says its class.
+func TestPrepareTraces(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newHarness(t, k, 1)
+		rec, tp := recordSpans(t)
+		tracer := tracing.New(tp, tracing.DefaultPropagator(), "")
+		roots := map[string]trace.SpanContext{}
+		for _, v := range []string{"a", "b", "bad"} {
+			ctx, span := tp.Tracer("test producer").Start(context.Background(), "send "+h.Topic)
+			k.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte(v), Value: []byte(v), Headers: tracer.Inject(ctx, nil)})
+			span.End()
+			roots[v] = span.SpanContext()
+		}
+		cfg := h.Config(preparing{tp})
+		cfg.TracerProvider = tp
+		cfg.Concurrency = 4
+		h.Start(cfg)
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if n := len(spansNamed(rec.Ended(), "process "+h.Topic)); n < 2 {
+				return fmt.Errorf("%d process spans, want 2", n)
+			}
+			if n := len(spansNamed(rec.Ended(), "prepare "+h.Topic)); n < 3 {
+				return fmt.Errorf("%d prepare spans, want 3", n)
+			}
+			return nil
+		})
+		spans := rec.Ended()
+		for v, root := range roots {
+			ps := spansNamed(inTrace(spans, root), "prepare "+h.Topic)
+			if len(ps) == 0 {
+				t.Errorf("%s: no prepare span in its trace", v)
+				continue
+			}
+			wantParent(t, ps[0], root)
+			call := only(t, spansNamed(inTrace(spans, root), "GET /price"))
+			if call.Parent().SpanID() != ps[0].SpanContext().SpanID() {
+				t.Errorf("%s: the call Prepare made is not a child of its prepare span", v)
+			}
+			if v == "bad" {
+				wantAttrs(t, ps[0], map[string]string{"error.type": "permanent"})
+			}
+		}
+	})
+}

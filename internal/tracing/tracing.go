@@ -220,6 +220,26 @@ func (t *Tracer) StartProcess(ctx context.Context, d Delivery) (context.Context,
 	return t.tracer.Start(parent, "process "+d.Topic, opts...)
 }
 
+// StartPrepare starts the span of a Preparer's Prepare of d, outside the transaction: a child of
+// the context d carries (or of ctx's), so that the calls Prepare makes are in the record's trace.
+func (t *Tracer) StartPrepare(ctx context.Context, d Delivery) (context.Context, trace.Span) {
+	if t == nil {
+		return ctx, nil
+	}
+	parent := ctx
+	if pc := t.Extract(ctx, d.Headers); trace.SpanContextFromContext(pc).IsValid() {
+		parent = pc
+	}
+	attrs := append(t.consumed(d.Topic, d.Partition),
+		semconv.MessagingKafkaOffset(int(d.Offset)),
+		attribute.Int("kafkapg.attempt", d.Attempt),
+	)
+	if d.Source != d.Topic {
+		attrs = append(attrs, attribute.String("kafkapg.source_topic", d.Source))
+	}
+	return t.tracer.Start(parent, "prepare "+d.Topic, trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(attrs...))
+}
+
 // StartProcessBatch starts the span of a BatchHandler's call over ds: a child of ctx's span (the
 // batch transaction's), linked to the context each record carries. A call over one record (a
 // failing record is retried alone) is that record's delivery, as StartProcess has it.

@@ -55,10 +55,16 @@ func main() {
 	flag.StringVar(&c.kafkaCluster, "kafka-cluster", "", "the state directory of a three-broker cluster that `scripts/kafka.sh cluster start` runs (/tmp/kafkapg-kafka-cluster):"+
 		" run against it, with broker faults (kill, controlled shutdown, freeze, a rolling restart) instead of broker cuts; KAFKA_BROKERS is not used")
 	flag.StringVar(&c.protocol, "group-protocol", "auto", "the processors' KAFKA_GROUP_PROTOCOL: auto (the consumer protocol where the broker offers it) or classic")
+	flag.IntVar(&c.concurrency, "concurrency", 0, "with -handler ledger-careless: the processors run HANDLER=ledger-careless-slow (a Prepare that waits 0-5 ms) with CONCURRENCY at this,"+
+		" and no two prepares of a key may overlap")
 	flag.BoolVar(&c.trace, "trace", false, "the processors export OpenTelemetry traces to a receiver of the suite's, and every record's trace must go on through every hop")
 	flag.Parse()
 	if c.handler != "ledger" && c.handler != "ledger-careless" && c.handler != chainHandler {
 		fmt.Fprintf(os.Stderr, "chaos: -handler must be ledger, ledger-careless or %s, got %q\n", chainHandler, c.handler)
+		os.Exit(2)
+	}
+	if c.concurrency != 0 && (c.handler != "ledger-careless" || c.concurrency < 2) {
+		fmt.Fprintf(os.Stderr, "chaos: -concurrency needs -handler ledger-careless and a value of 2 or more, got %d with %q\n", c.concurrency, c.handler)
 		os.Exit(2)
 	}
 	if c.protocol != "auto" && c.protocol != "classic" {
@@ -91,7 +97,19 @@ type config struct {
 	kafkaCluster string
 	postProcs    int // stage 2's, in a chain
 	trace        bool
+	concurrency  int // CONCURRENCY, with HANDLER=ledger-careless-slow; 0: off
 }
+
+// stageHandler is stage 1's HANDLER.
+func (c config) stageHandler() string {
+	if c.concurrency > 0 {
+		return slowHandler
+	}
+	return c.handler
+}
+
+// slowHandler is ledger-careless behind a Prepare that waits (-concurrency).
+const slowHandler = "ledger-careless-slow"
 
 // chain reports whether the run is a chain of two stages.
 func (c config) chain() bool { return c.handler == chainHandler }
@@ -130,7 +148,10 @@ func run(ctx context.Context, c config) (err error) {
 		}
 		s.close()
 	}()
-	procs := fmt.Sprintf("%d processes (HANDLER=%s", c.procs, c.handler)
+	procs := fmt.Sprintf("%d processes (HANDLER=%s", c.procs, c.stageHandler())
+	if c.concurrency > 0 {
+		procs += fmt.Sprintf(", CONCURRENCY=%d", c.concurrency)
+	}
 	if c.chain() {
 		procs = fmt.Sprintf("%d processes (0-%d HANDLER=%s, %d-%d HANDLER=%s", c.procs+c.postProcs, c.procs-1, c.handler, c.procs, c.procs+c.postProcs-1, postHandler)
 	}

@@ -135,7 +135,7 @@ func generate(c config) []ledger.Item {
 func (s *suite) setupKafka(ctx context.Context) error {
 	s.topic = fmt.Sprintf("chaos-%d", s.cfg.seed%1_000_000)
 	s.group = s.topic
-	s.stages = []*stage{{n: 1, handler: s.cfg.handler, group: s.group, topic: s.topic, procs: s.cfg.procs}}
+	s.stages = []*stage{{n: 1, handler: s.cfg.stageHandler(), group: s.group, topic: s.topic, procs: s.cfg.procs}}
 	if s.cfg.chain() {
 		s.stages = append(s.stages, &stage{n: 2, handler: postHandler, group: s.group + "-post", topic: ledger.PostingsTopic(s.topic), procs: s.cfg.postProcs})
 	}
@@ -261,6 +261,9 @@ func (s *suite) procEnv(st *stage, addr string, idx int) []string {
 		"KAFKA_REBALANCE_TIMEOUT=10s",
 		"SHUTDOWN_TIMEOUT=5s",
 		"LOG_FORMAT=text",
+	}
+	if s.cfg.concurrency > 0 && st.n == 1 {
+		env = append(env, fmt.Sprintf("CONCURRENCY=%d", s.cfg.concurrency))
 	}
 	if s.cfg.chain() && st.n == 1 {
 		env = append(env, "OUTBOX_RETENTION=1h") // published postings are kept for relayAckLost
@@ -789,6 +792,15 @@ func (s *suite) verify(ctx context.Context, items []ledger.Item) (report, error)
 	if err != nil {
 		errs = append(errs, fmt.Errorf("dead_letters table:\n%w", err))
 	}
+	if s.cfg.concurrency > 0 {
+		bad, err := ledger.PrepareViolations(ctx, s.pool)
+		if err != nil {
+			return rep, err
+		}
+		for _, v := range bad {
+			errs = append(errs, fmt.Errorf("prepare: %s", v))
+		}
+	}
 	s.mu.Lock()
 	for _, v := range s.stats.violations {
 		errs = append(errs, errors.New(v))
@@ -834,7 +846,10 @@ func (s *suite) summary(rep report, err error) string {
 	if s.traces != nil {
 		traced = " | " + s.traced.describe(s.cfg.chain())
 	}
-	handler, events := "HANDLER="+s.cfg.handler, fmt.Sprintf("%d events", s.cfg.events)
+	handler, events := "HANDLER="+s.cfg.stageHandler(), fmt.Sprintf("%d events", s.cfg.events)
+	if s.cfg.concurrency > 0 {
+		handler += fmt.Sprintf(" CONCURRENCY=%d (no prepares of a key overlapped)", s.cfg.concurrency)
+	}
 	chain, acksLost := "", ""
 	if s.cfg.chain() {
 		acksLost = fmt.Sprintf(", %d relay-ack-lost (%d postings)", st.acksLost, st.republished)
