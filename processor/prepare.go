@@ -221,6 +221,7 @@ type window struct {
 	runnable slotHeap         // slots whose Prepare may start, lowest offset first
 	keys     map[string]*keyQ // keys with a slot running, failed, or waiting behind one
 	inFlight int
+	failed   int // slots in slotFailed
 }
 
 // slot is a record in the window.
@@ -371,12 +372,15 @@ func (win *window) add(raw []*kgo.Record) {
 }
 
 // dispatch starts the runnable prepares that fit, lowest offset first. While the circuit breaker
-// is open (a downstream outage), one at a time: the records would fail, and wait in place anyway.
-// win.mu is held.
+// is open (a downstream outage), one at a time, and none while one of the window's has failed:
+// the records would fail too, and wait in place behind it anyway. win.mu is held.
 func (win *window) dispatch() {
 	limit := win.limit
 	if win.w.p.breaker.state() != breakerClosed {
 		limit = 1
+		if win.failed > 0 {
+			limit = 0
+		}
 	}
 	for win.inFlight < limit && win.runnable.Len() > 0 {
 		s := heap.Pop(&win.runnable).(*slot)
@@ -396,6 +400,7 @@ func (win *window) run(s *slot) {
 	win.inFlight--
 	if err != nil {
 		s.state, s.err = slotFailed, err // its key's later records wait until it is settled
+		win.failed++
 	} else {
 		s.state, s.rec.prepared = slotDone, true
 		win.next(s.key)
@@ -440,6 +445,7 @@ func (win *window) prefix() (recs []*Record) {
 		for _, s := range win.slots[1:] {
 			if s.state == slotFailed {
 				s.state, s.err = slotWaiting, nil
+				win.failed--
 				heap.Push(&win.runnable, s)
 			}
 		}
@@ -469,6 +475,7 @@ func (win *window) applied(recs []*Record) {
 		}
 		c += s.cost
 		if s.state == slotFailed {
+			win.failed--
 			win.next(s.key)
 		}
 		win.slots[i] = nil

@@ -25,7 +25,7 @@ func (e *env) stuckScope() retrytopics.StuckScope {
 }
 
 // keysRoutes returns the API's keys and trace routes.
-func keysRoutes(a *api, e *env) keysAPI {
+func keysRoutes(a *api, e *env, concurrency map[string]int) keysAPI {
 	c := &opsCmd{env: e}
 	return keysAPI{
 		keys: func(w http.ResponseWriter, r *http.Request) {
@@ -73,6 +73,7 @@ func keysRoutes(a *api, e *env) keysAPI {
 		trace: func(w http.ResponseWriter, r *http.Request) {
 			q := r.URL.Query()
 			tq := ops.TraceQuery{Topic: q.Get("topic")}
+			tq.Concurrency = concurrency[tq.Topic]
 			var err error
 			num := func(name string, bits int) int64 {
 				if err != nil || !q.Has(name) {

@@ -714,6 +714,19 @@ func (e *env) settingSource(hs *registry, topic, field string) string {
 	return fmt.Sprintf("service.Handler{Name: %q}.%s", name, field)
 }
 
+// concurrency returns the source topics whose records are prepared concurrently (CONCURRENCY
+// above 1, in whichever way it is set) and their concurrency.
+func (e *env) concurrency(hs *registry) map[string]int {
+	out := map[string]int{}
+	for _, t := range e.KafkaTopics {
+		tp, _ := e.topicPolicy(hs, t)
+		if n := cmp.Or(tp.Concurrency, e.Concurrency); n > 1 {
+			out[t] = n
+		}
+	}
+	return out
+}
+
 // handlersUsed returns the names of the handlers the configuration runs, each once.
 func (e *env) handlersUsed() []string {
 	used := map[string]bool{}

@@ -146,7 +146,7 @@ func TestOperatorAPI(t *testing.T) {
 	defer cancel()
 	const token = "0123456789abcdef-token"
 	a := newAPI(ctx, ops.New(pool, "kafkapg", "dg"), token, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	a.keys = keysRoutes(a, &env{KafkaGroupID: "dg", KafkaTopics: []string{"orders"}, StallTimeout: time.Minute})
+	a.keys = keysRoutes(a, &env{KafkaGroupID: "dg", KafkaTopics: []string{"orders"}, StallTimeout: time.Minute}, nil)
 	srv := httptest.NewServer(httpHandler(prometheus.NewRegistry(), func(context.Context) error { return nil },
 		func(context.Context) error { return nil }, a.handler()))
 	defer srv.Close()

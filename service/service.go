@@ -429,7 +429,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	var operator http.Handler
 	if env.OperatorToken != "" {
 		a := newAPI(ctx, ops.New(pool, env.DBSchema, env.KafkaGroupID), env.OperatorToken, log)
-		a.keys = keysRoutes(a, env)
+		a.keys = keysRoutes(a, env, env.concurrency(hs))
 		defer bound.within("stopping the operator API's tasks", a.wait) // before the pool closes: running tasks stop after their chunk in flight
 		operator = a.handler()
 	}
@@ -446,7 +446,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	}
 	log.Info("http listening", "addr", ln.Addr().String(), "paths", paths)
 	if env.ConsoleAddr != "" {
-		stop, err := serveConsole(ctx, env, pool, reg, log)
+		stop, err := serveConsole(ctx, env, env.concurrency(hs), pool, reg, log)
 		if err != nil {
 			return err
 		}
@@ -563,7 +563,7 @@ func (b *exitBound) within(what string, fn func()) {
 
 // serveConsole serves the operator console on CONSOLE_ADDR (see package console). It returns a
 // function that stops it.
-func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, reg prometheus.Gatherer, log *slog.Logger) (stop func(), err error) {
+func serveConsole(ctx context.Context, env *env, concurrency map[string]int, pool *pgxpool.Pool, reg prometheus.Gatherer, log *slog.Logger) (stop func(), err error) {
 	users, tokens, err := env.consoleLogins()
 	if err != nil {
 		return nil, &configError{err}
@@ -582,8 +582,8 @@ func serveConsole(ctx context.Context, env *env, pool *pgxpool.Pool, reg prometh
 	go samples.Run(sctx)
 	con, err := console.New(console.Config{
 		Ops: o, Admin: kadm.NewClient(cl), Kafka: cl, Stuck: env.stuckScope(), HideValues: env.ConsoleHideValues, Samples: samples,
-		TraceURL: env.TraceURL,
-		Users:    users, Tokens: tokens, Log: log, Run: tasks.run,
+		TraceURL: env.TraceURL, Concurrency: concurrency,
+		Users: users, Tokens: tokens, Log: log, Run: tasks.run,
 	})
 	if err != nil {
 		stopSampling()

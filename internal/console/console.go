@@ -17,8 +17,10 @@ import (
 	"html/template"
 	"io/fs"
 	"log/slog"
+	"maps"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -106,9 +108,12 @@ type Config struct {
 	// TraceURL is the page of a trace in the team's trace viewer, {trace_id} standing for the
 	// trace id (TRACE_URL); "" shows trace ids without a link.
 	TraceURL string
-	Users    []User // who may sign in with a password (basic authentication)
-	Tokens   []User // who may send a bearer token (Password is the token)
-	Log      *slog.Logger
+	// Concurrency is CONCURRENCY of the source topics that prepare concurrently (above 1), for
+	// the overview's prepares; nil or empty: none does.
+	Concurrency map[string]int
+	Users       []User // who may sign in with a password (basic authentication)
+	Tokens      []User // who may send a bearer token (Password is the token)
+	Log         *slog.Logger
 	// Run runs a task StartTask created (in the background, as the JSON API does); nil: the
 	// console cannot act, only browse.
 	Run func(id int64)
@@ -339,6 +344,11 @@ type overviewData struct {
 	HasRates       bool
 	BreakerOpen    bool
 	SampleInterval time.Duration
+	// Concurrency is the topics that prepare concurrently ("orders 100, payments 8"), Preparing
+	// the prepares in flight at the last sample and PreparingMax the most at one sample.
+	Concurrency  string
+	Preparing    int64
+	PreparingMax int64
 
 	Partitions []partitionRow
 	Counts     []ops.Count
@@ -424,8 +434,17 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		d.Applied, d.Failed, d.DeadLettered, d.HasRates = Rates(samples, 5*time.Minute)
 		if len(samples) > 0 {
 			d.BreakerOpen = samples[len(samples)-1].BreakerOpen
+			d.Preparing = samples[len(samples)-1].Preparing
+		}
+		for _, s := range samples {
+			d.PreparingMax = max(d.PreparingMax, s.Preparing)
 		}
 	}
+	var conc []string
+	for _, t := range slices.Sorted(maps.Keys(c.cfg.Concurrency)) {
+		conc = append(conc, fmt.Sprintf("%s %d", t, c.cfg.Concurrency[t]))
+	}
+	d.Concurrency = strings.Join(conc, ", ")
 	c.render(w, r, "overview", "Overview", d)
 }
 

@@ -41,14 +41,21 @@ const (
 	operatorToken    = "token-of-an-operator-4567"
 )
 
-// consoleOf starts a processor on a ledger workload with every kind of failure, waits until it
-// settled (dead letters included), and serves the console over its database.
+// consoleOf starts a processor on a ledger workload with every kind of failure, its records
+// prepared concurrently (a Prepare of up to 2 ms, Concurrency 8), waits until it settled (dead
+// letters included), and serves the console over its database.
 func consoleOf(t *testing.T, opts ...func(*console.Config)) (*testkit.Harness, *httptest.Server, []ledger.Item) {
 	k := testenv.NewKfake(t)
 	h := testkit.New(t, k, 4)
+	if _, err := h.Pool.Exec(context.Background(), ledger.PreparedSchema); err != nil {
+		t.Fatal(err)
+	}
 	items := testkit.Mixed(600, 11, "console")
 	h.Produce(items)
-	r := h.Start(h.Config(ledger.Handler{}))
+	cfg := h.Config(ledger.NewPrepared(ledger.Handler{}, 2*time.Millisecond))
+	cfg.Concurrency = 8
+	r := h.Start(cfg)
+	opts = append([]func(*console.Config){func(c *console.Config) { c.Concurrency = map[string]int{h.Topic: 8} }}, opts...)
 	srv := serve(t, h, k, r.Reg, opts...) // as in the service: the console samples the processor from its start
 	h.WaitSettled(items, 1, 60*time.Second)
 	return h, srv, items
@@ -390,6 +397,13 @@ func TestConsoleInABrowser(t *testing.T) {
 	}
 	if breaker := text("#breaker"); breaker != "closed" {
 		t.Errorf("the breaker reads %q, want closed", breaker)
+	}
+	// Concurrent prepares: none in flight once drained, and the topics that prepare concurrently.
+	if n := text("#preparing"); n != "0" {
+		t.Errorf("prepares in flight read %q after the processor drained the topic, want 0", n)
+	}
+	if c := text("#concurrency"); !strings.Contains(c, "CONCURRENCY: "+h.Topic+" 8") {
+		t.Errorf("the prepares card says %q, want the topic's CONCURRENCY 8", c)
 	}
 	shot("overview")
 

@@ -55,6 +55,7 @@ type Sample struct {
 	TasksInterrupted int64                    // kafkapg_tasks_interrupted
 	OutboxSetAside   int64                    // kafkapg_outbox_set_aside_records
 	OutboxOldest     time.Duration            // kafkapg_outbox_oldest_record_age_seconds
+	Preparing        int64                    // kafkapg_prepares_in_flight, all topics
 
 	// held is what each alerting rule found at this sample, by rule name: the Sampler evaluates
 	// the rules as it takes the sample, as Prometheus does at each interval, so that Alerts need
@@ -149,6 +150,8 @@ func (s *Sample) add(name string, v float64, label func(string) string) {
 		s.OutboxSetAside = int64(v)
 	case "kafkapg_outbox_oldest_record_age_seconds":
 		s.OutboxOldest = seconds(v)
+	case "kafkapg_prepares_in_flight":
+		s.Preparing += int64(v)
 	}
 }
 

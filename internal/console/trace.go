@@ -60,6 +60,7 @@ func (c *Console) trace(w http.ResponseWriter, r *http.Request) {
 	}
 	d.Asked = true
 	tq, err := traceQueryOf(d.Form)
+	tq.Concurrency = c.cfg.Concurrency[tq.Topic]
 	var res ops.TraceResult
 	if err == nil {
 		res, err = c.cfg.Ops.Trace(r.Context(), tq, c.cfg.Kafka)

@@ -55,6 +55,9 @@ type TraceQuery struct {
 	// Scan is how many of the last records of each partition of Topic are read from Kafka to
 	// find the key's records that Postgres does not keep. Defaults to 1000.
 	Scan int
+	// Concurrency is the topic's CONCURRENCY, if the caller knows it (0: not known): a record not
+	// applied yet is then said to be possibly in its partition's window, being prepared.
+	Concurrency int
 }
 
 const (
@@ -917,7 +920,7 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Rec
 	case len(copies) > 0:
 		t.State, t.Now = TraceOutbox, strings.TrimPrefix(pendingCopies(o, q.Topic, copies), "; ")
 	default:
-		t.State, t.Now = o.position(org, f.positions[org.partition], bounds, step)
+		t.State, t.Now = o.position(org, f.positions[org.partition], bounds, q.Concurrency, step)
 		if n := len(copiesInTiers); n > 0 && t.State == TraceApplied {
 			last := copiesInTiers[n-1]
 			t.Now = fmt.Sprintf("applied from retry tier %d (%s), at attempt %d (its source partition's position passed it by %s, as it left for the tiers)",
@@ -931,7 +934,7 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Rec
 
 // position describes a record that no table of the retry path holds, from the partition's
 // position and the broker's log bounds.
-func (o *Ops) position(org traceOrigin, pos tracePosition, bounds map[int32]logBounds, step func(time.Time, string, string, ...any)) (state, now string) {
+func (o *Ops) position(org traceOrigin, pos tracePosition, bounds map[int32]logBounds, concurrency int, step func(time.Time, string, string, ...any)) (state, now string) {
 	b, haveBounds := bounds[org.partition]
 	if haveBounds && org.offset >= b.end {
 		return TraceNotConsumed, fmt.Sprintf("not produced yet: the partition ends at offset %d", b.end)
@@ -951,6 +954,10 @@ func (o *Ops) position(org traceOrigin, pos tracePosition, bounds map[int32]logB
 	}
 	if gone {
 		return TraceBeyondRetention, fmt.Sprintf("not consumed (%s) and beyond the broker's retention: the log starts at offset %d, so it can no longer be consumed", next, b.start)
+	}
+	if haveBounds && org.offset < b.end && concurrency > 1 {
+		return TraceNotConsumed, fmt.Sprintf("not applied yet: %s; with CONCURRENCY=%d its partition's owner prepares it ahead of the position, "+
+			"after the earlier records of its key, and applies it once the records before it are prepared", next, concurrency)
 	}
 	return TraceNotConsumed, "not consumed yet: " + next
 }

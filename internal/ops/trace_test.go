@@ -221,6 +221,13 @@ func TestTraceKafka(t *testing.T) {
 			}
 		}
 
+		// With the topic's CONCURRENCY known, a record produced but not applied may be in its
+		// partition's window: the trace says so.
+		r9 := e.trace(ops.TraceQuery{Topic: topic, Partition: 0, Offset: 9, Concurrency: 100}, kc).Records[0]
+		if r9.State != ops.TraceNotConsumed || !strings.Contains(r9.Now, "with CONCURRENCY=100 its partition's owner prepares it ahead of the position") {
+			t.Errorf("offset 9 with Concurrency 100: %s %q, want it said to be possibly prepared ahead", r9.State, r9.Now)
+		}
+
 		// Not consumed and beyond retention: a partition the group has no position in yet.
 		e.exec(`DELETE FROM kafkapg.offsets WHERE consumer_group = $1`, keysGroup)
 		r := e.trace(ops.TraceQuery{Topic: topic, Partition: 0, Offset: 1}, kc).Records[0]
