@@ -26,6 +26,10 @@
 //     while a key has a record in the retry path, its later records wait, held in Postgres, and
 //     are applied in order once it is applied or dead-lettered (Config.OnDeadLetter). Records of
 //     other keys, and records without a key, are not held.
+//   - A handler that waits on other systems can split that wait off as Prepare (Preparer): with
+//     Config.Concurrency above 1 a partition prepares records of different keys side by side,
+//     each key's one at a time in offset order, ahead of its transactions, which still apply
+//     them in offset order with the offset, as above. Prepare itself is at least once.
 //   - Infrastructure failures (Postgres unreachable, serialization failures) never dead-letter a
 //     record: the partition retries in place and resumes where it was. A failure that waiting
 //     will not fix is never retried in place silently: a handler's is the record's (it moves
@@ -57,7 +61,8 @@
 // The files follow a record. processor.go: the Processor, Run and its shutdown; group.go: the
 // Kafka client, partitions assigned, claimed (and their start offsets resolved), revoked and
 // lost; worker.go: a partition's worker, taking fetched records from the memory budget
-// (buffer.go); batch.go: a batch's pipeline — admitted (tier records due, held behind their key,
+// (buffer.go); prepare.go: a partition's window of records prepared concurrently (Preparer);
+// batch.go: a batch's pipeline — admitted (tier records due, held behind their key,
 // duplicates skipped), applied in one transaction, a failing record isolated; transact.go: the
 // transaction, retried in place while the failure is the infrastructure's; handler.go: the
 // Handler and how it is called, and Record.Emit; idempotency.go: idempotency keys, duplicates
