@@ -3,8 +3,6 @@ package processor
 import (
 	"container/heap"
 	"context"
-	"fmt"
-	"runtime/debug"
 	"sync"
 	"time"
 
@@ -55,25 +53,13 @@ func (p *Processor) prepareOne(ctx context.Context, pol *policy, r *Record) erro
 		pctx, span = p.tracer.StartPrepare(ctx, p.delivery(r))
 	}
 	start := time.Now()
-	err := p.callPrepare(pctx, pol, r)
+	err := p.call([]*Record{r}, func() error { // a panic: retried, its stack logged
+		r.Prepared = nil
+		return pol.preparer.Prepare(pctx, r)
+	})
 	p.metrics.prepareDuration.Observe(time.Since(start).Seconds())
 	p.endProcess(span, r.Topic, err)
 	return err
-}
-
-// callPrepare calls the handler's Prepare, turning a panic into a *PanicError.
-func (p *Processor) callPrepare(ctx context.Context, pol *policy, r *Record) (err error) {
-	defer func() {
-		if v := recover(); v != nil {
-			stack := debug.Stack()
-			p.metrics.handlerPanics.Inc()
-			p.log.Error("handler's Prepare panicked; the record will be retried", "topic", r.Topic, "partition", r.Partition, "offset", r.Offset,
-				"key_hash", keyHash(r.Key), "panic", fmt.Sprint(v), "stack", string(stack))
-			err = &PanicError{Value: v, Stack: stack}
-		}
-	}()
-	r.Prepared = nil
-	return pol.preparer.Prepare(ctx, r)
 }
 
 // prepareInline prepares, before their Handle, the records of recs that are not prepared yet:
@@ -221,7 +207,6 @@ type window struct {
 	runnable slotHeap         // slots whose Prepare may start, lowest offset first
 	keys     map[string]*keyQ // keys with a slot running, failed, or waiting behind one
 	inFlight int
-	failed   int // slots in slotFailed
 }
 
 // slot is a record in the window.
@@ -372,24 +357,29 @@ func (win *window) add(raw []*kgo.Record) {
 }
 
 // dispatch starts the runnable prepares that fit, lowest offset first. While the circuit breaker
-// is open (a downstream outage), one at a time, and none while one of the window's has failed:
-// the records would fail too, and wait in place behind it anyway. win.mu is held.
+// is open (a downstream outage) only the window's first record is prepared, alone: the others
+// would fail too. If it fails, it waits in place as the breaker's probe, as any record does;
+// and since the first record may always start, the window never waits for a breaker that
+// only its own records could close. win.mu is held.
 func (win *window) dispatch() {
-	limit := win.limit
 	if win.w.p.breaker.state() != breakerClosed {
-		limit = 1
-		if win.failed > 0 {
-			limit = 0
+		if win.inFlight == 0 && win.runnable.Len() > 0 && len(win.slots) > 0 && win.runnable[0] == win.slots[0] {
+			win.start(heap.Pop(&win.runnable).(*slot))
 		}
+		return
 	}
-	for win.inFlight < limit && win.runnable.Len() > 0 {
-		s := heap.Pop(&win.runnable).(*slot)
-		s.state = slotRunning
-		win.inFlight++
-		win.w.p.metrics.prepareWait.Observe(time.Since(s.entered).Seconds())
-		win.preparing.Inc()
-		go win.run(s)
+	for win.inFlight < win.limit && win.runnable.Len() > 0 {
+		win.start(heap.Pop(&win.runnable).(*slot))
 	}
+}
+
+// start runs s's Prepare on a goroutine of its own. win.mu is held.
+func (win *window) start(s *slot) {
+	s.state = slotRunning
+	win.inFlight++
+	win.w.p.metrics.prepareWait.Observe(time.Since(s.entered).Seconds())
+	win.preparing.Inc()
+	go win.run(s)
 }
 
 // run prepares one slot, on its own goroutine.
@@ -400,7 +390,6 @@ func (win *window) run(s *slot) {
 	win.inFlight--
 	if err != nil {
 		s.state, s.err = slotFailed, err // its key's later records wait until it is settled
-		win.failed++
 	} else {
 		s.state, s.rec.prepared = slotDone, true
 		win.next(s.key)
@@ -445,7 +434,6 @@ func (win *window) prefix() (recs []*Record) {
 		for _, s := range win.slots[1:] {
 			if s.state == slotFailed {
 				s.state, s.err = slotWaiting, nil
-				win.failed--
 				heap.Push(&win.runnable, s)
 			}
 		}
@@ -475,7 +463,6 @@ func (win *window) applied(recs []*Record) {
 		}
 		c += s.cost
 		if s.state == slotFailed {
-			win.failed--
 			win.next(s.key)
 		}
 		win.slots[i] = nil

@@ -112,7 +112,7 @@ func (pricingDown) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record)
 
 // TestOpenBreakerPreparesOneAtATime: the circuit breaker is per process. Partition 0's records
 // open it (a downstream outage); partition 1's records arrive after that. With Concurrency 32,
-// partition 1 then prepares one record at a time, and none once one has failed, instead of
+// partition 1 then prepares only its first record, alone, instead of
 // sending the service that is down 32 calls at once and a window's worth in all: its head
 // fails, and waits in place as a probe. When the
 // service comes back, every record is applied.
