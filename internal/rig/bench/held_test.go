@@ -81,6 +81,7 @@ func BenchmarkHeldRecords(b *testing.B) {
 		fmt.Printf("  held records applied after release  %9.0f records/s\n", drain)
 		fmt.Printf("  same records from the topic           %9.0f records/s\n", fast)
 		fmt.Printf("  held / fast path = %.2f\n\n", drain/fast)
+		summarize(heldPath, drain/fast, "%.0f vs %.0f records/s, %d records of %d keys", drain, fast, events, accounts)
 	}
 }
 

@@ -86,6 +86,8 @@ func BenchmarkOutbox(b *testing.B) {
 				name, unthrottled, u.acksPerSec, u.commitsPerSec, u.drain.Round(time.Millisecond))
 		}
 		b.Logf("  highest rate: outbox / loop = %.2f, outbox with NOTIFY / loop = %.2f", w[1].acksPerSec/l[1].acksPerSec, n[1].acksPerSec/l[1].acksPerSec)
+		summarize(outboxPath, w[1].acksPerSec/l[1].acksPerSec, "%.0f vs %.0f acks/s unthrottled; p99 at %d/s %.1f vs %.1f ms",
+			w[1].acksPerSec, l[1].acksPerSec, rate, ms(w[0].p99), ms(l[0].p99))
 	}
 }
 
@@ -520,6 +522,7 @@ func BenchmarkIdempotencyKeys(b *testing.B) {
 		b.Logf("  keys on  (KeyFromJSON(\"event_id\"))  %9.0f records/s   rounds %v   WAL %4.0f bytes/event", mOn, rounded(on), median(onWAL))
 		b.Logf("  keys off                            %9.0f records/s   rounds %v   WAL %4.0f bytes/event", mOff, rounded(off), median(offWAL))
 		b.Logf("  on / off = %.2f   (target >= 0.85)", mOn/mOff)
+		summarize(keysPath, mOn/mOff, "%.0f vs %.0f records/s, WAL %.0f vs %.0f bytes/event", mOn, mOff, median(onWAL), median(offWAL))
 	}
 }
 
