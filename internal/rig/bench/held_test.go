@@ -149,7 +149,12 @@ func benchPool(b *testing.B, url string, opts ...func(*pgxpool.Config)) *pgxpool
 }
 
 func waitCount(b *testing.B, pool *pgxpool.Pool, query string, want int) {
-	deadline := time.Now().Add(5 * time.Minute)
+	waitCountFor(b, pool, query, want, 5*time.Minute)
+}
+
+// waitCountFor is waitCount with a deadline of its own.
+func waitCountFor(b *testing.B, pool *pgxpool.Pool, query string, want int, timeout time.Duration) {
+	deadline := time.Now().Add(timeout)
 	for {
 		var n int
 		if err := pool.QueryRow(context.Background(), query).Scan(&n); err != nil {
@@ -159,7 +164,7 @@ func waitCount(b *testing.B, pool *pgxpool.Pool, query string, want int) {
 			return
 		}
 		if time.Now().After(deadline) {
-			b.Fatalf("%s: %d, want %d, after 5 minutes", query, n, want)
+			b.Fatalf("%s: %d, want %d, after %v", query, n, want, timeout)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

@@ -82,12 +82,12 @@ func BenchmarkOutbox(b *testing.B) {
 				name, rate, steady, ms(s.p50), ms(s.p99), s.records, s.commitsPerSec, s.keptUp(rate))
 			b.Logf("  %s where it goes (median of each step): commit→produce %.2f ms, produce→Kafka ack %.2f ms, Kafka ack→acknowledged %.2f ms",
 				name, ms(s.toProduce), ms(s.toKafka), ms(s.toAck))
-			b.Logf("  %s unthrottled for %v: %6.0f acks/s (%.0f commits/s; the last ack %v after the last commit)",
-				name, unthrottled, u.acksPerSec, u.commitsPerSec, u.drain.Round(time.Millisecond))
+			b.Logf("  %s unthrottled for %v: %6.0f acks/s (%.0f commits/s; the last ack %v after the last commit; WAL %.0f bytes/record)",
+				name, unthrottled, u.acksPerSec, u.commitsPerSec, u.drain.Round(time.Millisecond), u.walPerRecord)
 		}
 		b.Logf("  highest rate: outbox / loop = %.2f, outbox with NOTIFY / loop = %.2f", w[1].acksPerSec/l[1].acksPerSec, n[1].acksPerSec/l[1].acksPerSec)
-		summarize(outboxPath, w[1].acksPerSec/l[1].acksPerSec, "%.0f vs %.0f acks/s unthrottled; p99 at %d/s %.1f vs %.1f ms",
-			w[1].acksPerSec, l[1].acksPerSec, rate, ms(w[0].p99), ms(l[0].p99))
+		summarize(outboxPath, w[1].acksPerSec/l[1].acksPerSec, "%.0f vs %.0f acks/s unthrottled, WAL %.0f vs %.0f bytes/record; p99 at %d/s %.1f vs %.1f ms",
+			w[1].acksPerSec, l[1].acksPerSec, w[1].walPerRecord, l[1].walPerRecord, rate, ms(w[0].p99), ms(l[0].p99))
 	}
 }
 
@@ -116,6 +116,16 @@ type phaseResult struct {
 	toAck                     time.Duration
 	commitsPerSec, acksPerSec float64
 	drain                     time.Duration
+	walPerRecord              float64 // bytes of WAL the cluster wrote per record (the other databases are idle)
+}
+
+// walLSN returns the cluster's current WAL position, in bytes.
+func walLSN(b *testing.B, pool *pgxpool.Pool) int64 {
+	var lsn int64
+	if err := pool.QueryRow(context.Background(), `SELECT pg_current_wal_lsn() - '0/0'::pg_lsn`).Scan(&lsn); err != nil {
+		b.Fatal(err)
+	}
+	return lsn
 }
 
 // keptUp says whether the writers kept to the rate they were given.
@@ -213,6 +223,7 @@ func runPhase(b *testing.B, k *testenv.Kafka, v variant, writers int, spec phase
 	tr.waitAcks(b, warmup)
 	tr.reset()
 
+	walStart := walLSN(b, pool)
 	start := time.Now()
 	var next atomic.Int64
 	total := int64(spec.rate) * int64(spec.d/time.Second)
@@ -257,6 +268,7 @@ func runPhase(b *testing.B, k *testenv.Kafka, v variant, writers int, spec phase
 
 	r := tr.result()
 	r.drain = drain
+	r.walPerRecord = float64(walLSN(b, pool)-walStart) / float64(max(n, 1))
 	if spec.rate > 0 {
 		r.commitsPerSec = float64(n) / written.Seconds()
 	} else {
