@@ -63,20 +63,19 @@ func summarize(p path, ratio float64, measured string, args ...any) {
 
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if s := summaryTable(); s != "" {
-		fmt.Print(s)
-	}
+	summary.Lock()
+	s := summaryTable(summary.rows)
+	summary.Unlock()
+	fmt.Print(s)
 	os.Exit(code)
 }
 
-// summaryTable formats the rows recorded, or returns "" if there are none.
-func summaryTable() string {
-	summary.Lock()
-	defer summary.Unlock()
-	if len(summary.rows) == 0 {
+// summaryTable formats rows in the table's order, or returns "" if there are none.
+func summaryTable(rows []summaryRow) string {
+	if len(rows) == 0 {
 		return ""
 	}
-	rows := slices.Clone(summary.rows)
+	rows = slices.Clone(rows)
 	slices.SortStableFunc(rows, func(a, b summaryRow) int { return int(a.path) - int(b.path) })
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "\nperformance table (ratios within this run; this machine is shared: ±0.05 between runs)\n")
@@ -94,4 +93,34 @@ func summaryTable() string {
 		fmt.Fprintf(&sb, "  %-56s %6.2fx  %-8s  %s%s\n", d.name, r.ratio, target, r.measured, mark)
 	}
 	return sb.String()
+}
+
+// TestSummaryTable: rows come out in the table's order whatever order the benchmarks ran in, and a
+// row is marked missed by its own direction (a latency ratio is better lower).
+func TestSummaryTable(t *testing.T) {
+	if s := summaryTable(nil); s != "" {
+		t.Errorf("no rows: %q; want nothing printed", s)
+	}
+	s := summaryTable([]summaryRow{
+		{latencyPath, 1.6, "p99 16 vs 10 ms"},
+		{ledgerPath, 1.01, "101 vs 100 records/s"},
+		{replayPath, 0.15, "15 vs 100 records/s"},
+		{keysPath, 0.9, "90 vs 100 records/s"},
+	})
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	if len(lines) != 6 {
+		t.Fatalf("table:\n%s\nwant a title, a header and 4 rows", s)
+	}
+	for i, want := range []struct {
+		name   string
+		missed bool
+	}{{paths[ledgerPath].name, false}, {paths[keysPath].name, false}, {paths[replayPath].name, true}, {paths[latencyPath].name, true}} {
+		line := lines[2+i]
+		if !strings.Contains(line, want.name) || strings.Contains(line, "(target missed)") != want.missed {
+			t.Errorf("row %d: %q; want %q, missed %t", i, line, want.name, want.missed)
+		}
+	}
+	if !strings.Contains(lines[5], "<= 1.50") || !strings.Contains(lines[2], ">= 1.00") {
+		t.Errorf("targets not shown with their direction:\n%s", s)
+	}
 }
