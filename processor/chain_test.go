@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strings"
 	"testing"
@@ -135,7 +136,19 @@ func TestIdempotencyKeys(t *testing.T) {
 	cfg := h.Config(ledger.Handler{})
 	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader("idem")}}
 	cfg.IdempotencyRetention = 6 * time.Second
+	var logs syncBuffer
+	cfg.Logger = slog.New(slog.NewJSONHandler(&logs, nil))
 	r := h.Start(cfg)
+	// The cost is said at startup, where the user decides: bytes per key and the formula.
+	testenv.Eventually(t, 10*time.Second, func() error {
+		for _, w := range []string{`idempotency keys are on: each key takes about 220 bytes of Postgres for IDEMPOTENCY_RETENTION (6s): at 1,000 keyed records/s that is 1.32 MB`,
+			`size it as records/s x retention x 220 bytes`, `"bytes_per_key":220`} {
+			if !strings.Contains(logs.String(), w) {
+				return fmt.Errorf("the logs do not say %q:\n%s", w, logs.String())
+			}
+		}
+		return nil
+	})
 
 	rec := func(id string, idem string) *kgo.Record {
 		v := fmt.Appendf(nil, `{"event_id":%q,"account":"a","amount":1,"seq":1}`, id)
@@ -154,6 +167,14 @@ func TestIdempotencyKeys(t *testing.T) {
 		}
 		if r.Counter("kafkapg_duplicate_keys_skipped_total") != 1 {
 			return errors.New("the copy is not counted as a duplicate yet")
+		}
+		return nil
+	})
+	// The state's size is published: at least the two keys (the table is shared with the other
+	// tests' groups), and at least five pages (the heap's, and each index's metapage and leaf).
+	testenv.Eventually(t, 20*time.Second, func() error {
+		if rows, b := r.Gauge("kafkapg_idempotency_keys_rows"), r.Gauge("kafkapg_idempotency_keys_bytes"); rows < 2 || b < 5*8192 {
+			return fmt.Errorf("kafkapg_idempotency_keys_rows %v, _bytes %v: want at least 2 and 40960", rows, b)
 		}
 		return nil
 	})

@@ -65,6 +65,8 @@ type metrics struct {
 	publishWait prometheus.Histogram
 	dupKeys     *prometheus.CounterVec
 	keysPruned  prometheus.Counter
+	keyRows     prometheus.Gauge // the idempotency_keys table's (every group of the schema)
+	keyBytes    prometheus.Gauge
 	// Prepares (Preparer, Config.Concurrency).
 	preparing       *prometheus.GaugeVec
 	prepareWait     prometheus.Histogram
@@ -102,6 +104,14 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		keysPruned: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "idempotency_keys_pruned_total",
 			Help: "Idempotency keys deleted because they were older than the retention.",
+		}),
+		keyRows: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "idempotency_keys_rows",
+			Help: "Idempotency keys kept in Postgres (the idempotency_keys table, every group of the schema; Postgres's count of live rows). Read every 5 s by processors with idempotency keys on.",
+		}),
+		keyBytes: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "idempotency_keys_bytes",
+			Help: "Disk space of the idempotency keys kept in Postgres (the idempotency_keys table with its indexes, every group of the schema). It levels off at keyed records/s x IDEMPOTENCY_RETENTION x bytes per key.",
 		}),
 		preparing: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Name: "prepares_in_flight",
@@ -261,7 +271,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		m.fenced, m.forgotten, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.recordsHeld, m.duplicates, m.replayed, m.deadLetters, m.tasks, m.interrupted, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors, m.stuckKeys,
-		m.outboxWaiting, m.outboxAside, m.outboxOldest, m.publishWait, m.dupKeys, m.keysPruned,
+		m.outboxWaiting, m.outboxAside, m.outboxOldest, m.publishWait, m.dupKeys, m.keysPruned, m.keyRows, m.keyBytes,
 		m.preparing, m.prepareWait, m.prepareDuration} {
 		if err := reg.Register(c); err != nil {
 			return nil, err

@@ -42,6 +42,7 @@ type Processor struct {
 	tracer       *tracing.Tracer    // nil: tracing off
 	dedupeSQL    string             // records idempotency keys, returning the new ones
 	pruneKeysSQL string             // deletes idempotency keys past their retention
+	keysTable    string             // the idempotency_keys table, schema-qualified and quoted
 	policies     map[string]*policy // by source topic
 	backoff      backoff.Policy
 	retry        *retrytopics.Store
@@ -155,6 +156,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 		return nil, fmt.Errorf("processor: %w", err)
 	}
 	keys := pgx.Identifier{c.Schema, "idempotency_keys"}.Sanitize()
+	p.keysTable = keys
 	p.dedupeSQL = dedupeSQL(c.Schema)
 	// A key a dead letter that may still be replayed shares (a copy of it was applied) is kept:
 	// the replay must find it.
@@ -252,11 +254,8 @@ func (p *Processor) Run(ctx context.Context) error {
 		return nil
 	}
 	go p.heldApplier.run()
-	for _, pol := range p.policies {
-		if pol.idempotencyKey != nil {
-			go p.pruneKeys(statsCtx)
-			break
-		}
+	if p.keysOn() {
+		go p.pruneKeys(statsCtx)
 	}
 
 	if p.cfg.GroupProtocol != GroupProtocolClassic {
@@ -269,6 +268,10 @@ func (p *Processor) Run(ctx context.Context) error {
 	p.log.Info("processor started", "topics", p.cfg.Topics, "instance", p.cfg.InstanceName)
 	for _, t := range p.cfg.Topics {
 		p.logPolicy(t)
+	}
+	if p.keysOn() {
+		p.log.Info("idempotency keys are on: "+keySizing(p.cfg.IdempotencyRetention), "idempotency_retention", p.cfg.IdempotencyRetention.String(),
+			"bytes_per_key", keyBytesEach, "metric", "kafkapg_idempotency_keys_bytes")
 	}
 	context.AfterFunc(ctx, func() { p.signalled.Store(time.Now().UnixNano()) })
 	pollCtx, stopPoll := context.WithCancel(ctx)

@@ -56,6 +56,7 @@ type Sample struct {
 	OutboxSetAside   int64                    // kafkapg_outbox_set_aside_records
 	OutboxOldest     time.Duration            // kafkapg_outbox_oldest_record_age_seconds
 	Preparing        int64                    // kafkapg_prepares_in_flight, all topics
+	IdempotencyBytes float64                  // kafkapg_idempotency_keys_bytes
 
 	// held is what each alerting rule found at this sample, by rule name: the Sampler evaluates
 	// the rules as it takes the sample, as Prometheus does at each interval, so that Alerts need
@@ -152,6 +153,8 @@ func (s *Sample) add(name string, v float64, label func(string) string) {
 		s.OutboxOldest = seconds(v)
 	case "kafkapg_prepares_in_flight":
 		s.Preparing += int64(v)
+	case "kafkapg_idempotency_keys_bytes":
+		s.IdempotencyBytes = max(s.IdempotencyBytes, v)
 	}
 }
 
@@ -555,6 +558,7 @@ var rules = []rule{
 	{"KafkapgOutboxStuck", "warning", 2 * time.Minute, gaugeRule(func(s Sample) (bool, string) {
 		return s.OutboxOldest > time.Minute, fmt.Sprintf("The oldest unpublished outbox record has waited %s", humanDuration(s.OutboxOldest))
 	})},
+	{"KafkapgIdempotencyKeysGrowing", "warning", 30 * time.Minute, idempotencyKeysGrowing},
 }
 
 // Alerts returns the alerts whose condition holds at the newest sample, firing or pending, in the
@@ -664,6 +668,34 @@ func lagGrowing(samples []Sample) map[string]string {
 		}
 	}
 	return held
+}
+
+// idempotencyKeysLimit and idempotencyKeysHorizon are KafkapgIdempotencyKeysGrowing's: the size
+// the idempotency keys should not pass, and how far ahead their last hour's growth is projected.
+const (
+	idempotencyKeysLimit   = 100e9
+	idempotencyKeysHorizon = 3 * 24 * time.Hour
+)
+
+// idempotencyKeysGrowing: the idempotency keys' size, projected idempotencyKeysHorizon ahead
+// from the last hour's samples by least squares (as Prometheus's predict_linear), passes
+// idempotencyKeysLimit.
+func idempotencyKeysGrowing(samples []Sample) map[string]string {
+	w := lastWindow(samples, time.Hour)
+	newest := w[len(w)-1]
+	xs, ys := make([]float64, len(w)), make([]float64, len(w))
+	var mx, my float64
+	for i, s := range w {
+		xs[i], ys[i] = s.At.Sub(newest.At).Seconds(), s.IdempotencyBytes
+		mx, my = mx+xs[i]/float64(len(w)), my+ys[i]/float64(len(w))
+	}
+	slope := deriv(xs, ys)
+	projected := my - slope*mx + slope*idempotencyKeysHorizon.Seconds() // the fit's value at newest, plus the horizon's growth
+	if projected <= idempotencyKeysLimit {
+		return nil
+	}
+	return map[string]string{"": fmt.Sprintf("Idempotency keys take %sB of Postgres and, at the last hour's growth, will take over %sB within 3 days",
+		humanNum(newest.IdempotencyBytes), humanNum(idempotencyKeysLimit))}
 }
 
 // deriv is the least-squares slope of ys over xs, as Prometheus' deriv; 0 with fewer than two

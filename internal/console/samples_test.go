@@ -27,6 +27,7 @@ type process struct {
 	ready, breaker, newDeadLetters       prometheus.Gauge
 	oldestHeld, interrupted              prometheus.Gauge
 	outboxSetAside, outboxOldest         prometheus.Gauge
+	idempotencyBytes                     prometheus.Gauge
 }
 
 func newProcess() *process {
@@ -39,25 +40,26 @@ func newProcess() *process {
 		return f.NewGaugeVec(prometheus.GaugeOpts{Name: name, Help: name}, labels)
 	}
 	p := &process{
-		reg:            reg,
-		applied:        counter("kafkapg_records_applied_total", "topic"),
-		consumed:       counter("kafkapg_records_consumed_total", "topic"),
-		failures:       counter("kafkapg_record_failures_total", "topic", "class"),
-		deadLettered:   counter("kafkapg_records_dead_lettered_total", "topic", "class"),
-		fenced:         counter("kafkapg_fenced_transactions_total").WithLabelValues(),
-		infraRetries:   counter("kafkapg_infrastructure_retries_total").WithLabelValues(),
-		internalErrors: counter("kafkapg_internal_errors_total").WithLabelValues(),
-		lag:            gauge("kafkapg_consumer_lag_records", "topic", "partition"),
-		stalled:        gauge("kafkapg_stalled_partitions", "cause"),
-		stuck:          gauge("kafkapg_stuck_keys", "reason"),
-		tierLag:        gauge("kafkapg_retry_tier_lag_seconds", "tier"),
-		ready:          gauge("kafkapg_ready").WithLabelValues(),
-		breaker:        gauge("kafkapg_circuit_breaker_open").WithLabelValues(),
-		newDeadLetters: gauge("kafkapg_dead_letters_new").WithLabelValues(),
-		oldestHeld:     gauge("kafkapg_oldest_held_record_age_seconds").WithLabelValues(),
-		interrupted:    gauge("kafkapg_tasks_interrupted").WithLabelValues(),
-		outboxSetAside: gauge("kafkapg_outbox_set_aside_records").WithLabelValues(),
-		outboxOldest:   gauge("kafkapg_outbox_oldest_record_age_seconds").WithLabelValues(),
+		reg:              reg,
+		applied:          counter("kafkapg_records_applied_total", "topic"),
+		consumed:         counter("kafkapg_records_consumed_total", "topic"),
+		failures:         counter("kafkapg_record_failures_total", "topic", "class"),
+		deadLettered:     counter("kafkapg_records_dead_lettered_total", "topic", "class"),
+		fenced:           counter("kafkapg_fenced_transactions_total").WithLabelValues(),
+		infraRetries:     counter("kafkapg_infrastructure_retries_total").WithLabelValues(),
+		internalErrors:   counter("kafkapg_internal_errors_total").WithLabelValues(),
+		lag:              gauge("kafkapg_consumer_lag_records", "topic", "partition"),
+		stalled:          gauge("kafkapg_stalled_partitions", "cause"),
+		stuck:            gauge("kafkapg_stuck_keys", "reason"),
+		tierLag:          gauge("kafkapg_retry_tier_lag_seconds", "tier"),
+		ready:            gauge("kafkapg_ready").WithLabelValues(),
+		breaker:          gauge("kafkapg_circuit_breaker_open").WithLabelValues(),
+		newDeadLetters:   gauge("kafkapg_dead_letters_new").WithLabelValues(),
+		oldestHeld:       gauge("kafkapg_oldest_held_record_age_seconds").WithLabelValues(),
+		interrupted:      gauge("kafkapg_tasks_interrupted").WithLabelValues(),
+		outboxSetAside:   gauge("kafkapg_outbox_set_aside_records").WithLabelValues(),
+		outboxOldest:     gauge("kafkapg_outbox_oldest_record_age_seconds").WithLabelValues(),
+		idempotencyBytes: gauge("kafkapg_idempotency_keys_bytes").WithLabelValues(),
 	}
 	p.ready.Set(1)
 	return p
@@ -428,6 +430,19 @@ func TestAlerts(t *testing.T) {
 			step: func(p *process, i int) { p.outboxOldest.Set(90) }},
 		{name: "outbox records published", alert: "KafkapgOutboxStuck",
 			step: func(p *process, i int) { p.outboxOldest.Set(30) }},
+
+		// 10 GB, growing 1 GB a sample (every 15 s): 3 days of that is far over 100 GB.
+		{name: "idempotency keys growing", alert: "KafkapgIdempotencyKeysGrowing", for_: 30 * time.Minute, holds: true, summary: "will take over 100GB within 3 days",
+			step: func(p *process, i int) { p.idempotencyBytes.Set(10e9 + float64(i)*1e9) }},
+		// 90 GB and level (pruning keeps pace): below the limit for good.
+		{name: "idempotency keys level", alert: "KafkapgIdempotencyKeysGrowing",
+			step: func(p *process, i int) { p.idempotencyBytes.Set(90e9) }},
+		// 1 GB growing 10 kB a sample: 3 days of that is a few GB.
+		{name: "idempotency keys growing slowly", alert: "KafkapgIdempotencyKeysGrowing",
+			step: func(p *process, i int) { p.idempotencyBytes.Set(1e9 + float64(i)*1e4) }},
+		// Above the limit and level: already too large.
+		{name: "idempotency keys over the limit", alert: "KafkapgIdempotencyKeysGrowing", for_: 30 * time.Minute, holds: true, summary: "take 120GB",
+			step: func(p *process, i int) { p.idempotencyBytes.Set(120e9) }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

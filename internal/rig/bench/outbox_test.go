@@ -502,17 +502,18 @@ func BenchmarkIdempotencyKeys(b *testing.B) {
 	k.Produce(b, recs...)
 
 	for b.Loop() {
-		var on, off, onWAL, offWAL []float64
+		var on, off, onWAL, offWAL, state []float64
 		for r := range rounds {
 			run := func(keys bool) {
 				name := map[bool]string{true: "keys on", false: "keys off"}[keys]
-				var wal int64
+				var wal, stateBytes int64
 				rate := measure(b, name, topic, events, func(pool *pgxpool.Pool) func(context.Context) error {
-					return keyedProcessor(b, k, topic, pool, fmt.Sprintf("%s-%d-%t", topic, r, keys), keys, events, &wal)
+					return keyedProcessor(b, k, topic, pool, fmt.Sprintf("%s-%d-%t", topic, r, keys), keys, events, &wal, &stateBytes)
 				})
 				perEvent := float64(wal) / float64(events)
 				if keys {
 					on, onWAL = append(on, rate), append(onWAL, perEvent)
+					state = append(state, float64(stateBytes)/float64(events))
 				} else {
 					off, offWAL = append(off, rate), append(offWAL, perEvent)
 				}
@@ -534,6 +535,8 @@ func BenchmarkIdempotencyKeys(b *testing.B) {
 		b.Logf("  keys on  (KeyFromJSON(\"event_id\"))  %9.0f records/s   rounds %v   WAL %4.0f bytes/event", mOn, rounded(on), median(onWAL))
 		b.Logf("  keys off                            %9.0f records/s   rounds %v   WAL %4.0f bytes/event", mOff, rounded(off), median(offWAL))
 		b.Logf("  on / off = %.2f   (target >= 0.85)", mOn/mOff)
+		b.Logf("  deduplication state: %.0f bytes per record (idempotency_keys with its indexes, after %d records)", median(state), events)
+		b.ReportMetric(median(state), "state_B/rec")
 		summarize(keysPath, mOn/mOff, "%.0f vs %.0f records/s, WAL %.0f vs %.0f bytes/event", mOn, mOff, median(onWAL), median(offWAL))
 	}
 }
@@ -541,8 +544,9 @@ func BenchmarkIdempotencyKeys(b *testing.B) {
 // keyedProcessor runs the processor with the ledger handler, as kafkapg does, with or without
 // idempotency keys on topic, and sets wal to the WAL the cluster wrote while it ran (the other
 // databases of the run are idle). With keys, once stopped, it checks that every event's key was
-// recorded: the figure is for the work it claims.
-func keyedProcessor(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.Pool, group string, keys bool, events int, wal *int64) func(context.Context) error {
+// recorded: the figure is for the work it claims, and sets state to the size of the deduplication
+// state it left (the database is the run's own).
+func keyedProcessor(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.Pool, group string, keys bool, events int, wal, state *int64) func(context.Context) error {
 	cfg := &processor.Config{
 		Brokers:         k.Brokers,
 		Group:           group,
@@ -580,6 +584,6 @@ func keyedProcessor(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.
 		if n < events {
 			return fmt.Errorf("%d idempotency keys recorded for %d events applied", n, events)
 		}
-		return nil
+		return pool.QueryRow(context.Background(), `SELECT pg_total_relation_size('kafkapg.idempotency_keys')`).Scan(state)
 	}
 }
