@@ -248,8 +248,11 @@ func keySizing(retention time.Duration) string {
 // humanBytes writes n bytes in the largest unit (decimal) that keeps it at least 1.
 func humanBytes(n float64) string {
 	for _, u := range []string{"B", "kB", "MB", "GB", "TB"} {
-		if n < 1000 || u == "TB" {
+		if n < 999.5 { // 999.5 and above would print as 1e+03 with %.3g
 			return fmt.Sprintf("%.3g %s", n, u)
+		}
+		if u == "TB" {
+			return fmt.Sprintf("%.0f %s", n, u)
 		}
 		n /= 1000
 	}
@@ -272,7 +275,9 @@ func (p *Processor) refreshKeyState(ctx context.Context) error {
 
 // pruneKeys deletes the group's idempotency keys older than Config.IdempotencyRetention, a
 // thousand per statement, every minute (or every tenth of the retention, if shorter), until ctx
-// is done. Statements skip rows another replica's pruning holds; the pipeline's inserts of new
+// is done, and then publishes the keys' size (refreshKeyState: a gauge a 3-day projection reads
+// needs no finer grain, and the size of a table of billions of rows is a stat of each of its
+// files). Statements skip rows another replica's pruning holds; the pipeline's inserts of new
 // keys never wait for them.
 func (p *Processor) pruneKeys(ctx context.Context) {
 	every := min(time.Minute, max(p.cfg.IdempotencyRetention/10, time.Second))
@@ -291,6 +296,9 @@ func (p *Processor) pruneKeys(ctx context.Context) {
 			if tag.RowsAffected() < 1000 {
 				break
 			}
+		}
+		if err := p.refreshKeyState(ctx); err != nil && ctx.Err() == nil {
+			p.log.Debug("cannot read the idempotency keys' size", "err", err)
 		}
 		select {
 		case <-ctx.Done():

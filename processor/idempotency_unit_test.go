@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 )
@@ -86,4 +88,19 @@ func FuzzKeyFromJSON(f *testing.F) {
 			t.Fatalf("key %q, want the field's string %q", k, s)
 		}
 	})
+}
+
+// TestHumanBytes: the startup log's sizes, at the units' edges (999.7 bytes must not print as
+// "1e+03 B").
+func TestHumanBytes(t *testing.T) {
+	for n, want := range map[float64]string{
+		0: "0 B", 999: "999 B", 999.7: "1 kB", 1320: "1.32 kB", 1.32e6: "1.32 MB", 133.056e9: "133 GB", 4e15: "4000 TB",
+	} {
+		if got := humanBytes(n); got != want {
+			t.Errorf("humanBytes(%v) = %q, want %q", n, got, want)
+		}
+	}
+	if got := keySizing(168 * time.Hour); !strings.Contains(got, "at 1,000 keyed records/s that is 133 GB") {
+		t.Errorf("keySizing(7 days) = %q, want the default's 133 GB", got)
+	}
 }

@@ -107,7 +107,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}),
 		keyRows: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "idempotency_keys_rows",
-			Help: "Idempotency keys kept in Postgres (the idempotency_keys table, every group of the schema; Postgres's count of live rows). Read every 5 s by processors with idempotency keys on.",
+			Help: "Idempotency keys kept in Postgres (the idempotency_keys table, every group of the schema; Postgres's count of live rows). Read every minute by processors with idempotency keys on, after their pruning.",
 		}),
 		keyBytes: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "idempotency_keys_bytes",

@@ -49,14 +49,6 @@ func (p *Processor) refreshStats(ctx context.Context) {
 				p.log.Debug("cannot compute consumer lag", "err", err)
 			}
 		}
-		if p.keysOn() {
-			qctx, cancel := context.WithTimeout(ctx, statsInterval)
-			err := p.refreshKeyState(qctx)
-			cancel()
-			if err != nil && ctx.Err() == nil {
-				p.log.Debug("cannot read the idempotency keys' size", "err", err)
-			}
-		}
 		p.checkStalls()
 		qctx, cancel = context.WithTimeout(ctx, statsInterval)
 		if err := p.checkPositions(qctx); err != nil && ctx.Err() == nil {

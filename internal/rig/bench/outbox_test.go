@@ -537,7 +537,7 @@ func BenchmarkIdempotencyKeys(b *testing.B) {
 		b.Logf("  on / off = %.2f   (target >= 0.85)", mOn/mOff)
 		b.Logf("  deduplication state: %.0f bytes per record (idempotency_keys with its indexes, after %d records)", median(state), events)
 		b.ReportMetric(median(state), "state_B/rec")
-		summarize(keysPath, mOn/mOff, "%.0f vs %.0f records/s, WAL %.0f vs %.0f bytes/event", mOn, mOff, median(onWAL), median(offWAL))
+		summarize(keysPath, mOn/mOff, "%.0f vs %.0f records/s, WAL %.0f vs %.0f bytes/event; state %.0f bytes/record", mOn, mOff, median(onWAL), median(offWAL), median(state))
 	}
 }
 

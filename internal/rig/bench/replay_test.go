@@ -121,10 +121,11 @@ func replayFloor(b *testing.B, pool *pgxpool.Pool, group string) float64 {
 		SELECT min(id), max(id) FROM c`, group, floorGroup).Scan(&lo, &hi); err != nil {
 		b.Fatal(err)
 	}
-	for _, q := range []string{
-		`INSERT INTO kafkapg.dead_letter_events (dead_letter_id, event) SELECT id, 'dead_lettered' FROM kafkapg.dead_letters WHERE consumer_group = '` + floorGroup + `'`,
-		`ANALYZE kafkapg.dead_letters, kafkapg.dead_letter_events`, `CHECKPOINT`,
-	} {
+	if _, err := pool.Exec(ctx, `INSERT INTO kafkapg.dead_letter_events (dead_letter_id, event)
+		SELECT id, 'dead_lettered' FROM kafkapg.dead_letters WHERE consumer_group = $1`, floorGroup); err != nil {
+		b.Fatal(err)
+	}
+	for _, q := range []string{`ANALYZE kafkapg.dead_letters, kafkapg.dead_letter_events`, `CHECKPOINT`} {
 		if _, err := pool.Exec(ctx, q); err != nil {
 			b.Fatal(err)
 		}
