@@ -83,14 +83,6 @@ func KeyFromJSON(path string) IdempotencyKey {
 	}
 }
 
-// dedupeSQL returns the statement dedupe runs: it records idempotency keys in schema's table,
-// returning the new ones.
-func dedupeSQL(schema string) string {
-	return `INSERT INTO ` + pgx.Identifier{schema, "idempotency_keys"}.Sanitize() + ` (key_hash, consumer_group, topic, partition, "offset")
-		SELECT k, $1, $2, p, o FROM unnest($3::bytea[], $4::int4[], $5::int8[]) AS u(k, p, o)
-		ON CONFLICT DO NOTHING RETURNING key_hash`
-}
-
 // dedupe records, in tx, the idempotency keys of recs (all of source) that were not applied
 // before, and marks the others duplicate: they are not given to the handler. Within recs, the
 // first record with a key wins. It returns the records to handle and, for each, its index in recs
@@ -127,26 +119,16 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 		// In hash order: two transactions inserting the same keys wait for each other in one
 		// order, never in a cycle.
 		slices.SortFunc(ks, func(a, b keyed) int { return bytes.Compare(a.hash[:], b.hash[:]) })
-		hashes := make([][]byte, len(ks))
-		parts := make([]int32, len(ks))
-		offs := make([]int64, len(ks))
+		hashes := make([][32]byte, len(ks))
 		for j, k := range ks {
-			hashes[j], parts[j], offs[j] = k.hash[:], recs[k.i].Partition, recs[k.i].Offset
+			hashes[j] = k.hash
 		}
-		rows, err := tx.Query(ctx, p.dedupeSQL, p.cfg.Group, source, hashes, parts, offs)
+		fresh, err := p.keys.record(ctx, tx, hashes)
 		if err != nil {
 			return nil, nil, own(fmt.Errorf("record idempotency keys: %w", err))
-		}
-		fresh, err := pgx.CollectRows(rows, pgx.RowTo[[]byte])
-		if err != nil {
-			return nil, nil, own(fmt.Errorf("record idempotency keys: %w", err))
-		}
-		isFresh := make(map[[32]byte]bool, len(fresh))
-		for _, h := range fresh {
-			isFresh[[32]byte(h)] = true
 		}
 		for _, k := range ks {
-			if !isFresh[k.hash] {
+			if !fresh[shortHash(k.hash)] {
 				recs[k.i].duplicate = k.hash[:]
 			}
 		}
@@ -230,18 +212,21 @@ func (p *Processor) keysOn() bool {
 	return false
 }
 
-// keyBytesEach is about what one idempotency key costs on disk in the idempotency_keys table:
-// its row (which holds the group's and the topic's names: longer names cost more) and its two
-// index entries, with the free space a random primary key leaves in its pages.
-// BenchmarkIdempotencyKeys measures it as the table's size over the keys it holds: 221 bytes
-// with names of about 20 characters; a user's run at 3,000 records/s measured 190.
-const keyBytesEach = 220
+// keyBytesEach is about what one idempotency key costs on disk in the key ring (migration 8):
+// its row (a tuple header, the 16-byte hash and a line pointer: 44 bytes) and its primary key's
+// entry (28 bytes, in pages a random key leaves about 70 % full). BenchmarkIdempotencyKeys
+// measures it as the ring's size over the keys it holds.
+const keyBytesEach = 85
+
+// keptFor is how much longer than the retention the ring keeps keys at most (ringSize/(ringSize-1):
+// a key recorded just before a turn lives until the fourth turn after it).
+const keptFor = float64(ringSize) / (ringSize - 1)
 
 // keySizing is the cost of keeping idempotency keys for retention, said where a user decides
 // (the startup log): the bytes per key, and what that comes to at a round rate.
 func keySizing(retention time.Duration) string {
-	perThousand := float64(keyBytesEach) * 1000 * retention.Seconds()
-	return fmt.Sprintf("each key takes about %d bytes of Postgres for IDEMPOTENCY_RETENTION (%s): at 1,000 keyed records/s that is %s, growing until the first prune; size it as records/s x retention x %d bytes",
+	perThousand := float64(keyBytesEach) * 1000 * retention.Seconds() * keptFor
+	return fmt.Sprintf("each key takes about %d bytes of Postgres, kept for IDEMPOTENCY_RETENTION (%s) to 4/3 of it: at 1,000 keyed records/s that is up to %s; size it as records/s x retention x 4/3 x %d bytes (records a kafkapg service emitted take none: see docs/configuration.md)",
 		keyBytesEach, retention, humanBytes(perThousand), keyBytesEach)
 }
 
@@ -259,45 +244,30 @@ func humanBytes(n float64) string {
 	panic("unreachable")
 }
 
-// refreshKeyState publishes the idempotency keys' size: the table's live rows as Postgres's
-// statistics count them (no scan of a table that may hold billions) and its bytes, indexes
-// included.
-func (p *Processor) refreshKeyState(ctx context.Context) error {
-	var rows, bytes int64
-	if err := p.pool.QueryRow(ctx, `SELECT coalesce((SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = c.oid), 0), pg_total_relation_size(c.oid)
-		FROM pg_class c WHERE c.oid = to_regclass($1)`, p.keysTable).Scan(&rows, &bytes); err != nil {
-		return fmt.Errorf("read the size of %s: %w", p.keysTable, err)
-	}
-	p.metrics.keyRows.Set(float64(rows))
-	p.metrics.keyBytes.Set(float64(bytes))
-	return nil
-}
-
-// pruneKeys deletes the group's idempotency keys older than Config.IdempotencyRetention, a
-// thousand per statement, every minute (or every tenth of the retention, if shorter), until ctx
-// is done, and then publishes the keys' size (refreshKeyState: a gauge a 3-day projection reads
-// needs no finer grain, and the size of a table of billions of rows is a stat of each of its
-// files). Statements skip rows another replica's pruning holds; the pipeline's inserts of new
-// keys never wait for them.
-func (p *Processor) pruneKeys(ctx context.Context) {
+// keepKeys says, every minute (or every tenth of the retention, if shorter), that the group
+// keeps its idempotency keys for Config.IdempotencyRetention, and turns the key ring when it is
+// due (keyRing.keep), until ctx is done; then it publishes the keys' size (a gauge a 3-day
+// projection reads needs no finer grain, and the size of a table of billions of rows is a stat of
+// each of its files).
+func (p *Processor) keepKeys(ctx context.Context) {
 	every := min(time.Minute, max(p.cfg.IdempotencyRetention/10, time.Second))
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
-		for ctx.Err() == nil {
-			tag, err := p.pool.Exec(ctx, p.pruneKeysSQL, p.cfg.Group, p.cfg.IdempotencyRetention)
-			if err != nil {
-				if ctx.Err() == nil {
-					p.log.Warn("cannot prune idempotency keys; will try again", "err", err)
-				}
-				break
-			}
-			p.metrics.keysPruned.Add(float64(tag.RowsAffected()))
-			if tag.RowsAffected() < 1000 {
-				break
-			}
+		done, err := p.keys.keep(ctx, p.pool, p.cfg.Group, p.cfg.IdempotencyRetention, 2*time.Second)
+		switch {
+		case errors.Is(err, errRingBusy):
+			p.log.Info("idempotency keys: the ring's turn waited 2s for batches recording keys; it will try again", "every", every.String())
+		case err != nil && ctx.Err() == nil:
+			p.log.Warn("cannot keep the idempotency keys; will try again", "err", err)
+		case done.rotated || done.legacy:
+			p.metrics.keysPruned.Add(float64(done.emptied))
+			p.log.Info("idempotency keys: the oldest keys were dropped", "keys", done.emptied, "generation", done.rotated, "table_before_migration_8", done.legacy)
 		}
-		if err := p.refreshKeyState(ctx); err != nil && ctx.Err() == nil {
+		if rows, bytes, err := p.keys.size(ctx, p.pool); err == nil {
+			p.metrics.keyRows.Set(float64(rows))
+			p.metrics.keyBytes.Set(float64(bytes))
+		} else if ctx.Err() == nil {
 			p.log.Debug("cannot read the idempotency keys' size", "err", err)
 		}
 		select {

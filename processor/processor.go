@@ -30,29 +30,27 @@ import (
 // Processor consumes topics in a consumer group and applies each record through a Handler,
 // exactly once in effect. See the package documentation.
 type Processor struct {
-	cfg          *Config
-	pool         *pgxpool.Pool
-	log          *slog.Logger
-	metrics      *metrics
-	kprom        *kprom.Metrics
-	store        *offsets.Store
-	sink         *sink.Sink
-	outbox       *sink.Outbox       // where Record.Emit writes
-	captured     *[]sink.Event      // processortest: what Record.Emit was given, instead of the outbox
-	tracer       *tracing.Tracer    // nil: tracing off
-	dedupeSQL    string             // records idempotency keys, returning the new ones
-	pruneKeysSQL string             // deletes idempotency keys past their retention
-	keysTable    string             // the idempotency_keys table, schema-qualified and quoted
-	policies     map[string]*policy // by source topic
-	backoff      backoff.Policy
-	retry        *retrytopics.Store
-	tierOf       map[string]tierRef // retry-tier topic -> its source topic and tier
-	heldApplier  *heldApplier
-	breaker      *breaker
-	prepLocks    prepLocks    // keeps a key's Prepare calls from overlapping (see Preparer)
-	buf          *buffer      // fetched records in memory, across partitions
-	nWorkers     atomic.Int32 // len(workers), read without the lock
-	busy         atomic.Int32 // workers holding records: they share the buffer budget
+	cfg         *Config
+	pool        *pgxpool.Pool
+	log         *slog.Logger
+	metrics     *metrics
+	kprom       *kprom.Metrics
+	store       *offsets.Store
+	sink        *sink.Sink
+	outbox      *sink.Outbox       // where Record.Emit writes
+	captured    *[]sink.Event      // processortest: what Record.Emit was given, instead of the outbox
+	tracer      *tracing.Tracer    // nil: tracing off
+	keys        *keyRing           // where idempotency keys are recorded
+	policies    map[string]*policy // by source topic
+	backoff     backoff.Policy
+	retry       *retrytopics.Store
+	tierOf      map[string]tierRef // retry-tier topic -> its source topic and tier
+	heldApplier *heldApplier
+	breaker     *breaker
+	prepLocks   prepLocks    // keeps a key's Prepare calls from overlapping (see Preparer)
+	buf         *buffer      // fetched records in memory, across partitions
+	nWorkers    atomic.Int32 // len(workers), read without the lock
+	busy        atomic.Int32 // workers holding records: they share the buffer budget
 	// heldSinceAnalyze counts the records this process held since the heldApplier last had
 	// held_records analyzed.
 	heldSinceAnalyze atomic.Int64
@@ -155,16 +153,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 	if err != nil {
 		return nil, fmt.Errorf("processor: %w", err)
 	}
-	keys := pgx.Identifier{c.Schema, "idempotency_keys"}.Sanitize()
-	p.keysTable = keys
-	p.dedupeSQL = dedupeSQL(c.Schema)
-	// A key a dead letter that may still be replayed shares (a copy of it was applied) is kept:
-	// the replay must find it.
-	p.pruneKeysSQL = `DELETE FROM ` + keys + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + keys + ` k
-		WHERE applied_at < now() - $2::interval AND consumer_group = $1
-		AND NOT EXISTS (SELECT 1 FROM ` + pgx.Identifier{c.Schema, "dead_letters"}.Sanitize() + ` d WHERE d.consumer_group = $1
-			AND d.idempotency_key_hash = k.key_hash AND d.status IN ('new', 'replaying'))
-		ORDER BY applied_at LIMIT 1000 FOR UPDATE OF k SKIP LOCKED))`
+	p.keys = newKeyRing(c.Schema)
 	p.sink = sink.New(pool, p.store, sink.Config{
 		Schema:        c.Schema,
 		TxIdleTimeout: c.TxIdleTimeout,
@@ -255,7 +244,7 @@ func (p *Processor) Run(ctx context.Context) error {
 	}
 	go p.heldApplier.run()
 	if p.keysOn() {
-		go p.pruneKeys(statsCtx)
+		go p.keepKeys(statsCtx)
 	}
 
 	if p.cfg.GroupProtocol != GroupProtocolClassic {

@@ -67,6 +67,11 @@ func Migrate(ctx context.Context, db Beginner, schemaName string) ([]int, error)
 	return migrate(ctx, db, schemaName, -1)
 }
 
+// MigrateTo is Migrate up to version upTo (all if negative), for tests of upgrades.
+func MigrateTo(ctx context.Context, db Beginner, schemaName string, upTo int) ([]int, error) {
+	return migrate(ctx, db, schemaName, upTo)
+}
+
 // migrate is Migrate up to version upTo (all if negative).
 func migrate(ctx context.Context, db Beginner, schemaName string, upTo int) ([]int, error) {
 	if schemaName == "" {

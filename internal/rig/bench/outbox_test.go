@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -578,12 +579,22 @@ func keyedProcessor(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.
 			return nil
 		}
 		var n int
-		if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.idempotency_keys WHERE consumer_group = $1`, group).Scan(&n); err != nil {
+		if err := pool.QueryRow(context.Background(), `SELECT `+overRing("(SELECT count(*) FROM kafkapg.%[1]s)")).Scan(&n); err != nil {
 			return err
 		}
 		if n < events {
 			return fmt.Errorf("%d idempotency keys recorded for %d events applied", n, events)
 		}
-		return pool.QueryRow(context.Background(), `SELECT pg_total_relation_size('kafkapg.idempotency_keys')`).Scan(state)
+		return pool.QueryRow(context.Background(), `SELECT `+overRing("pg_total_relation_size('kafkapg.%[1]s')")).Scan(state)
 	}
+}
+
+// overRing sums term, a SQL expression with %[1]s for a table, over the tables of the
+// idempotency key ring.
+func overRing(term string) string {
+	terms := make([]string, 4)
+	for g := range terms {
+		terms[g] = fmt.Sprintf(term, fmt.Sprintf("idempotency_keys_%d", g))
+	}
+	return strings.Join(terms, " + ")
 }

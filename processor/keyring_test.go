@@ -1,0 +1,234 @@
+package processor
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
+	"github.com/kafkapg/kafkapg/internal/schema"
+)
+
+// ringKey is the hash of key as a processor of group g records it for topic t.
+func ringKey(key string) [32]byte {
+	p := &Processor{cfg: &Config{Group: "g"}}
+	return p.keyHash("t", []byte(key))
+}
+
+// recordIn records keys in a transaction of its own and reports which were new.
+func recordIn(t *testing.T, pool *pgxpool.Pool, k *keyRing, keys ...string) map[string]bool {
+	t.Helper()
+	out := map[string]bool{}
+	err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) error {
+		fresh, err := recordTx(tx, k, keys...)
+		out = fresh
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func recordTx(tx pgx.Tx, k *keyRing, keys ...string) (map[string]bool, error) {
+	hashes := make([][32]byte, len(keys))
+	for i, key := range keys {
+		hashes[i] = ringKey(key)
+	}
+	fresh, err := k.record(context.Background(), tx, hashes)
+	out := map[string]bool{}
+	for _, key := range keys {
+		out[key] = fresh[shortHash(ringKey(key))]
+	}
+	return out, err
+}
+
+// dueNow makes the ring due to turn at keep's next call, for group g's retention of 3 days.
+func dueNow(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	if _, err := pool.Exec(context.Background(), `UPDATE kafkapg.idempotency_ring SET rotated_at = now() - interval '1 day 1 minute'`); err != nil {
+		t.Fatal(err)
+	}
+}
+
+const threeDays = 72 * time.Hour
+
+// TestKeyRingKeepsKeysForTheRetention: a key is found for the three turns of the ring a
+// retention spans (each turn a third of it), and is gone at the fourth; a key a dead letter that
+// may still be replayed shares is carried into the current generation instead.
+func TestKeyRingKeepsKeysForTheRetention(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Migrated(t)
+	ctx := context.Background()
+	k := newKeyRing("kafkapg")
+	if got := recordIn(t, pool, k, "a", "b"); !got["a"] || !got["b"] {
+		t.Fatalf("first record: %v, want both new", got)
+	}
+	b := ringKey("b")
+	if _, err := pool.Exec(ctx, `INSERT INTO kafkapg.dead_letters (consumer_group, topic, partition, "offset", key, value, header_keys, header_values,
+			"timestamp", error_class, error_message, attempts, first_failed_at, idempotency_key_hash)
+		VALUES ('g', 't', 0, 1, 'k', 'v', '{}', '{}', 0, 'retryable', 'm', 1, now(), $1)`, b[:]); err != nil {
+		t.Fatal(err)
+	}
+	for turn := 1; turn <= 5; turn++ {
+		dueNow(t, pool)
+		done, err := k.keep(ctx, pool, "g", threeDays, 5*time.Second)
+		if err != nil || !done.rotated {
+			t.Fatalf("turn %d: keep = %+v, %v; want a turn", turn, done, err)
+		}
+		got := recordIn(t, pool, k, "a", "b")
+		if wantNew := turn == 4; got["a"] != wantNew { // recorded again at turn 4
+			t.Errorf("after turn %d, key a is new: %v, want %v (kept for three turns)", turn, got["a"], wantNew)
+		}
+		if got["b"] {
+			t.Errorf("after turn %d, key b is new: a dead letter shares it, it must be kept", turn)
+		}
+		if done.emptied > 1 { // from Postgres's statistics, which may lag
+			t.Errorf("turn %d emptied %d keys, want at most 1 (a; b carried over)", turn, done.emptied)
+		}
+	}
+	// Not due: nothing happens.
+	if done, err := k.keep(ctx, pool, "g", threeDays, 5*time.Second); err != nil || done.rotated {
+		t.Errorf("keep right after a turn = %+v, %v; want nothing done", done, err)
+	}
+}
+
+// TestKeyRingTurnWaitsForRecorders is the race a turn must not open. A records a key and stays
+// open; the ring is due to turn; B records K, and, once the ring has turned, D records K while B
+// is still open. Were the turn not to wait for A (a DELETE instead of TRUNCATE, say), and B's
+// statement to take its snapshot before the turn, B would insert K into the old generation while
+// D inserted it into the new, unable to see B's row: K applied twice. The turn waits for A, B
+// waits for the turn and inserts into the new generation, and D waits for B and finds K there.
+func TestKeyRingTurnWaitsForRecorders(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Migrated(t)
+	ctx := context.Background()
+	k := newKeyRing("kafkapg")
+	if _, err := pool.Exec(ctx, `INSERT INTO kafkapg.idempotency_retention VALUES ('g', '72 hours', now())`); err != nil {
+		t.Fatal(err)
+	}
+	dueNow(t, pool)
+	waiting := func() int {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE NOT granted AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	waitFor := func(n int) {
+		t.Helper()
+		testenv.Eventually(t, 10*time.Second, func() error {
+			if got := waiting(); got < n {
+				return fmt.Errorf("%d sessions wait for a lock, want %d", got, n)
+			}
+			return nil
+		})
+	}
+	begin := func() pgx.Tx {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { tx.Rollback(ctx) })
+		return tx
+	}
+	type result struct {
+		fresh map[string]bool
+		err   error
+	}
+	recordAsync := func(tx pgx.Tx, key string) chan result {
+		ch := make(chan result, 1)
+		go func() {
+			fresh, err := recordTx(tx, k, key)
+			ch <- result{fresh, err}
+		}()
+		return ch
+	}
+
+	a := begin()
+	if _, err := recordTx(a, k, "other"); err != nil {
+		t.Fatal(err)
+	}
+	turnDone := make(chan error, 1)
+	go func() {
+		done, err := k.keep(ctx, pool, "g", threeDays, 20*time.Second)
+		if err == nil && !done.rotated {
+			err = fmt.Errorf("keep = %+v, want a turn", done)
+		}
+		turnDone <- err
+	}()
+	waitFor(1) // the turn waits for A
+	b := begin()
+	bDone := recordAsync(b, "K")
+	waitFor(2) // B waits behind the turn
+	if err := a.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-turnDone; err != nil {
+		t.Fatal(err)
+	}
+	rb := <-bDone
+	if rb.err != nil || !rb.fresh["K"] {
+		t.Fatalf("B: %v, %v; want K new", rb.fresh, rb.err)
+	}
+	d := begin()
+	dDone := recordAsync(d, "K")
+	select {
+	case rd := <-dDone:
+		t.Fatalf("D recorded K while B, which recorded it, was open: %v, %v; want D to wait for B and find it", rd.fresh, rd.err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if err := b.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rd := <-dDone
+	if rd.err != nil || rd.fresh["K"] {
+		t.Fatalf("D: %v, %v; want K a duplicate of B's", rd.fresh, rd.err)
+	}
+}
+
+// TestKeyRingLooksInTheTableBefore: keys recorded before migration 8 (in idempotency_keys) are
+// still found after it, until the newest of them is older than the retention; then that table is
+// emptied, except for a key a dead letter that may still be replayed shares, which moves into
+// the ring.
+func TestKeyRingLooksInTheTableBefore(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Postgres(t)
+	ctx := context.Background()
+	if _, err := schema.MigrateTo(ctx, pool, "kafkapg", 7); err != nil {
+		t.Fatal(err)
+	}
+	old, dead := ringKey("old"), ringKey("dead")
+	if _, err := pool.Exec(ctx, `INSERT INTO kafkapg.idempotency_keys (key_hash, consumer_group, topic, partition, "offset", applied_at)
+		VALUES ($1, 'g', 't', 0, 1, now() - interval '2 hours'), ($2, 'g', 't', 0, 2, now() - interval '2 hours')`, old[:], dead[:]); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO kafkapg.dead_letters (consumer_group, topic, partition, "offset", key, value, header_keys, header_values,
+			"timestamp", error_class, error_message, attempts, first_failed_at, idempotency_key_hash)
+		VALUES ('g', 't', 0, 3, 'k', 'v', '{}', '{}', 0, 'retryable', 'm', 1, now(), $1)`, dead[:]); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := schema.Migrate(ctx, pool, "kafkapg"); err != nil {
+		t.Fatal(err)
+	}
+	k := newKeyRing("kafkapg")
+	if got := recordIn(t, pool, k, "old", "dead", "new"); got["old"] || got["dead"] || !got["new"] {
+		t.Fatalf("after the upgrade: %v; want old and dead found in the table before, new new", got)
+	}
+	// A retention of 3 hours: the table's keys (2 hours old) stay.
+	if done, err := k.keep(ctx, pool, "g", 3*time.Hour, 5*time.Second); err != nil || done.legacy {
+		t.Fatalf("keep = %+v, %v; want the table before kept", done, err)
+	}
+	// One of an hour: it is emptied, dead's key carried into the ring.
+	done, err := k.keep(ctx, pool, "g", time.Hour, 5*time.Second)
+	if err != nil || !done.legacy {
+		t.Fatalf("keep = %+v, %v; want the table before emptied", done, err)
+	}
+	if got := recordIn(t, pool, k, "old", "dead"); !got["old"] || got["dead"] {
+		t.Errorf("after the retention: %v; want old new again, dead still found (a dead letter shares it)", got)
+	}
+}
