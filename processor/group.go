@@ -332,7 +332,13 @@ func (p *Processor) restartPartition(w *worker) {
 			if !p.isWorker(w) || p.lameDuck.Load() {
 				return
 			}
-			pos, err := p.storedPosition(p.clientCtx, w)
+			// What the database lost may be applied again and emit its events again, under
+			// other numbers: its streams fork first.
+			err := p.forkStreams(p.clientCtx, w.tp.Topic, w.tp.Partition)
+			var pos offsets.Position
+			if err == nil {
+				pos, err = p.storedPosition(p.clientCtx, w)
+			}
 			if errors.Is(err, offsets.ErrFenced) {
 				p.metrics.fenced.Inc()
 				w.log.Warn("partition was claimed by another owner; this worker stops and applies nothing more", "err", err)
@@ -352,7 +358,7 @@ func (p *Processor) restartPartition(w *worker) {
 			}
 			p.metrics.infraRetries.Inc()
 			d := p.backoff.Delay(failures)
-			w.log.Warn("cannot read the partition's stored position; retrying", "err", err, "retry_in", d)
+			w.log.Warn("cannot fork the partition's streams or read its stored position; retrying", "err", err, "retry_in", d)
 			if !backoff.Sleep(p.clientCtx, nil, d) {
 				return
 			}
@@ -602,6 +608,9 @@ func (p *Processor) resolveStarts(ctx context.Context, cl *kgo.Client, assigned 
 			from = firstStart
 		}
 		starts[i].Next = from
+		if err := p.forkStreams(ctx, pos.Topic, pos.Partition); err != nil {
+			return nil, err
+		}
 		p.metrics.forgotten.Inc()
 		p.log.Warn("postgres has no position for this partition, but kafka holds an offset kafkapg committed for it: the database forgot it "+
 			"(restored from a backup, or failed over to a standby that had not received it); starting again where it was first started, "+

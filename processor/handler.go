@@ -86,6 +86,7 @@ func (r *Record) Emit(ctx context.Context, tx pgx.Tx, events ...sink.Event) erro
 		}
 		if e.ID == "" {
 			e.ID = sink.DerivedID(r.proc.cfg.Group, r.Topic, r.Partition, r.Offset, len(r.pending))
+			e.Source = &sink.Source{Topic: r.Topic, Partition: r.Partition, Offset: r.Offset}
 		}
 		// The outbox row keeps the emitting delivery's trace context; the relay's send span
 		// is its child. A BatchHandler's call over several records is a trace of its own,

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/kafkapg/kafkapg/sink"
 )
 
 // IdempotencyKey returns the idempotency key of a record: the identity of the business event it
@@ -30,15 +32,24 @@ var ErrNoIdempotencyKey = errors.New("no idempotency key")
 // KeyFromHeader takes the idempotency key from the record's header name (the last one, if it has
 // several). A record without it, or with an empty one, fails with ErrNoIdempotencyKey.
 // KeyFromHeader(sink.HeaderMessageID) deduplicates what a kafkapg outbox emitted.
+//
+// KeyFromHeader(sink.HeaderMessageID) deduplicates the events a kafkapg service emitted by their
+// streams (see sink.Event.Source): a few numbers per stream instead of a key per event.
 func KeyFromHeader(name string) IdempotencyKey {
-	return func(rec *Record) ([]byte, error) {
-		for i := len(rec.Headers) - 1; i >= 0; i-- {
-			if h := rec.Headers[i]; h.Key == name && len(h.Value) > 0 {
-				return h.Value, nil
-			}
-		}
-		return nil, fmt.Errorf("%w: the record has no header %q (or it is empty)", ErrNoIdempotencyKey, name)
+	if name == sink.HeaderMessageID {
+		return messageIDKey
 	}
+	return func(rec *Record) ([]byte, error) { return headerKey(name, rec) }
+}
+
+// headerKey is KeyFromHeader(name)'s key of rec.
+func headerKey(name string, rec *Record) ([]byte, error) {
+	for i := len(rec.Headers) - 1; i >= 0; i-- {
+		if h := rec.Headers[i]; h.Key == name && len(h.Value) > 0 {
+			return h.Value, nil
+		}
+	}
+	return nil, fmt.Errorf("%w: the record has no header %q (or it is empty)", ErrNoIdempotencyKey, name)
 }
 
 // nonStringKey starts the key KeyFromJSON takes from a field that is not a string: json.Unmarshal
@@ -88,49 +99,61 @@ func KeyFromJSON(path string) IdempotencyKey {
 // first record with a key wins. It returns the records to handle and, for each, its index in recs
 // (nil when all are). A record whose key cannot be taken fails alone: a *RecordError naming it.
 //
-// A key inserted by a concurrent transaction (a copy of the record in another partition) makes
-// this one wait on the key's unique index until that one ends: it is then a duplicate if that
-// transaction committed, and the key is this record's if it rolled back.
+// On a topic deduplicated on the message id, the events a kafkapg service numbered are decided
+// by their streams (dedupeStreams), and by key only where a stream forked; other records by key,
+// in the key ring (keyRing.record). A key inserted by a concurrent transaction (a copy of the
+// record in another partition) makes this one wait on the key's primary key until that one ends:
+// it is then a duplicate if that transaction committed, and the key is this record's if it rolled
+// back.
 func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key IdempotencyKey, recs []*Record) ([]*Record, []int, error) {
-	type keyed struct {
-		hash [32]byte
-		i    int
-	}
-	var ks []keyed
-	first := map[[32]byte]int{}
+	hashes := make([]*[32]byte, len(recs))
 	for i, r := range recs {
 		r.duplicate = nil
 		k, err := p.idempotencyKey(key, r)
 		if err != nil {
 			return nil, nil, &RecordError{Index: i, Err: Permanent(err)}
 		}
-		if k == nil {
-			continue
+		if k != nil {
+			h := p.keyHash(source, k)
+			hashes[i] = &h
 		}
-		h := p.keyHash(source, k)
-		if _, ok := first[h]; ok {
-			r.duplicate = h[:]
-			continue
-		}
-		first[h] = i
-		ks = append(ks, keyed{h, i})
 	}
-	if len(ks) > 0 {
-		// In hash order: two transactions inserting the same keys wait for each other in one
-		// order, never in a cycle.
-		slices.SortFunc(ks, func(a, b keyed) int { return bytes.Compare(a.hash[:], b.hash[:]) })
-		hashes := make([][32]byte, len(ks))
-		for j, k := range ks {
-			hashes[j] = k.hash
-		}
-		fresh, err := p.keys.record(ctx, tx, hashes)
-		if err != nil {
-			return nil, nil, own(fmt.Errorf("record idempotency keys: %w", err))
-		}
-		for _, k := range ks {
-			if !fresh[shortHash(k.hash)] {
-				recs[k.i].duplicate = k.hash[:]
+	byKey := make([]int, 0, len(recs))
+	var commitStreams func() error
+	if isMessageIDKey(key) {
+		var nums []numberedRec
+		for i, r := range recs {
+			if hashes[i] == nil {
+				continue
 			}
+			if st, ok := sink.ParseStream(r.Headers); ok {
+				nums = append(nums, numberedRec{i: i, st: st})
+			} else {
+				byKey = append(byKey, i)
+			}
+		}
+		if len(nums) > 0 {
+			forked, commit, err := p.dedupeStreams(ctx, tx, source, recs, nums, func(i int) [32]byte { return *hashes[i] })
+			if err != nil {
+				return nil, nil, err
+			}
+			byKey = append(byKey, forked...)
+			slices.Sort(byKey)
+			commitStreams = commit
+		}
+	} else {
+		for i := range recs {
+			if hashes[i] != nil {
+				byKey = append(byKey, i)
+			}
+		}
+	}
+	if err := p.dedupeByKey(ctx, tx, recs, byKey, hashes); err != nil {
+		return nil, nil, err
+	}
+	if commitStreams != nil {
+		if err := commitStreams(); err != nil {
+			return nil, nil, err
 		}
 	}
 	live := make([]*Record, 0, len(recs))
@@ -151,6 +174,46 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 		}
 	}
 	return live, index, nil
+}
+
+// dedupeByKey records the keys of recs[i] for i in which (in order), the first of a key in the
+// batch winning, and marks the records whose key was recorded before duplicate.
+func (p *Processor) dedupeByKey(ctx context.Context, tx pgx.Tx, recs []*Record, which []int, hashes []*[32]byte) error {
+	type keyed struct {
+		hash [32]byte
+		i    int
+	}
+	var ks []keyed
+	first := map[[32]byte]bool{}
+	for _, i := range which {
+		h := *hashes[i]
+		if first[h] {
+			recs[i].duplicate = h[:]
+			continue
+		}
+		first[h] = true
+		ks = append(ks, keyed{h, i})
+	}
+	if len(ks) == 0 {
+		return nil
+	}
+	// In hash order: two transactions inserting the same keys wait for each other in one
+	// order, never in a cycle.
+	slices.SortFunc(ks, func(a, b keyed) int { return bytes.Compare(a.hash[:], b.hash[:]) })
+	sorted := make([][32]byte, len(ks))
+	for j, k := range ks {
+		sorted[j] = k.hash
+	}
+	fresh, err := p.keys.record(ctx, tx, sorted)
+	if err != nil {
+		return own(fmt.Errorf("record idempotency keys: %w", err))
+	}
+	for _, k := range ks {
+		if !fresh[shortHash(k.hash)] {
+			recs[k.i].duplicate = k.hash[:]
+		}
+	}
+	return nil
 }
 
 // keyHash is the idempotency_keys row of key, a key of a record of source: the SHA-256 of the

@@ -30,27 +30,30 @@ import (
 // Processor consumes topics in a consumer group and applies each record through a Handler,
 // exactly once in effect. See the package documentation.
 type Processor struct {
-	cfg         *Config
-	pool        *pgxpool.Pool
-	log         *slog.Logger
-	metrics     *metrics
-	kprom       *kprom.Metrics
-	store       *offsets.Store
-	sink        *sink.Sink
-	outbox      *sink.Outbox       // where Record.Emit writes
-	captured    *[]sink.Event      // processortest: what Record.Emit was given, instead of the outbox
-	tracer      *tracing.Tracer    // nil: tracing off
-	keys        *keyRing           // where idempotency keys are recorded
-	policies    map[string]*policy // by source topic
-	backoff     backoff.Policy
-	retry       *retrytopics.Store
-	tierOf      map[string]tierRef // retry-tier topic -> its source topic and tier
-	heldApplier *heldApplier
-	breaker     *breaker
-	prepLocks   prepLocks    // keeps a key's Prepare calls from overlapping (see Preparer)
-	buf         *buffer      // fetched records in memory, across partitions
-	nWorkers    atomic.Int32 // len(workers), read without the lock
-	busy        atomic.Int32 // workers holding records: they share the buffer budget
+	cfg            *Config
+	pool           *pgxpool.Pool
+	log            *slog.Logger
+	metrics        *metrics
+	kprom          *kprom.Metrics
+	store          *offsets.Store
+	sink           *sink.Sink
+	outbox         *sink.Outbox       // where Record.Emit writes
+	captured       *[]sink.Event      // processortest: what Record.Emit was given, instead of the outbox
+	tracer         *tracing.Tracer    // nil: tracing off
+	keys           *keyRing           // where idempotency keys are recorded
+	partCounts     partitionCounts    // of the topics Record.Emit emits to, for numbering events
+	streamSQL      streamSQL          // the consuming side of streams
+	forkStreamsSQL string             // forks a source partition's streams (sink.ForkStreamsSQL)
+	policies       map[string]*policy // by source topic
+	backoff        backoff.Policy
+	retry          *retrytopics.Store
+	tierOf         map[string]tierRef // retry-tier topic -> its source topic and tier
+	heldApplier    *heldApplier
+	breaker        *breaker
+	prepLocks      prepLocks    // keeps a key's Prepare calls from overlapping (see Preparer)
+	buf            *buffer      // fetched records in memory, across partitions
+	nWorkers       atomic.Int32 // len(workers), read without the lock
+	busy           atomic.Int32 // workers holding records: they share the buffer budget
 	// heldSinceAnalyze counts the records this process held since the heldApplier last had
 	// held_records analyzed.
 	heldSinceAnalyze atomic.Int64
@@ -149,11 +152,13 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 	}, p.log.With("component", "breaker"), m)
 	// No NOTIFY: after a commit that emitted, the processor wakes its own relay (committed), and
 	// NOTIFY would serialize the commits of every partition's batches.
-	p.outbox, err = sink.NewOutbox(sink.OutboxConfig{Schema: c.Schema, Group: c.Group, NoNotify: true})
+	p.outbox, err = sink.NewOutbox(sink.OutboxConfig{Schema: c.Schema, Group: c.Group, NoNotify: true, Partitions: p.partitions})
 	if err != nil {
 		return nil, fmt.Errorf("processor: %w", err)
 	}
 	p.keys = newKeyRing(c.Schema)
+	p.streamSQL = newStreamSQL(c.Schema)
+	p.forkStreamsSQL = sink.ForkStreamsSQL(c.Schema)
 	p.sink = sink.New(pool, p.store, sink.Config{
 		Schema:        c.Schema,
 		TxIdleTimeout: c.TxIdleTimeout,
@@ -197,6 +202,7 @@ func (p *Processor) Run(ctx context.Context) error {
 		return err
 	}
 	p.client.Store(cl)
+	p.checkNumbering(ctx)
 
 	if err := p.ensureTopics(ctx, kadm.NewClient(cl)); err != nil {
 		cl.Close() // not in a group yet: nothing to wait for

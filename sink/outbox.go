@@ -35,6 +35,15 @@ type Event struct {
 	// the same emit has the same id however often the record is handled. Set it yourself to
 	// derive it from the business event (an order id and the event's type).
 	ID string
+	// Source, when set (processor.Record.Emit sets it for the events whose ID it derives),
+	// numbers the event in its stream: the events one source partition of the group emits to one
+	// partition of Topic (header HeaderStream). A kafkapg consumer
+	// deduplicating on the message id then keeps a few numbers per stream instead of a key per
+	// event. The event's partition is fixed when it is emitted (its key's, as Kafka's producers
+	// place it, among the partitions OutboxConfig.Partitions reports); without Partitions, or if
+	// it fails, the event is published by key, unnumbered. Leave it nil with an ID of your own:
+	// the number would stand for this emit, not for your id.
+	Source *Source
 }
 
 // Lanes is the number of lanes an outbox is published in. The records of one topic and key are
@@ -94,13 +103,18 @@ type OutboxConfig struct {
 	// on its poll (RelayConfig.Interval) unless something else wakes it (Relay.Notify after the
 	// commit, in the same process: what a processor does for Record.Emit).
 	NoNotify bool
+	// Partitions reports the partition count of a topic, for numbering events with a Source
+	// (see Event.Source). Nil: no event is numbered.
+	Partitions func(ctx context.Context, topic string) (int, error)
 }
 
 // Outbox writes events into the caller's transaction. It is safe for concurrent use.
 type Outbox struct {
-	group     string
-	payload   string // "" with NoNotify
-	insertSQL string
+	group      string
+	payload    string // "" with NoNotify
+	insertSQL  string
+	streamSQL  string
+	partitions func(ctx context.Context, topic string) (int, error)
 }
 
 // NewOutbox returns an Outbox.
@@ -120,7 +134,9 @@ func NewOutbox(cfg OutboxConfig) (*Outbox, error) {
 		payload: payload,
 		insertSQL: `INSERT INTO ` + pgx.Identifier{cfg.Schema, "outbox"}.Sanitize() +
 			` (consumer_group, topic, partition, lane, key, value, header_keys, header_values, created_at)
-			VALUES ($1, $2, NULL, $3, $4, $5, $6, $7, clock_timestamp())`,
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, clock_timestamp())`,
+		streamSQL:  streamSQL(pgx.Identifier{cfg.Schema, "outbox_streams"}.Sanitize()),
+		partitions: cfg.Partitions,
 	}, nil
 }
 
@@ -165,24 +181,66 @@ func (o *Outbox) emit(ctx context.Context, tx pgx.Tx, ids []string, events []Eve
 	slices.Sort(locks)
 	locks = slices.Compact(locks)
 
+	// Numbered events: each in its stream, its partition fixed now.
+	parts := make([]*int32, len(events))
+	var streams []*numbered
+	if o.partitions != nil {
+		byKey := map[streamKey]*numbered{}
+		for i, e := range events {
+			if e.Source == nil {
+				continue
+			}
+			n, err := o.partitions(ctx, e.Topic)
+			if err != nil || n <= 0 {
+				continue // published by key, unnumbered: consumers deduplicate it by its message id
+			}
+			p := partitionOf(e.Key, ids[i], n)
+			parts[i] = &p
+			k := streamKey{topic: e.Source.Topic, partition: e.Source.Partition, dest: e.Topic, destPartition: p}
+			s := byKey[k]
+			if s == nil {
+				s = &numbered{key: k}
+				byKey[k] = s
+				streams = append(streams, s)
+			}
+			s.events = append(s.events, i)
+		}
+	}
+
 	b := &pgx.Batch{}
 	if len(locks) > 0 {
 		b.Queue(`SELECT pg_advisory_xact_lock(h) FROM unnest($1::int8[]) AS h`, locks)
 	}
+	var seqs map[int]kgo.RecordHeader
+	if len(streams) > 0 {
+		// The numbers are taken after the keys' locks, each stream's row locked until tx ends:
+		// a stream's numbers follow the order its transactions commit in. One round trip more.
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return fmt.Errorf("sink: emit %d events: %w", len(events), err)
+		}
+		var err error
+		if seqs, err = o.number(ctx, tx, events, streams); err != nil {
+			return fmt.Errorf("sink: number %d events: %w", len(events), err)
+		}
+		b = &pgx.Batch{}
+	}
 	for i, e := range events {
-		hs := make([]kgo.RecordHeader, 0, len(e.Headers)+1)
+		hs := make([]kgo.RecordHeader, 0, len(e.Headers)+4)
 		for _, h := range e.Headers {
-			if h.Key != HeaderMessageID {
+			if h.Key != HeaderMessageID && h.Key != HeaderStream {
 				hs = append(hs, h)
 			}
 		}
 		hs = append(hs, kgo.RecordHeader{Key: HeaderMessageID, Value: []byte(ids[i])})
+		if h, ok := seqs[i]; ok {
+			hs = append(hs, h)
+		}
 		keys, vals := SplitHeaders(hs)
 		ln := lane(e.Topic, e.Key)
 		if e.Key == nil {
 			ln = lane(e.Topic, []byte(ids[i])) // no order to keep: spread over the lanes
 		}
-		b.Queue(o.insertSQL, o.group, e.Topic, ln, e.Key, e.Value, keys, vals)
+		b.Queue(o.insertSQL, o.group, e.Topic, parts[i], ln, e.Key, e.Value, keys, vals)
 	}
 	if o.payload != "" {
 		b.Queue(`SELECT pg_notify($1, $2)`, notifyChannel, o.payload)

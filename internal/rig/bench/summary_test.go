@@ -22,6 +22,7 @@ const (
 	ledgerPath path = iota
 	copyPath
 	keysPath
+	chainKeysPath
 	outboxPath
 	heldPath
 	replayPath
@@ -34,13 +35,14 @@ var paths = map[path]struct {
 	target float64
 	lower  bool
 }{
-	ledgerPath:  {"ledger handler / hand-written batched loop, same SQL", 1.0, false},
-	copyPath:    {"COPY BatchHandlerFunc / hand-written COPY loop", 0.95, false},
-	keysPath:    {"idempotency keys on / off", 0.85, false},
-	outboxPath:  {"outbox, highest sustained rate / produce after commit", 0.9, false},
-	heldPath:    {"held records drained after release / same from topic", 0.8, false},
-	replayPath:  {"dead-letter replay, applied / fast path", 0.5, false},
-	latencyPath: {"p99 produce→committed at 5,000/s / hand-written loop", 1.5, true},
+	ledgerPath:    {"ledger handler / hand-written batched loop, same SQL", 1.0, false},
+	copyPath:      {"COPY BatchHandlerFunc / hand-written COPY loop", 0.95, false},
+	keysPath:      {"idempotency keys on / off", 0.85, false},
+	chainKeysPath: {"message ids of a kafkapg service, deduplicated / off", 0.85, false},
+	outboxPath:    {"outbox, highest sustained rate / produce after commit", 0.9, false},
+	heldPath:      {"held records drained after release / same from topic", 0.8, false},
+	replayPath:    {"dead-letter replay, applied / fast path", 0.5, false},
+	latencyPath:   {"p99 produce→committed at 5,000/s / hand-written loop", 1.5, true},
 }
 
 type summaryRow struct {

@@ -856,8 +856,8 @@ func (s *suite) summary(rep report, err error) string {
 		c := rep.chain
 		handler = fmt.Sprintf("chain HANDLER=%s -> HANDLER=%s", s.cfg.handler, postHandler)
 		events = fmt.Sprintf("%d events + %d copies", s.cfg.events, s.copies)
-		chain = fmt.Sprintf(" | chain: %d postings published, %d posted exactly once in per-account order (one per applied event); stage 1 skipped %d copies (its /metrics counted %.0f), stage 2 skipped %d postings published twice (its /metrics counted %.0f)",
-			c.published, c.posted, c.copiesSkipped, c.copiesCounted, c.republished, c.republishedCounted)
+		chain = fmt.Sprintf(" | chain: %d postings published, %d posted exactly once in per-account order (one per applied event); stage 1 skipped %d copies (its /metrics counted %.0f), stage 2 skipped %d postings published twice (its /metrics counted %.0f), its deduplication state %d streams (%d forked upstream, their possible repeats keyed), no key per posting otherwise",
+			c.published, c.posted, c.copiesSkipped, c.copiesCounted, c.republished, c.republishedCounted, c.streams, c.forks)
 	}
 	return fmt.Sprintf("chaos %s %s-protocol %s seed=%d: %s: %d applied exactly once in per-account order, %d dead-lettered (%d in the DLQ topic, %d duplicates; %d dead_letters rows)%s"+
 		" | faults: %d kill, %d term, %d stop, %d pg-drop, %d pg-cut, %d pg-stall, %d broker-cut, %d broker-restart%s"+

@@ -1,0 +1,271 @@
+package processor_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
+	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/sink"
+)
+
+// midRecorder inserts each record's message id into table got, which has no unique constraint:
+// an event applied twice shows as two rows. A record whose value is "fail" fails permanently on
+// its first delivery (it is dead-lettered), and succeeds when replayed.
+type midRecorder struct{}
+
+func (midRecorder) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+	if string(rec.Value) == "fail" && rec.Attempt == 1 {
+		return processor.Permanent(errors.New("told to fail"))
+	}
+	var mid string
+	for _, h := range rec.Headers {
+		if h.Key == sink.HeaderMessageID {
+			mid = string(h.Value)
+		}
+	}
+	_, err := tx.Exec(ctx, `INSERT INTO got (mid) VALUES ($1)`, mid)
+	return err
+}
+
+// streamRec is a record as a kafkapg service's relay publishes a numbered event: number seq of
+// stream, in root's lineage, emitted by the source record at offset (fork: " <parent> <fork_seq>
+// <fork_at ms>" for a fork, "" for a stream created afresh).
+func streamRec(topic, stream string, seq int, root string, offset int, fork, mid, value string) *kgo.Record {
+	return &kgo.Record{Topic: topic, Key: []byte(mid), Value: []byte(value), Headers: []kgo.RecordHeader{
+		{Key: sink.HeaderMessageID, Value: []byte(mid)},
+		{Key: sink.HeaderStream, Value: fmt.Appendf(nil, "%s %d %s %d%s", stream, seq, root, offset, fork)},
+	}}
+}
+
+const (
+	streamA = "0a000000-0000-4000-8000-000000000001"
+	streamZ = "0a000000-0000-4000-8000-00000000000f" // a fork of A
+	streamB = "0a000000-0000-4000-8000-00000000000b" // A's root's stream, created again
+	rootR   = "0a000000-0000-5000-8000-0000000000ff"
+)
+
+// TestStreamsDecideCopiesByNumber: a consumer deduplicating on the message id keeps, for numbered
+// events, a few numbers per stream and no key per event, and applies each event once: numbers
+// out of order, copies (a relay's second publish), a number dead-lettered and then brought again
+// by a copy, and the dead letter replayed after that (a copy then: skipped). Then two forks: Z,
+// which a database failed over to a standby that lacked A's last commits emits, repeats A's last
+// two events under its own numbers, and adds one; B, a stream created again for A's root after
+// the database lost A's row entirely, repeats A's first three. The repeats are read back from
+// Kafka and skipped by their key; a late copy of A's is still skipped by its number.
+func TestStreamsDecideCopiesByNumber(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	ctx := context.Background()
+	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	cfg := h.Config(midRecorder{})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
+	r := h.Start(cfg)
+	// A's number n is emitted by the source record at offset 10n.
+	a := func(seq int, value string) *kgo.Record {
+		return streamRec(h.Topic, streamA, seq, rootR, 10*seq, "", "m"+strconv.Itoa(seq), value)
+	}
+	applied := func() map[string]int {
+		rows, _ := h.Pool.Query(ctx, `SELECT mid FROM got`)
+		mids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]int{}
+		for _, m := range mids {
+			out[m]++
+		}
+		return out
+	}
+	waitApplied := func(want map[string]int) {
+		t.Helper()
+		testenv.Eventually(t, 20*time.Second, func() error {
+			if got := applied(); fmt.Sprint(got) != fmt.Sprint(want) {
+				return fmt.Errorf("applied %v, want %v", got, want)
+			}
+			return nil
+		})
+	}
+	waitConsumed := func(n int64) {
+		t.Helper()
+		testenv.Eventually(t, 20*time.Second, func() error {
+			var next int64
+			if err := h.Pool.QueryRow(ctx, `SELECT coalesce(max(next_offset), 0) FROM kafkapg.offsets WHERE consumer_group = $1`, h.Group).Scan(&next); err != nil {
+				return err
+			}
+			if next < n {
+				return fmt.Errorf("consumed %d of %d records", next, n)
+			}
+			return nil
+		})
+	}
+
+	// 3 before 1, a copy of 1, then 5; then 2, 4 (dead-lettered), a copy of 3; then a copy of 4
+	// (applied: its number was missing) and 6.
+	k.Produce(t, a(3, "ok"), a(1, "ok"), a(1, "ok"), a(5, "ok"), a(2, "ok"), a(4, "fail"), a(3, "ok"), a(4, "ok"), a(6, "ok"))
+	waitApplied(map[string]int{"m1": 1, "m2": 1, "m3": 1, "m4": 1, "m5": 1, "m6": 1})
+	waitConsumed(9)
+	// The dead letter of 4, replayed: a copy of an applied event.
+	o := ops.New(h.Pool, "kafkapg", h.Group)
+	task, err := o.StartTask(ctx, ops.Replay, ops.Filter{}, ops.Actor{Name: "tester", Reason: "fixed"}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if task, err = o.RunTask(ctx, task.ID, "test", nil); err != nil || task.Done != 1 {
+		t.Fatalf("RunTask = %+v, %v; want the one dead letter queued", task, err)
+	}
+	testenv.Eventually(t, 20*time.Second, func() error {
+		if got := r.Counter("kafkapg_duplicate_keys_skipped_total"); got != 3 {
+			return fmt.Errorf("%v records skipped as copies, want 3 (1's and 3's copies, 4's replay)", got)
+		}
+		return nil
+	})
+	if keys := ringKeys(t, h.Pool); keys != 0 {
+		t.Errorf("%d idempotency keys recorded: numbered events need none", keys)
+	}
+	var high int64
+	var missing string
+	if err := h.Pool.QueryRow(ctx, `SELECT high, missing::text FROM kafkapg.idempotency_streams WHERE consumer_group = $1 AND stream = $2`, h.Group, streamA).Scan(&high, &missing); err != nil {
+		t.Fatal(err)
+	}
+	if high != 6 || missing != "{}" {
+		t.Errorf("stream A: high %d, missing %s; want 6 and none", high, missing)
+	}
+
+	// Z forks from A at 4: it repeats m5 and m6 as its 1 and 2, and adds m7; B, created again
+	// for A's root, repeats m1 to m3 and adds m8. A late copy of A's 6 comes after them, and a
+	// copy of Z's 2.
+	forkAt := strconv.FormatInt(time.Now().Add(-time.Minute).UnixMilli(), 10)
+	z := func(seq, offset int, mid string) *kgo.Record {
+		return streamRec(h.Topic, streamZ, seq, rootR, offset, " "+streamA+" 4 "+forkAt, mid, "ok")
+	}
+	b := func(seq, offset int, mid string) *kgo.Record {
+		return streamRec(h.Topic, streamB, seq, rootR, offset, "", mid, "ok")
+	}
+	k.Produce(t, z(1, 50, "m5"), z(2, 60, "m6"), z(3, 70, "m7"), b(1, 10, "m1"), b(2, 20, "m2"), b(3, 30, "m3"), b(4, 80, "m8"), a(6, "ok"), z(2, 60, "m6"))
+	waitApplied(map[string]int{"m1": 1, "m2": 1, "m3": 1, "m4": 1, "m5": 1, "m6": 1, "m7": 1, "m8": 1})
+	waitConsumed(18)
+	testenv.Eventually(t, 20*time.Second, func() error {
+		if got := r.Counter("kafkapg_duplicate_keys_skipped_total"); got != 3+7 {
+			return fmt.Errorf("%v records skipped as copies, want 10 (3 before; Z's 1 and 2, B's 1 to 3, A's 6, Z's 2 again)", got)
+		}
+		return nil
+	})
+	var successors int
+	if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.idempotency_streams WHERE consumer_group = $1 AND successor AND horizon = 60`, h.Group).Scan(&successors); err != nil {
+		t.Fatal(err)
+	}
+	if successors != 2 {
+		t.Errorf("%d successors with horizon 60 (the highest source offset of A's they may repeat), want Z and B", successors)
+	}
+}
+
+// emitter emits, for each record, one event to topic, keyed by the record's key.
+type emitter struct{ topic string }
+
+func (e emitter) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+	return rec.Emit(ctx, tx, sink.Event{Topic: e.topic, Key: rec.Key, Value: rec.Value})
+}
+
+// TestEmittedEventsAreNumbered: the events Record.Emit derives the id of are numbered in their
+// stream (source partition to destination partition), published to the partition their key
+// maps to; the stream forks when the database's identity changes (a failover, a restore), and
+// when a processor finds its partition's position gone back: the new stream names the one it
+// replaces and the last number the database kept of it.
+func TestEmittedEventsAreNumbered(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	ctx := context.Background()
+	out := k.CreateTopic(t, 3)
+	cfg := h.Config(emitter{topic: out})
+	cfg.OutboxPollInterval = 50 * time.Millisecond
+	h.Start(cfg)
+	produce := func(from, to int) {
+		for i := from; i < to; i++ {
+			k.Produce(t, &kgo.Record{Topic: h.Topic, Key: []byte("k"), Value: []byte(strconv.Itoa(i))})
+		}
+	}
+	published := func(n int) []*kgo.Record {
+		t.Helper()
+		var recs []*kgo.Record
+		testenv.Eventually(t, 20*time.Second, func() error {
+			if recs = k.ReadAll(t, out); len(recs) < n {
+				return fmt.Errorf("%d events published, want %d", len(recs), n)
+			}
+			return nil
+		})
+		return recs
+	}
+	produce(0, 3)
+	published(3)
+	if _, err := h.Pool.Exec(ctx, `UPDATE kafkapg.outbox_streams SET database = 'another database'`); err != nil {
+		t.Fatal(err)
+	}
+	produce(3, 5)
+	published(5)
+	if _, err := h.Pool.Exec(ctx, `UPDATE kafkapg.outbox_streams SET database = NULL`); err != nil { // what forkStreams does
+		t.Fatal(err)
+	}
+	produce(5, 6)
+	all := published(6)
+	if len(all) != 6 {
+		t.Fatalf("%d events published, want 6", len(all))
+	}
+	var destPartition int32
+	if err := h.Pool.QueryRow(ctx, `SELECT dest_partition FROM kafkapg.outbox_streams WHERE consumer_group = $1`, h.Group).Scan(&destPartition); err != nil {
+		t.Fatal(err)
+	}
+	streams := map[[16]byte]sink.Stream{}
+	var order [][16]byte
+	for i, r := range all {
+		st, ok := sink.ParseStream(r.Headers)
+		if !ok {
+			t.Fatalf("event %d has no stream headers: %v", i, r.Headers)
+		}
+		if r.Partition != destPartition {
+			t.Errorf("event %d in partition %d, want %d (its key's, as numbered)", i, r.Partition, destPartition)
+		}
+		if _, seen := streams[st.ID]; !seen {
+			order = append(order, st.ID)
+		}
+		streams[st.ID] = st
+		want := map[int]int64{0: 1, 1: 2, 2: 3, 3: 1, 4: 2, 5: 1}[int(mustAtoi(t, string(r.Value)))]
+		if st.Seq != want {
+			t.Errorf("event %s is number %d of its stream, want %d", r.Value, st.Seq, want)
+		}
+	}
+	if len(order) != 3 {
+		t.Fatalf("%d streams, want 3 (the first, and a fork at each change)", len(order))
+	}
+	one, two, three := streams[order[0]], streams[order[1]], streams[order[2]]
+	if !one.IsRoot() {
+		t.Errorf("the first stream is a fork of %x at %d, want one created afresh", one.Parent, one.ForkSeq)
+	}
+	if two.Parent != one.ID || two.ForkSeq != 3 || two.ForkAt.IsZero() {
+		t.Errorf("the second stream forks from %x at %d (%v), want the first at 3", two.Parent, two.ForkSeq, two.ForkAt)
+	}
+	if three.Parent != two.ID || three.ForkSeq != 2 {
+		t.Errorf("the third stream forks from %x at %d, want the second at 2", three.Parent, three.ForkSeq)
+	}
+}
+
+func mustAtoi(t *testing.T, s string) int {
+	t.Helper()
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
