@@ -44,7 +44,9 @@
 //     often the record is handled (see package sink). On a topic with an idempotency key
 //     (TopicPolicy.IdempotencyKey), a record whose key was applied before, within
 //     Config.IdempotencyRetention, is skipped: the key is recorded in the transaction that
-//     applies the record.
+//     applies the record. Keyed on the message id (KeyFromHeader(sink.HeaderMessageID)), the
+//     events a kafkapg service emitted are skipped by their stream's numbers instead, with no
+//     key and no retention (streamdedupe.go; the argument is in package sink, "Streams").
 //
 // # What it does not guarantee
 //
@@ -66,7 +68,8 @@
 // duplicates skipped), applied in one transaction, a failing record isolated; transact.go: the
 // transaction, retried in place while the failure is the infrastructure's; handler.go: the
 // Handler and how it is called, and Record.Emit; idempotency.go: idempotency keys, duplicates
-// skipped and keys pruned; error.go: error markers and classification; route.go: where a
+// skipped; keyring.go: where keys are kept, and dropped a generation at a time; streams.go and
+// streamdedupe.go: the emitting and the consuming side of numbered events; error.go: error markers and classification; route.go: where a
 // failed record goes — local retries, the circuit breaker (breaker.go), a retry tier (tier.go),
 // the DLQ; held.go: the held records of keys that are ready again; refused.go: records Kafka
 // refuses for good; stall.go, stats.go, lag.go, metrics.go: what an operator sees;

@@ -1,6 +1,7 @@
 package processor
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -10,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -299,7 +301,7 @@ func (p *Processor) dedupeStreams(ctx context.Context, tx pgx.Tx, source string,
 	// A stream met for the first time may be a successor: find what it may repeat. In first
 	// offset order, so that of two met in one batch the earlier is found first.
 	fresh := slices.Clone(ids)
-	slices.SortFunc(fresh, func(a, b [16]byte) int { return int(state[a].firstOffset - state[b].firstOffset) })
+	slices.SortFunc(fresh, func(a, b [16]byte) int { return cmp.Compare(state[a].firstOffset, state[b].firstOffset) })
 	for _, id := range fresh {
 		s := state[id]
 		if s == nil {
@@ -401,10 +403,10 @@ func collect[T any](br pgx.BatchResults, fn pgx.RowToFunc[T]) ([]T, error) {
 const forkBack = 5 * time.Minute
 
 // meetStream looks at s, a stream of lineage met here for the first time in source's partition
-// (st its header). If it
-// is a successor (a fork, or a stream created again for a root whose first stream is known here),
-// the records of its lineage it may repeat are read again from Kafka (handleFork): the keys of
-// those applied here are recorded, and s's horizon set, for the decision to use.
+// (st its header). If it is a successor (a fork, or a stream created again for a root whose first
+// stream is known here), the records of its lineage it may repeat are read again from Kafka
+// (handleFork): the keys of those applied here are recorded, and s's horizon set, for the
+// decision to use.
 func (p *Processor) meetStream(ctx context.Context, source string, partition int32, s *streamState, st sink.Stream, lineage []*streamState) error {
 	var from int64 = -1
 	s.successor = s.forkSeq > 0
@@ -547,14 +549,4 @@ func (p *Processor) readRange(ctx context.Context, topic string, partition int32
 	}
 }
 
-func fmtUUID(u [16]byte) string {
-	const hex = "0123456789abcdef"
-	out := make([]byte, 0, 36)
-	for i, b := range u {
-		if i == 4 || i == 6 || i == 8 || i == 10 {
-			out = append(out, '-')
-		}
-		out = append(out, hex[b>>4], hex[b&0x0f])
-	}
-	return string(out)
-}
+func fmtUUID(u [16]byte) string { return uuid.UUID(u).String() }

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 )
@@ -28,7 +29,7 @@ type Event struct {
 	// Key and Value of the record. The record goes to the partition Kafka's own producers would
 	// choose for Key (murmur2 of the key); a record without a key goes to any partition.
 	Key, Value []byte
-	// Headers of the record. A header named HeaderMessageID is replaced by the record's id.
+	// Headers of the record. Headers named HeaderMessageID or HeaderStream are replaced.
 	Headers []kgo.RecordHeader
 	// ID is sent as the HeaderMessageID header. Outbox.Emit fills an empty ID with a random UUID;
 	// processor.Record.Emit with one derived from the record being handled (DerivedID), so that
@@ -37,9 +38,8 @@ type Event struct {
 	ID string
 	// Source, when set (processor.Record.Emit sets it for the events whose ID it derives),
 	// numbers the event in its stream: the events one source partition of the group emits to one
-	// partition of Topic (header HeaderStream). A kafkapg consumer
-	// deduplicating on the message id then keeps a few numbers per stream instead of a key per
-	// event. The event's partition is fixed when it is emitted (its key's, as Kafka's producers
+	// partition of Topic (header HeaderStream). A kafkapg consumer deduplicating on the message id
+	// then keeps a few numbers per stream instead of a key per event. The event's partition is fixed when it is emitted (its key's, as Kafka's producers
 	// place it, among the partitions OutboxConfig.Partitions reports); without Partitions, or if
 	// it fails, the event is published by key, unnumbered. Leave it nil with an ID of your own:
 	// the number would stand for this emit, not for your id.
@@ -151,7 +151,8 @@ func NewOutbox(cfg OutboxConfig) (*Outbox, error) {
 // Emit takes a transaction-scoped lock on each event's topic and key, held until tx ends: a
 // concurrent transaction emitting to the same key waits for tx. Two transactions that each emit to
 // the same two keys in opposite orders can deadlock; Postgres then aborts one of them (SQLSTATE
-// 40P01), which a processor retries. One round trip, however many events.
+// 40P01), which a processor retries. One round trip, however many events (two when some are
+// numbered, Event.Source).
 func (o *Outbox) Emit(ctx context.Context, tx pgx.Tx, events ...Event) error {
 	ids := make([]string, len(events))
 	for i, e := range events {
@@ -303,14 +304,4 @@ func randomID() string {
 	return formatUUID(u)
 }
 
-func formatUUID(u [16]byte) string {
-	const hex = "0123456789abcdef"
-	out := make([]byte, 0, 36)
-	for i, b := range u {
-		if i == 4 || i == 6 || i == 8 || i == 10 {
-			out = append(out, '-')
-		}
-		out = append(out, hex[b>>4], hex[b&0x0f])
-	}
-	return string(out)
-}
+func formatUUID(u [16]byte) string { return uuid.UUID(u).String() }

@@ -4,13 +4,13 @@ import (
 	"context"
 	"crypto/sha1"
 	"encoding/binary"
-	"encoding/hex"
 	"fmt"
 	"hash/fnv"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 )
@@ -91,16 +91,13 @@ func ParseStream(headers []kgo.RecordHeader) (s Stream, ok bool) {
 	return s, true
 }
 
+// parseUUID reads a UUID in its canonical form (36 characters), as formatUUID writes it.
 func parseUUID(s string) ([16]byte, error) {
-	var u [16]byte
-	if len(s) != 36 || s[8] != '-' || s[13] != '-' || s[18] != '-' || s[23] != '-' {
-		return u, fmt.Errorf("not a UUID: %q", s)
+	if len(s) != 36 {
+		return [16]byte{}, fmt.Errorf("not a UUID: %q", s)
 	}
-	b, err := hex.DecodeString(s[0:8] + s[9:13] + s[14:18] + s[19:23] + s[24:])
-	if err != nil {
-		return u, err
-	}
-	return [16]byte(b), nil
+	u, err := uuid.Parse(s)
+	return [16]byte(u), err
 }
 
 // streamKey is a stream as the emitting side keys it (outbox_streams), within one group.

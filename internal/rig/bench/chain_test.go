@@ -25,10 +25,10 @@ import (
 // key per record (KeyFromJSON("event_id"): what the postings of another producer would cost), and
 // not deduplicating; then it runs the streams once more, half the postings and then the rest, and
 // reports the deduplication state's size after each half: flat if it does not grow with the
-// records. BENCH_CHAIN_EVENTS (default 100000) sets the postings, BENCH_ROUNDS (default 3) the
+// records. BENCH_CHAIN_EVENTS (default 300000) sets the postings, BENCH_ROUNDS (default 3) the
 // rounds.
 func BenchmarkChainDedupe(b *testing.B) {
-	events := envInt("BENCH_CHAIN_EVENTS", 100_000)
+	events := envInt("BENCH_CHAIN_EVENTS", 300_000)
 	rounds := envInt("BENCH_ROUNDS", 3)
 	k := brokerFor(b)
 	src := "c_" + testenv.Name(b, 16)
@@ -159,13 +159,13 @@ func stageTwo(b *testing.B, k *testenv.Kafka, postings string, pool *pgxpool.Poo
 }
 
 // chainState runs stage 2 with streams over the first half of postings, reads the size of its
-// deduplication state (its streams, forks and keys, indexes included), goes on over the rest,
+// deduplication state (its streams and keys, indexes included), goes on over the rest,
 // and reads it again. Then a key per record over all of them, for comparison.
 func chainState(b *testing.B, k *testenv.Kafka, postings string, events int) (half, whole, perKey int64, halfAt int) {
 	ctx := context.Background()
 	size := func(pool *pgxpool.Pool) int64 {
 		var n int64
-		if err := pool.QueryRow(ctx, `SELECT pg_total_relation_size('kafkapg.idempotency_streams') + pg_total_relation_size('kafkapg.idempotency_forks') + `+
+		if err := pool.QueryRow(ctx, `SELECT pg_total_relation_size('kafkapg.idempotency_streams') + `+
 			overRing("pg_total_relation_size('kafkapg.%[1]s')")).Scan(&n); err != nil {
 			b.Fatal(err)
 		}

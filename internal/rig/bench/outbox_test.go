@@ -536,9 +536,13 @@ func BenchmarkIdempotencyKeys(b *testing.B) {
 		b.Logf("  keys on  (KeyFromJSON(\"event_id\"))  %9.0f records/s   rounds %v   WAL %4.0f bytes/event", mOn, rounded(on), median(onWAL))
 		b.Logf("  keys off                            %9.0f records/s   rounds %v   WAL %4.0f bytes/event", mOff, rounded(off), median(offWAL))
 		b.Logf("  on / off = %.2f   (target >= 0.85)", mOn/mOff)
-		b.Logf("  deduplication state: %.0f bytes per record (idempotency_keys with its indexes, after %d records)", median(state), events)
+		before := legacyKeyBytes(b, topic, events)
+		b.Logf("  deduplication state: %.0f bytes per record (the key ring with its indexes, after %d records); the layout before migration 8: %.0f (%.2fx)",
+			median(state), events, before, median(state)/before)
 		b.ReportMetric(median(state), "state_B/rec")
-		summarize(keysPath, mOn/mOff, "%.0f vs %.0f records/s, WAL %.0f vs %.0f bytes/event; state %.0f bytes/record", mOn, mOff, median(onWAL), median(offWAL), median(state))
+		b.ReportMetric(before, "state_before_B/rec")
+		summarize(keysPath, mOn/mOff, "%.0f vs %.0f records/s, WAL %.0f vs %.0f bytes/event; state %.0f bytes/record (%.0f before migration 8: %.2fx)",
+			mOn, mOff, median(onWAL), median(offWAL), median(state), before, median(state)/before)
 	}
 }
 
@@ -587,6 +591,25 @@ func keyedProcessor(b *testing.B, k *testenv.Kafka, topic string, pool *pgxpool.
 		}
 		return pool.QueryRow(context.Background(), `SELECT `+overRing("pg_total_relation_size('kafkapg.%[1]s')")).Scan(state)
 	}
+}
+
+// legacyKeyBytes is what n keys took in the layout before migration 8 (idempotency_keys: the
+// 32-byte hash, group, topic, partition, offset and time, and its two indexes), measured by
+// inserting n such rows, in random hash order as records' keys come, into a database of its own.
+func legacyKeyBytes(b *testing.B, topic string, n int) float64 {
+	_, url := testenv.Postgres(b)
+	pool := benchPool(b, url)
+	defer pool.Close()
+	var size int64
+	if err := pool.QueryRow(context.Background(), `WITH k AS (INSERT INTO kafkapg.idempotency_keys (key_hash, consumer_group, topic, partition, "offset", applied_at)
+			SELECT sha256(('key-' || i)::bytea), $1, $2, i % 8, i, clock_timestamp() FROM generate_series(1, $3) AS i RETURNING 1)
+		SELECT count(*) FROM k`, topic+"-0-true", topic, n).Scan(new(int)); err != nil {
+		b.Fatal(err)
+	}
+	if err := pool.QueryRow(context.Background(), `SELECT pg_total_relation_size('kafkapg.idempotency_keys')`).Scan(&size); err != nil {
+		b.Fatal(err)
+	}
+	return float64(size) / float64(n)
 }
 
 // overRing sums term, a SQL expression with %[1]s for a table, over the tables of the

@@ -1,0 +1,74 @@
+package sink
+
+import (
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// TestStreamHeaderRoundTrip: what an event's stream header says is what ParseStream reads back,
+// for a stream created afresh and for a fork.
+func TestStreamHeaderRoundTrip(t *testing.T) {
+	t.Parallel()
+	root := Stream{ID: [16]byte{1, 2}, Seq: 7, Root: [16]byte{3}, SourceOffset: 1234}
+	fork := Stream{ID: [16]byte{4}, Seq: 1, Root: [16]byte{3}, SourceOffset: 99, Parent: [16]byte{1, 2}, ForkSeq: 6,
+		ForkAt: time.UnixMilli(1764800000123)}
+	for _, want := range []Stream{root, fork} {
+		h := want.header()
+		got, ok := ParseStream([]kgo.RecordHeader{{Key: "x", Value: []byte("y")}, h})
+		if !ok || got != want {
+			t.Errorf("ParseStream(%q) = %+v, %v; want %+v", h.Value, got, ok, want)
+		}
+	}
+	if !root.IsRoot() || fork.IsRoot() {
+		t.Error("IsRoot: want a stream created afresh to be a root, and a fork not")
+	}
+}
+
+// TestParseStreamRejects: a header that is not exactly one of the two forms is no stream: the
+// consumer deduplicates the record by its message id instead.
+func TestParseStreamRejects(t *testing.T) {
+	t.Parallel()
+	const u, v = "0a000000-0000-4000-8000-000000000001", "0a000000-0000-4000-8000-000000000002"
+	for _, value := range []string{
+		"",
+		u,
+		u + " 1 " + v,         // no source offset
+		u + " 0 " + v + " 5",  // number 0
+		u + " -1 " + v + " 5", // negative
+		u + " 1 " + v + " -5", // negative offset
+		u + " x " + v + " 5",  // not a number
+		"0a000000-0000-4000-8000-00000000000 1 " + v + " 5", // 35 characters
+		"{" + u[1:] + "} 1 " + v + " 5",                     // not canonical
+		u + " 1 " + v + " 5 " + u,                           // a fork cut short
+		u + " 1 " + v + " 5 " + u + " 0 17",                 // a fork at 0
+		u + " 1 " + v + " 5 " + u + " 3 0",                  // a fork with no time
+		u + " 1 " + v + " 5 " + u + " 3 17 x",               // too many fields
+		"\xff\x00 1 " + v + " 5",                            // binary
+	} {
+		if s, ok := ParseStream([]kgo.RecordHeader{{Key: HeaderStream, Value: []byte(value)}}); ok {
+			t.Errorf("ParseStream(%q) = %+v, want no stream", value, s)
+		}
+	}
+	if _, ok := ParseStream(nil); ok {
+		t.Error("ParseStream of no headers: want no stream")
+	}
+}
+
+// FuzzParseStream: any bytes in the header are either no stream or one whose header reads back
+// to the same stream.
+func FuzzParseStream(f *testing.F) {
+	f.Add([]byte("0a000000-0000-4000-8000-000000000001 3 0a000000-0000-4000-8000-000000000002 10"))
+	f.Add([]byte("0a000000-0000-4000-8000-000000000001 3 0a000000-0000-4000-8000-000000000002 10 0a000000-0000-4000-8000-000000000003 2 1764800000123"))
+	f.Fuzz(func(t *testing.T, value []byte) {
+		s, ok := ParseStream([]kgo.RecordHeader{{Key: HeaderStream, Value: value}})
+		if !ok {
+			return
+		}
+		back, ok := ParseStream([]kgo.RecordHeader{s.header()})
+		if !ok || back != s {
+			t.Fatalf("%q parsed as %+v, whose header %q reads back as %+v, %v", value, s, s.header().Value, back, ok)
+		}
+	})
+}
