@@ -80,6 +80,15 @@ func TestKeyRingKeepsKeysForTheRetention(t *testing.T) {
 		if err != nil || !done.rotated {
 			t.Fatalf("turn %d: keep = %+v, %v; want a turn", turn, done, err)
 		}
+		// The generation made current was emptied whole: no pages left, nothing for vacuum
+		// (a DELETE would leave its pages, their rows dead), but for the dead letter's key.
+		var pages int64
+		if err := pool.QueryRow(ctx, `SELECT pg_relation_size(format('kafkapg.idempotency_keys_%s', current)) / 8192 FROM kafkapg.idempotency_ring`).Scan(&pages); err != nil {
+			t.Fatal(err)
+		}
+		if pages > 0 {
+			t.Errorf("after turn %d the current generation has %d pages, want none (emptied, b carried into the one before)", turn, pages)
+		}
 		got := recordIn(t, pool, k, "a", "b")
 		if wantNew := turn == 4; got["a"] != wantNew { // recorded again at turn 4
 			t.Errorf("after turn %d, key a is new: %v, want %v (kept for three turns)", turn, got["a"], wantNew)

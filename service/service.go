@@ -492,6 +492,9 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		}
 	}
 	if err := hs.setup(ctx, pool, env.handlersUsed()); err != nil {
+		if ctx.Err() != nil {
+			return nil // SIGTERM while the handlers' tables were set up: nothing started to finish
+		}
 		return err
 	}
 
