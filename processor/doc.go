@@ -68,7 +68,7 @@
 // duplicates skipped), applied in one transaction, a failing record isolated; transact.go: the
 // transaction, retried in place while the failure is the infrastructure's; handler.go: the
 // Handler and how it is called, and Record.Emit; idempotency.go: idempotency keys, duplicates
-// skipped; keyring.go: where keys are kept, and dropped a generation at a time; streams.go and
+// skipped (kept in internal/keyring: a ring of generations, dropped one at a time); streams.go and
 // streamdedupe.go: the emitting and the consuming side of numbered events; error.go: error markers and classification; route.go: where a
 // failed record goes — local retries, the circuit breaker (breaker.go), a retry tier (tier.go),
 // the DLQ; held.go: the held records of keys that are ready again; refused.go: records Kafka

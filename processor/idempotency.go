@@ -15,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/kafkapg/kafkapg/internal/keyring"
 	"github.com/kafkapg/kafkapg/sink"
 )
 
@@ -101,7 +102,7 @@ func KeyFromJSON(path string) IdempotencyKey {
 //
 // On a topic deduplicated on the message id, the events a kafkapg service numbered are decided
 // by their streams (dedupeStreams), and by key only where a stream forked; other records by key,
-// in the key ring (keyRing.record). A key inserted by a concurrent transaction (a copy of the
+// in the key ring (keyring.Ring.Record). A key inserted by a concurrent transaction (a copy of the
 // record in another partition) makes this one wait on the key's primary key until that one ends:
 // it is then a duplicate if that transaction committed, and the key is this record's if it rolled
 // back.
@@ -204,12 +205,12 @@ func (p *Processor) dedupeByKey(ctx context.Context, tx pgx.Tx, recs []*Record, 
 	for j, k := range ks {
 		sorted[j] = k.hash
 	}
-	fresh, err := p.keys.record(ctx, tx, sorted)
+	fresh, err := p.keys.Record(ctx, tx, sorted)
 	if err != nil {
 		return own(fmt.Errorf("record idempotency keys: %w", err))
 	}
 	for _, k := range ks {
-		if !fresh[shortHash(k.hash)] {
+		if !fresh[keyring.Short(k.hash)] {
 			recs[k.i].duplicate = k.hash[:]
 		}
 	}
@@ -275,22 +276,26 @@ func (p *Processor) keysOn() bool {
 	return false
 }
 
-// keyBytesEach is about what one idempotency key costs on disk in the key ring (migration 8):
-// its row (a tuple header, the 16-byte hash and a line pointer: 44 bytes) and its primary key's
-// entry (28 bytes, in pages a random key leaves about 70 % full). BenchmarkIdempotencyKeys
-// measures it as the ring's size over the keys it holds.
-const keyBytesEach = 85
+// What an idempotency key costs on disk in the key ring (migration 8; BenchmarkIdempotencyKeys
+// measures both as the tables' size over the keys they hold): keyBytesCurrent while its
+// generation is current, a row (a tuple header, the 16-byte hash, a line pointer: 44 bytes) and a
+// primary key entry (28 bytes, in pages a random key leaves about 70 % full); keyBytesCompacted
+// once compacted, in rows of 120 sorted keys.
+const (
+	keyBytesCurrent   = 85
+	keyBytesCompacted = 17
+)
 
-// keptFor is how much longer than the retention the ring keeps keys at most (ringSize/(ringSize-1):
-// a key recorded just before a turn lives until the fourth turn after it).
-const keptFor = float64(ringSize) / (ringSize - 1)
+// keyBytesPeak is what the ring holds at its fullest, per key of a retention: the current
+// generation full (a third of the retention's keys) and three compacted generations.
+const keyBytesPeak = (keyBytesCurrent + (keyring.Generations-1)*keyBytesCompacted) / (keyring.Generations - 1)
 
 // keySizing is the cost of keeping idempotency keys for retention, said where a user decides
 // (the startup log): the bytes per key, and what that comes to at a round rate.
 func keySizing(retention time.Duration) string {
-	perThousand := float64(keyBytesEach) * 1000 * retention.Seconds() * keptFor
-	return fmt.Sprintf("each key takes about %d bytes of Postgres, kept for IDEMPOTENCY_RETENTION (%s) to 4/3 of it: at 1,000 keyed records/s that is up to %s; size it as records/s x retention x 4/3 x %d bytes (records a kafkapg service emitted take none: see docs/configuration.md)",
-		keyBytesEach, retention, humanBytes(perThousand), keyBytesEach)
+	perThousand := float64(keyBytesPeak) * 1000 * retention.Seconds()
+	return fmt.Sprintf("each key takes about %d bytes of Postgres while its generation is current and %d once compacted, kept for IDEMPOTENCY_RETENTION (%s) to 4/3 of it: at 1,000 keyed records/s that is up to %s; size it as records/s x retention x %d bytes (records a kafkapg service emitted take none: see docs/configuration.md)",
+		keyBytesCurrent, keyBytesCompacted, retention, humanBytes(perThousand), keyBytesPeak)
 }
 
 // humanBytes writes n bytes in the largest unit (decimal) that keeps it at least 1.
@@ -308,8 +313,9 @@ func humanBytes(n float64) string {
 }
 
 // keepKeys says, every minute (or every tenth of the retention, if shorter), that the group
-// keeps its idempotency keys for Config.IdempotencyRetention, and turns the key ring when it is
-// due (keyRing.keep), until ctx is done; then it publishes the keys' size (a gauge a 3-day
+// keeps its idempotency keys for Config.IdempotencyRetention, turns the key ring when it is due
+// (keyring.Ring.Keep) and compacts the generations past (keyring.Ring.Compact), until ctx is done; then it
+// publishes the keys' size (a gauge a 3-day
 // projection reads needs no finer grain, and the size of a table of billions of rows is a stat of
 // each of its files).
 func (p *Processor) keepKeys(ctx context.Context) {
@@ -317,17 +323,22 @@ func (p *Processor) keepKeys(ctx context.Context) {
 	t := time.NewTicker(every)
 	defer t.Stop()
 	for {
-		done, err := p.keys.keep(ctx, p.pool, p.cfg.Group, p.cfg.IdempotencyRetention, 2*time.Second)
+		done, err := p.keys.Keep(ctx, p.pool, p.cfg.Group, p.cfg.IdempotencyRetention, 2*time.Second)
 		switch {
-		case errors.Is(err, errRingBusy):
+		case errors.Is(err, keyring.ErrBusy):
 			p.log.Info("idempotency keys: the ring's turn waited 2s for batches recording keys; it will try again", "every", every.String())
 		case err != nil && ctx.Err() == nil:
 			p.log.Warn("cannot keep the idempotency keys; will try again", "err", err)
-		case done.rotated || done.legacy:
-			p.metrics.keysPruned.Add(float64(done.emptied))
-			p.log.Info("idempotency keys: the oldest keys were dropped", "keys", done.emptied, "generation", done.rotated, "table_before_migration_8", done.legacy)
+		case done.Rotated || done.Legacy:
+			p.metrics.keysPruned.Add(float64(done.Emptied))
+			p.log.Info("idempotency keys: the oldest keys were dropped", "keys", done.Emptied, "generation", done.Rotated, "table_before_migration_8", done.Legacy)
 		}
-		if rows, bytes, err := p.keys.size(ctx, p.pool); err == nil {
+		if n, err := p.keys.Compact(ctx, p.pool, 2*time.Second); err != nil && ctx.Err() == nil {
+			p.log.Warn("cannot compact the idempotency keys of a generation past; will try again", "err", err)
+		} else if n > 0 {
+			p.log.Info("idempotency keys: a generation past was compacted", "generations", n)
+		}
+		if rows, bytes, err := p.keys.Size(ctx, p.pool); err == nil {
 			p.metrics.keyRows.Set(float64(rows))
 			p.metrics.keyBytes.Set(float64(bytes))
 		} else if ctx.Err() == nil {

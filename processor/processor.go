@@ -19,6 +19,7 @@ import (
 	"github.com/twmb/franz-go/plugin/kprom"
 
 	"github.com/kafkapg/kafkapg/internal/backoff"
+	"github.com/kafkapg/kafkapg/internal/keyring"
 	"github.com/kafkapg/kafkapg/internal/pooler"
 	"github.com/kafkapg/kafkapg/internal/schema"
 	"github.com/kafkapg/kafkapg/internal/tracing"
@@ -40,7 +41,7 @@ type Processor struct {
 	outbox         *sink.Outbox       // where Record.Emit writes
 	captured       *[]sink.Event      // processortest: what Record.Emit was given, instead of the outbox
 	tracer         *tracing.Tracer    // nil: tracing off
-	keys           *keyRing           // where idempotency keys are recorded
+	keys           *keyring.Ring      // where idempotency keys are recorded
 	partCounts     partitionCounts    // of the topics Record.Emit emits to, for numbering events
 	streamSQL      streamSQL          // the consuming side of streams
 	forkStreamsSQL string             // forks a source partition's streams (sink.ForkStreamsSQL)
@@ -156,7 +157,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 	if err != nil {
 		return nil, fmt.Errorf("processor: %w", err)
 	}
-	p.keys = newKeyRing(c.Schema)
+	p.keys = keyring.New(c.Schema)
 	p.streamSQL = newStreamSQL(c.Schema)
 	p.forkStreamsSQL = sink.ForkStreamsSQL(c.Schema)
 	p.sink = sink.New(pool, p.store, sink.Config{
@@ -266,7 +267,7 @@ func (p *Processor) Run(ctx context.Context) error {
 	}
 	if p.keysOn() {
 		p.log.Info("idempotency keys are on: "+keySizing(p.cfg.IdempotencyRetention), "idempotency_retention", p.cfg.IdempotencyRetention.String(),
-			"bytes_per_key", keyBytesEach, "metric", "kafkapg_idempotency_keys_bytes")
+			"bytes_per_key", keyBytesPeak, "metric", "kafkapg_idempotency_keys_bytes")
 	}
 	context.AfterFunc(ctx, func() { p.signalled.Store(time.Now().UnixNano()) })
 	pollCtx, stopPoll := context.WithCancel(ctx)

@@ -492,7 +492,7 @@ func (p *Processor) handleFork(ctx context.Context, source string, partition int
 	keys = slices.Compact(keys)
 	if len(keys) > 0 {
 		err = pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-			_, err := p.keys.record(ctx, tx, keys)
+			_, err := p.keys.Record(ctx, tx, keys)
 			return err
 		})
 		if err != nil {

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kafkapg/kafkapg/internal/handlertest"
+	"github.com/kafkapg/kafkapg/internal/keyring"
 	"github.com/kafkapg/kafkapg/retrytopics"
 	"github.com/kafkapg/kafkapg/sink"
 )
@@ -43,7 +44,7 @@ func tryTopic(ctx context.Context, tx pgx.Tx, cfg *Config, topic string, recs []
 	}
 	var emitted []sink.Event
 	p := &Processor{cfg: c, log: slog.New(slog.DiscardHandler), metrics: m, policies: map[string]*policy{topic: pol},
-		captured: &emitted, keys: newKeyRing(c.Schema), streamSQL: newStreamSQL(c.Schema)}
+		captured: &emitted, keys: keyring.New(c.Schema), streamSQL: newStreamSQL(c.Schema)}
 	err = p.handle(ctx, tx, topic, recs)
 	for i, r := range recs {
 		if r.duplicate != nil {

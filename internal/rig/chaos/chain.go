@@ -67,7 +67,9 @@ func (s *suite) verifyChain(ctx context.Context, items []ledger.Item, recovered 
 	if err := s.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM ledger_entries),
 			(SELECT count(*) FROM dead_letters WHERE consumer_group = $1), (SELECT count(*) FROM dead_letters WHERE consumer_group = $2),
 			(SELECT count(*) FROM idempotency_keys_0) + (SELECT count(*) FROM idempotency_keys_1) + (SELECT count(*) FROM idempotency_keys_2)
-				+ (SELECT count(*) FROM idempotency_keys_3) + (SELECT count(*) FROM idempotency_keys)`,
+				+ (SELECT count(*) FROM idempotency_keys_3) + (SELECT count(*) FROM idempotency_keys)
+				+ (SELECT coalesce(sum(cardinality(keys)), 0) FROM (SELECT keys FROM idempotency_runs_0 UNION ALL SELECT keys FROM idempotency_runs_1
+					UNION ALL SELECT keys FROM idempotency_runs_2 UNION ALL SELECT keys FROM idempotency_runs_3) r)`,
 		one.group, two.group).Scan(&entries, &deadOne, &deadTwo, &keys); err != nil {
 		return rep, err
 	}

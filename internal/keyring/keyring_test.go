@@ -1,8 +1,10 @@
-package processor
+package keyring
 
 import (
 	"context"
+	"crypto/sha256"
 	"fmt"
+	"strconv"
 	"testing"
 	"time"
 
@@ -13,14 +15,11 @@ import (
 	"github.com/kafkapg/kafkapg/internal/schema"
 )
 
-// ringKey is the hash of key as a processor of group g records it for topic t.
-func ringKey(key string) [32]byte {
-	p := &Processor{cfg: &Config{Group: "g"}}
-	return p.keyHash("t", []byte(key))
-}
+// ringKey is a key's hash, as a processor would compute it (its SHA-256 with the group and topic).
+func ringKey(key string) [32]byte { return sha256.Sum256([]byte("g/t/" + key)) }
 
 // recordIn records keys in a transaction of its own and reports which were new.
-func recordIn(t *testing.T, pool *pgxpool.Pool, k *keyRing, keys ...string) map[string]bool {
+func recordIn(t *testing.T, pool *pgxpool.Pool, k *Ring, keys ...string) map[string]bool {
 	t.Helper()
 	out := map[string]bool{}
 	err := pgx.BeginFunc(context.Background(), pool, func(tx pgx.Tx) error {
@@ -34,15 +33,15 @@ func recordIn(t *testing.T, pool *pgxpool.Pool, k *keyRing, keys ...string) map[
 	return out
 }
 
-func recordTx(tx pgx.Tx, k *keyRing, keys ...string) (map[string]bool, error) {
+func recordTx(tx pgx.Tx, k *Ring, keys ...string) (map[string]bool, error) {
 	hashes := make([][32]byte, len(keys))
 	for i, key := range keys {
 		hashes[i] = ringKey(key)
 	}
-	fresh, err := k.record(context.Background(), tx, hashes)
+	fresh, err := k.Record(context.Background(), tx, hashes)
 	out := map[string]bool{}
 	for _, key := range keys {
-		out[key] = fresh[shortHash(ringKey(key))]
+		out[key] = fresh[Short(ringKey(key))]
 	}
 	return out, err
 }
@@ -64,7 +63,7 @@ func TestKeyRingKeepsKeysForTheRetention(t *testing.T) {
 	t.Parallel()
 	pool := testenv.Migrated(t)
 	ctx := context.Background()
-	k := newKeyRing("kafkapg")
+	k := New("kafkapg")
 	if got := recordIn(t, pool, k, "a", "b"); !got["a"] || !got["b"] {
 		t.Fatalf("first record: %v, want both new", got)
 	}
@@ -76,8 +75,8 @@ func TestKeyRingKeepsKeysForTheRetention(t *testing.T) {
 	}
 	for turn := 1; turn <= 5; turn++ {
 		dueNow(t, pool)
-		done, err := k.keep(ctx, pool, "g", threeDays, 5*time.Second)
-		if err != nil || !done.rotated {
+		done, err := k.Keep(ctx, pool, "g", threeDays, 5*time.Second)
+		if err != nil || !done.Rotated {
 			t.Fatalf("turn %d: keep = %+v, %v; want a turn", turn, done, err)
 		}
 		// The generation made current was emptied whole: no pages left, nothing for vacuum
@@ -89,6 +88,9 @@ func TestKeyRingKeepsKeysForTheRetention(t *testing.T) {
 		if pages > 0 {
 			t.Errorf("after turn %d the current generation has %d pages, want none (emptied, b carried into the one before)", turn, pages)
 		}
+		if _, err := k.Compact(ctx, pool, 5*time.Second); err != nil {
+			t.Fatal(err)
+		}
 		got := recordIn(t, pool, k, "a", "b")
 		if wantNew := turn == 4; got["a"] != wantNew { // recorded again at turn 4
 			t.Errorf("after turn %d, key a is new: %v, want %v (kept for three turns)", turn, got["a"], wantNew)
@@ -96,12 +98,12 @@ func TestKeyRingKeepsKeysForTheRetention(t *testing.T) {
 		if got["b"] {
 			t.Errorf("after turn %d, key b is new: a dead letter shares it, it must be kept", turn)
 		}
-		if done.emptied > 1 { // from Postgres's statistics, which may lag
-			t.Errorf("turn %d emptied %d keys, want at most 1 (a; b carried over)", turn, done.emptied)
+		if done.Emptied > 1 { // from Postgres's statistics, which may lag
+			t.Errorf("turn %d emptied %d keys, want at most 1 (a; b carried over)", turn, done.Emptied)
 		}
 	}
 	// Not due: nothing happens.
-	if done, err := k.keep(ctx, pool, "g", threeDays, 5*time.Second); err != nil || done.rotated {
+	if done, err := k.Keep(ctx, pool, "g", threeDays, 5*time.Second); err != nil || done.Rotated {
 		t.Errorf("keep right after a turn = %+v, %v; want nothing done", done, err)
 	}
 }
@@ -116,7 +118,7 @@ func TestKeyRingTurnWaitsForRecorders(t *testing.T) {
 	t.Parallel()
 	pool := testenv.Migrated(t)
 	ctx := context.Background()
-	k := newKeyRing("kafkapg")
+	k := New("kafkapg")
 	if _, err := pool.Exec(ctx, `INSERT INTO kafkapg.idempotency_retention VALUES ('g', '72 hours', now())`); err != nil {
 		t.Fatal(err)
 	}
@@ -164,8 +166,8 @@ func TestKeyRingTurnWaitsForRecorders(t *testing.T) {
 	}
 	turnDone := make(chan error, 1)
 	go func() {
-		done, err := k.keep(ctx, pool, "g", threeDays, 20*time.Second)
-		if err == nil && !done.rotated {
+		done, err := k.Keep(ctx, pool, "g", threeDays, 20*time.Second)
+		if err == nil && !done.Rotated {
 			err = fmt.Errorf("keep = %+v, want a turn", done)
 		}
 		turnDone <- err
@@ -224,20 +226,89 @@ func TestKeyRingLooksInTheTableBefore(t *testing.T) {
 	if _, err := schema.Migrate(ctx, pool, "kafkapg"); err != nil {
 		t.Fatal(err)
 	}
-	k := newKeyRing("kafkapg")
+	k := New("kafkapg")
 	if got := recordIn(t, pool, k, "old", "dead", "new"); got["old"] || got["dead"] || !got["new"] {
 		t.Fatalf("after the upgrade: %v; want old and dead found in the table before, new new", got)
 	}
 	// A retention of 3 hours: the table's keys (2 hours old) stay.
-	if done, err := k.keep(ctx, pool, "g", 3*time.Hour, 5*time.Second); err != nil || done.legacy {
+	if done, err := k.Keep(ctx, pool, "g", 3*time.Hour, 5*time.Second); err != nil || done.Legacy {
 		t.Fatalf("keep = %+v, %v; want the table before kept", done, err)
 	}
 	// One of an hour: it is emptied, dead's key carried into the ring.
-	done, err := k.keep(ctx, pool, "g", time.Hour, 5*time.Second)
-	if err != nil || !done.legacy {
+	done, err := k.Keep(ctx, pool, "g", time.Hour, 5*time.Second)
+	if err != nil || !done.Legacy {
 		t.Fatalf("keep = %+v, %v; want the table before emptied", done, err)
 	}
 	if got := recordIn(t, pool, k, "old", "dead"); !got["old"] || got["dead"] {
 		t.Errorf("after the retention: %v; want old new again, dead still found (a dead letter shares it)", got)
 	}
+}
+
+// TestKeyRingCompacts: a generation past keeps its keys, 120 to a row, and every one of them is
+// found there (the first and last of each row, the ones between), as are the keys of a
+// compaction cut short (some ranges copied, the table of keys not emptied yet); a key not
+// recorded is not found; a compacted key takes a fifth of what it took before.
+func TestKeyRingCompacts(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Migrated(t)
+	ctx := context.Background()
+	k := New("kafkapg")
+	const n = 1000
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = "key-" + strconv.Itoa(i)
+	}
+	if got := recordIn(t, pool, k, keys...); len(got) != n || !all(got, true) {
+		t.Fatalf("first record: %d keys, want all %d new", len(got), n)
+	}
+	var before int64
+	if err := pool.QueryRow(ctx, `SELECT pg_total_relation_size('kafkapg.idempotency_keys_0')`).Scan(&before); err != nil {
+		t.Fatal(err)
+	}
+	dueNow(t, pool)
+	if _, err := k.Keep(ctx, pool, "g", threeDays, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	// A compaction cut short: the runs of the hashes below 0x80 only.
+	if _, err := pool.Exec(ctx, `INSERT INTO kafkapg.idempotency_runs_0 (lo, keys) SELECT keys[1], keys FROM (SELECT array_agg(key_hash ORDER BY key_hash) AS keys
+		FROM (SELECT key_hash, (row_number() OVER (ORDER BY key_hash) - 1) / 120 AS run FROM kafkapg.idempotency_keys_0 WHERE key_hash < '80000000-0000-0000-0000-000000000000') s GROUP BY run) r`); err != nil {
+		t.Fatal(err)
+	}
+	if got := recordIn(t, pool, k, keys...); !all(got, false) {
+		t.Fatalf("a compaction cut short: %d of %d keys taken for new", count(got, true), n)
+	}
+	if done, err := k.Compact(ctx, pool, 5*time.Second); err != nil || done != 1 {
+		t.Fatalf("compact = %d, %v; want generation 0 compacted", done, err)
+	}
+	var left, runs, after int64
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM kafkapg.idempotency_keys_0), (SELECT count(*) FROM kafkapg.idempotency_runs_0),
+			(SELECT sum(cardinality(keys)) FROM kafkapg.idempotency_runs_0), pg_total_relation_size('kafkapg.idempotency_runs_0')`).Scan(&left, &runs, new(int64), &after); err != nil {
+		t.Fatal(err)
+	}
+	var compacted int64
+	if err := pool.QueryRow(ctx, `SELECT sum(cardinality(keys)) FROM kafkapg.idempotency_runs_0`).Scan(&compacted); err != nil {
+		t.Fatal(err)
+	}
+	if left != 0 || compacted != n || runs < n/120 || runs > n/120+2 {
+		t.Errorf("after compaction: %d keys left in the table, %d in %d runs; want 0, %d in about %d", left, compacted, runs, n, n/120+1)
+	}
+	if got := recordIn(t, pool, k, keys...); !all(got, false) {
+		t.Errorf("after compaction: %d of %d keys taken for new", count(got, true), n)
+	}
+	if got := recordIn(t, pool, k, "not recorded", "neither"); !all(got, true) {
+		t.Errorf("keys never recorded: %v, want new", got)
+	}
+	t.Logf("%d keys: %d bytes in the table of keys, %d compacted (%.2fx)", n, before, after, float64(after)/float64(before))
+}
+
+func all(m map[string]bool, v bool) bool { return count(m, v) == len(m) }
+
+func count(m map[string]bool, v bool) int {
+	n := 0
+	for _, x := range m {
+		if x == v {
+			n++
+		}
+	}
+	return n
 }
