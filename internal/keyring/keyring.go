@@ -306,10 +306,26 @@ func (k *Ring) compactGeneration(ctx context.Context, pool *pgxpool.Pool, g int,
 			FROM (SELECT key_hash, (row_number() OVER (ORDER BY key_hash) - 1) / ` + strconv.Itoa(runSize) + ` AS run FROM c) AS s GROUP BY run) AS r
 			ON CONFLICT (lo) DO NOTHING)
 		SELECT (SELECT count(*) FROM c), (SELECT key_hash FROM c ORDER BY key_hash DESC LIMIT 1)`
+	// Each transaction first holds the ring's row (FOR SHARE): a turn, which takes it FOR UPDATE,
+	// cannot make g current, and empty it, in the middle of one; and one that finds g current
+	// (a turn came between two) stops, copying nothing more and emptying nothing.
+	stillPast := func(tx pgx.Tx) (bool, error) {
+		var current int
+		err := tx.QueryRow(ctx, `SELECT current FROM `+k.ring+` WHERE id = 0 FOR SHARE`).Scan(&current)
+		return current != g, err
+	}
 	for {
 		var n int
 		var last *[16]byte
-		if err := pool.QueryRow(ctx, chunk, from, compactChunk).Scan(&n, &last); err != nil {
+		past := true
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			var err error
+			if past, err = stillPast(tx); err != nil || !past {
+				return err
+			}
+			return tx.QueryRow(ctx, chunk, from, compactChunk).Scan(&n, &last)
+		})
+		if err != nil || !past {
 			return err
 		}
 		if n < compactChunk {
@@ -319,6 +335,9 @@ func (k *Ring) compactGeneration(ctx context.Context, pool *pgxpool.Pool, g int,
 	}
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, strconv.FormatInt(lockTimeout.Milliseconds(), 10)); err != nil {
+			return err
+		}
+		if past, err := stillPast(tx); err != nil || !past {
 			return err
 		}
 		_, err := tx.Exec(ctx, `TRUNCATE `+k.generation[g])

@@ -265,6 +265,18 @@ func TestKeyRingCompacts(t *testing.T) {
 	if err := pool.QueryRow(ctx, `SELECT pg_total_relation_size('kafkapg.idempotency_keys_0')`).Scan(&before); err != nil {
 		t.Fatal(err)
 	}
+	// The current generation is never compacted (as if a turn had made it current while a
+	// compaction of it went on): nothing copied, nothing emptied.
+	if err := k.compactGeneration(ctx, pool, 0, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	var inKeys, inRuns int
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM kafkapg.idempotency_keys_0), (SELECT count(*) FROM kafkapg.idempotency_runs_0)`).Scan(&inKeys, &inRuns); err != nil {
+		t.Fatal(err)
+	}
+	if inKeys != n || inRuns != 0 {
+		t.Fatalf("compacting the current generation: %d keys left in its table, %d runs; want %d and none", inKeys, inRuns, n)
+	}
 	dueNow(t, pool)
 	if _, err := k.Keep(ctx, pool, "g", threeDays, 5*time.Second); err != nil {
 		t.Fatal(err)
