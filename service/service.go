@@ -460,42 +460,11 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		defer stop()
 	}
 
-	// Postgres may not be up yet (pods start in any order): wait for it with backoff.
-	policy := backoff.Policy{Base: env.RetryBackoffBase, Max: env.RetryBackoffMax}
-	adapted := false
-	for failures := 1; ; failures++ {
-		var err error
-		if !adapted {
-			err = adapt(ctx, log)
-			adapted = err == nil
-		}
-		if err == nil {
-			err = processor.Migrate(ctx, pool, env.DBSchema)
-		}
-		if err == nil {
-			break
-		}
-		var cerr *configError
-		if errors.As(err, &cerr) {
-			return err
-		}
-		if ctx.Err() != nil {
-			return nil
-		}
-		if processor.Classify(err) != processor.ClassInfrastructure {
-			return fmt.Errorf("migrate schema %s: %w", env.DBSchema, err)
-		}
-		d := policy.Delay(failures)
-		log.Warn("waiting for postgres", "err", err, "retry_in", d)
-		if !backoff.Sleep(ctx, nil, d) {
-			return nil
-		}
-	}
-	if err := hs.setup(ctx, pool, env.handlersUsed()); err != nil {
-		if ctx.Err() != nil {
-			return nil // SIGTERM while the handlers' tables were set up: nothing started to finish
-		}
+	if err := prepareDatabase(ctx, pool, adapt, env.DBSchema, hs, env.handlersUsed(), backoff.Policy{Base: env.RetryBackoffBase, Max: env.RetryBackoffMax}, log); err != nil {
 		return err
+	}
+	if ctx.Err() != nil {
+		return nil // SIGTERM while starting: nothing started to finish
 	}
 
 	cfg := env.processorConfig(hs, log, reg)
@@ -512,6 +481,49 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		return fmt.Errorf("%w (KAFKA_CREATE_TOPICS=true lets the service create them)", err)
 	}
 	return err
+}
+
+// prepareDatabase adapts the pool to a pooler in front of Postgres (adapt), migrates kafkapg's
+// schema and sets up the tables of the handlers called names. Postgres may not be up yet (pods
+// start in any order), or be cut meanwhile: it waits for it with backoff. A failure of Postgres's
+// own (a wrong statement in a handler's Setup) stops it with the error; ctx's end, with nil.
+func prepareDatabase(ctx context.Context, pool *pgxpool.Pool, adapt func(context.Context, *slog.Logger) error, schema string, hs *registry, names []string,
+	policy backoff.Policy, log *slog.Logger) error {
+	adapted, migrated := false, false
+	for failures := 1; ; failures++ {
+		var err error
+		if !adapted {
+			err = adapt(ctx, log)
+			adapted = err == nil
+		}
+		if err == nil && !migrated {
+			if err = processor.Migrate(ctx, pool, schema); err != nil {
+				err = fmt.Errorf("migrate schema %s: %w", schema, err)
+			}
+			migrated = err == nil
+		}
+		if err == nil {
+			err = hs.setup(ctx, pool, names)
+		}
+		if err == nil {
+			return nil
+		}
+		var cerr *configError
+		if errors.As(err, &cerr) {
+			return err
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		if processor.Classify(err) != processor.ClassInfrastructure {
+			return err
+		}
+		d := policy.Delay(failures)
+		log.Warn("waiting for postgres", "err", err, "retry_in", d)
+		if !backoff.Sleep(ctx, nil, d) {
+			return nil
+		}
+	}
 }
 
 // The HTTP servers' timeouts: a client that sends nothing, reads nothing, or keeps an idle

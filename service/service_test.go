@@ -5,15 +5,21 @@ import (
 	"context"
 	"errors"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/backoff"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 )
 
@@ -240,5 +246,50 @@ func TestSetupConcurrently(t *testing.T) {
 				t.Fatalf("round %d: concurrent setup failed: %v", round, err)
 			}
 		}
+	}
+}
+
+// TestPrepareDatabaseWaitsThroughACutSetup: Postgres cut while a handler's tables are set up
+// (the chain's chaos run on Kafka found a processor exiting 1 with "set up the tables of handler
+// ledger-forward: conn closed") is waited for, as it is while the schema is migrated; a wrong
+// statement in a Setup stops the service with its error; SIGTERM (ctx's end) during a Setup is a
+// clean stop.
+func TestPrepareDatabaseWaitsThroughACutSetup(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Postgres(t)
+	ctx := context.Background()
+	noPooler := func(context.Context, *slog.Logger) error { return nil }
+	policy := backoff.Policy{Base: 5 * time.Millisecond, Max: 20 * time.Millisecond}
+	var calls atomic.Int32
+	hs, err := newRegistry([]Handler{
+		{Name: "cut", Handler: ledger.Handler{}, Setup: func(ctx context.Context, tx pgx.Tx) error {
+			if calls.Add(1) == 1 { // the first time, Postgres goes away under it
+				_, err := tx.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`)
+				return err
+			}
+			_, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS cut_setup (id int)`)
+			return err
+		}},
+		{Name: "wrong", Handler: ledger.Handler{}, Setup: SetupSQL(`CREATE TABLE wrong (`)},
+		{Name: "slow", Handler: ledger.Handler{}, Setup: SetupSQL(`SELECT pg_sleep(30)`)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var logs syncBuffer
+	log := slog.New(slog.NewTextHandler(&logs, nil))
+	if err := prepareDatabase(ctx, pool, noPooler, "kafkapg", hs, []string{"cut"}, policy, log); err != nil {
+		t.Fatalf("a Setup whose connection was cut: %v, want it tried again", err)
+	}
+	if calls.Load() != 2 || !strings.Contains(logs.String(), "waiting for postgres") {
+		t.Errorf("Setup ran %d times, logs %q; want twice, waiting for postgres between", calls.Load(), logs.String())
+	}
+	if err := prepareDatabase(ctx, pool, noPooler, "kafkapg", hs, []string{"wrong"}, policy, log); err == nil || !strings.Contains(err.Error(), "set up the tables of handler wrong") {
+		t.Errorf("a wrong statement in a Setup: %v, want the error", err)
+	}
+	stopped, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	if err := prepareDatabase(stopped, pool, noPooler, "kafkapg", hs, []string{"slow"}, policy, log); err != nil {
+		t.Errorf("SIGTERM during a Setup: %v, want a clean stop", err)
 	}
 }

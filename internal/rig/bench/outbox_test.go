@@ -547,6 +547,8 @@ func BenchmarkIdempotencyKeys(b *testing.B) {
 		peak := (cur + 3*comp) / 3
 		b.Logf("  deduplication state, per key: %.0f bytes in the current generation, %.1f compacted; at the ring's fullest %.0f per key of a retention; the layout before migration 8: %.0f (%.2fx)",
 			cur, comp, peak, before, peak/before)
+		b.Logf("  the tables after %d records: %.1f MB (current generation), %.1f MB compacted; the layout before: %.1f MB",
+			events, cur*float64(events)/1e6, comp*float64(events)/1e6, before*float64(events)/1e6)
 		b.ReportMetric(cur, "state_B/rec")
 		b.ReportMetric(comp, "compacted_B/rec")
 		b.ReportMetric(before, "state_before_B/rec")
