@@ -283,7 +283,7 @@ func (p *Processor) keysOn() bool {
 // once compacted, in rows of 120 sorted keys.
 const (
 	keyBytesCurrent   = 85
-	keyBytesCompacted = 17
+	keyBytesCompacted = 18
 )
 
 // keyBytesPeak is what the ring holds at its fullest, per key of a retention: the current

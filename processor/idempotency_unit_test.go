@@ -100,7 +100,7 @@ func TestHumanBytes(t *testing.T) {
 			t.Errorf("humanBytes(%v) = %q, want %q", n, got, want)
 		}
 	}
-	if got := keySizing(168 * time.Hour); !strings.Contains(got, "at 1,000 keyed records/s that is up to 27.2 GB") {
-		t.Errorf("keySizing(7 days) = %q, want the default's 27.2 GB", got)
+	if got := keySizing(168 * time.Hour); !strings.Contains(got, "at 1,000 keyed records/s that is up to 27.8 GB") {
+		t.Errorf("keySizing(7 days) = %q, want the default's 27.8 GB", got)
 	}
 }

@@ -39,7 +39,7 @@ const Generations = 4
 //
 // A generation no longer current takes no more keys, and is compacted (Compact): its keys are
 // copied, sorted, runSize to a row, into idempotency_runs_<n>, a range of hashes per
-// transaction, and then its table of keys is emptied: 17 bytes a key instead of 85. A key is in
+// transaction, and then its table of keys is emptied: 18 bytes a key instead of 85. A key is in
 // one table or the other (or both, while it is compacted), never neither.
 type Ring struct {
 	recordSQL  string // $1 the 16-byte hashes, $2 the full ones (the legacy table's); returns the new keys

@@ -7,7 +7,7 @@
 -- those 16 bytes with a probability below 10^-20 among the 1.8 billion keys of a week at 3,000
 -- records/s. A row is then its tuple header, the 16 bytes and a line pointer (44 bytes), plus its
 -- primary key's entry (28 bytes, in pages a random key leaves about 70 % full): about 85 bytes a
--- key while its generation is current, against about 235 in idempotency_keys; then 17 (below).
+-- key while its generation is current, against about 235 in idempotency_keys; then 18 (below).
 --
 -- One generation is current: keys are recorded in it and looked up in all four. Every
 -- IDEMPOTENCY_RETENTION / 3 (the longest retention any group of the schema asks for, see
@@ -24,7 +24,7 @@ CREATE TABLE idempotency_keys_3 (key_hash uuid PRIMARY KEY);
 
 -- A generation that is no longer current takes no new keys, and is compacted: its keys, sorted,
 -- 120 to a row (lo, the row's first key, the primary key; keys, a sorted array), which stays
--- under the size Postgres would move out of line (a row of about 2 kB, four to a page): about 17
+-- under the size Postgres would move out of line (a row of about 2 kB, four to a page): about 18
 -- bytes a key instead of 85. A key is looked up as the last row whose lo is not above it. The
 -- keys are copied a range of hashes at a time, then idempotency_keys_<n> is emptied (TRUNCATE):
 -- a key is in one table or the other, or both, never neither.
