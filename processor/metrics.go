@@ -40,6 +40,7 @@ type metrics struct {
 	tierRecords  *prometheus.GaugeVec
 	tierOverdue  *prometheus.GaugeVec
 	deadLetterDB prometheus.Gauge
+	oldestNew    prometheus.Gauge // the oldest new dead letter's age
 	deadLetters  *prometheus.GaugeVec
 	tasks        prometheus.Gauge
 	interrupted  prometheus.Gauge
@@ -226,6 +227,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "dead_letters_new",
 			Help: "Rows in the dead_letters table with status new (group-wide, from Postgres).",
 		}),
+		oldestNew: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "dead_letter_oldest_new_seconds",
+			Help: "How long the oldest dead letter with status new has waited for an operator to replay or discard it, since it was dead-lettered (group-wide, from Postgres); 0 if none.",
+		}),
 		breakerOpen: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: ns, Name: "circuit_breaker_open",
 			Help: "1 while this process's circuit breaker is open (failing records wait in place, probing), else 0.",
@@ -270,7 +275,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	for _, c := range []prometheus.Collector{m.breakerOpen, m.breakerOpened, m.breakerWaiting, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
 		m.fenced, m.forgotten, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.recordsHeld, m.duplicates, m.replayed, m.deadLetters, m.tasks, m.interrupted, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
-		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.stalled, m.internalErrors, m.stuckKeys,
+		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.oldestNew, m.stalled, m.internalErrors, m.stuckKeys,
 		m.outboxWaiting, m.outboxAside, m.outboxOldest, m.publishWait, m.dupKeys, m.keysPruned, m.keyRows, m.keyBytes,
 		m.preparing, m.prepareWait, m.prepareDuration} {
 		if err := reg.Register(c); err != nil {
@@ -333,6 +338,7 @@ func (m *metrics) setRetryStats(st retrytopics.Stats, tiers int) {
 	m.heldRecords.Set(float64(st.HeldRecords))
 	m.oldestHeld.Set(st.OldestHeld.Seconds())
 	m.deadLetterDB.Set(float64(st.DeadLetters["new"]))
+	m.oldestNew.Set(st.OldestNew.Seconds())
 	for _, s := range retrytopics.DeadLetterStatuses {
 		m.deadLetters.WithLabelValues(s).Set(float64(st.DeadLetters[s]))
 	}

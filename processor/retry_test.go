@@ -227,6 +227,9 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 			if got := r.Gauge("kafkapg_dead_letters_new"); got != 2 {
 				return fmt.Errorf("kafkapg_dead_letters_new = %v, want 2", got)
 			}
+			if age := r.Gauge("kafkapg_dead_letter_oldest_new_seconds"); age <= 0 || age > 60 {
+				return fmt.Errorf("kafkapg_dead_letter_oldest_new_seconds = %v, want the age of the oldest new dead letter (> 0, under a minute here)", age)
+			}
 			return nil
 		})
 

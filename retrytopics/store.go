@@ -627,7 +627,10 @@ type Stats struct {
 	OldestHeld  time.Duration // age of the oldest held record; 0 if none
 	Tiers       map[int]TierStats
 	// DeadLetters counts dead_letters rows by status (see DeadLetterStatuses).
-	DeadLetters  map[string]int
+	DeadLetters map[string]int
+	// OldestNew is how long the oldest dead letter with status new has waited for an operator
+	// (since it was dead-lettered); 0 if none.
+	OldestNew    time.Duration
 	TasksRunning int // replay and discard tasks not finished
 	// TasksInterrupted counts the running tasks whose runner has not heart-beat for 15 s (its
 	// lease, see internal/ops): it stopped halfway, and the task waits to be resumed.
@@ -649,7 +652,7 @@ type TierStats struct {
 // Stats reads the group's retry path state.
 func (s *Store) Stats(ctx context.Context, q Querier) (Stats, error) {
 	st := Stats{Tiers: map[int]TierStats{}, DeadLetters: map[string]int{}}
-	var oldest float64
+	var oldest, oldestNew float64
 	err := q.QueryRow(ctx, `SELECT
 			(SELECT count(*) FROM `+s.heldKeys+` WHERE consumer_group = $1),
 			(SELECT count(*) FROM `+s.heldKeys+` WHERE consumer_group = $1 AND state = 'blocked'),
@@ -658,12 +661,15 @@ func (s *Store) Stats(ctx context.Context, q Querier) (Stats, error) {
 
 			(SELECT count(*) FROM `+s.tasks+` WHERE consumer_group = $1 AND status = 'running'),
 			(SELECT count(*) FROM `+s.tasks+` WHERE consumer_group = $1 AND status = 'running'
-				AND (heartbeat_at IS NULL OR heartbeat_at < now() - interval '15 seconds'))`, s.group).
-		Scan(&st.HeldKeys, &st.BlockedKeys, &st.HeldRecords, &oldest, &st.TasksRunning, &st.TasksInterrupted)
+				AND (heartbeat_at IS NULL OR heartbeat_at < now() - interval '15 seconds')),
+			(SELECT coalesce(extract(epoch FROM now() - min(dead_lettered_at)), 0)::float8 FROM `+s.deadLetters+`
+				WHERE consumer_group = $1 AND status = 'new')`, s.group).
+		Scan(&st.HeldKeys, &st.BlockedKeys, &st.HeldRecords, &oldest, &st.TasksRunning, &st.TasksInterrupted, &oldestNew)
 	if err != nil {
 		return st, fmt.Errorf("read retry path stats: %w", err)
 	}
 	st.OldestHeld = time.Duration(oldest * float64(time.Second))
+	st.OldestNew = time.Duration(max(oldestNew, 0) * float64(time.Second))
 	rows, err := q.Query(ctx, `SELECT status, count(*) FROM `+s.deadLetters+` WHERE consumer_group = $1 GROUP BY status`, s.group)
 	if err != nil {
 		return st, fmt.Errorf("read dead letter stats: %w", err)

@@ -273,7 +273,7 @@ func TestAlertRules(t *testing.T) {
 
 // groupGauges are the gauges every replica reports with the same, group-wide value: summing
 // them over replicas multiplies them by the replica count.
-var groupGauges = regexp.MustCompile(`^kafkapg_(consumer_lag_records|retry_tier_records|retry_tier_lag_seconds|held_keys|blocked_keys|held_records|oldest_held_record_age_seconds|dead_letters_new)$`)
+var groupGauges = regexp.MustCompile(`^kafkapg_(consumer_lag_records|retry_tier_records|retry_tier_lag_seconds|held_keys|blocked_keys|held_records|oldest_held_record_age_seconds|dead_letters_new|dead_letter_oldest_new_seconds)$`)
 
 // checkNoSumOfGroupGauges fails if expr sums a group-wide gauge directly: it must take max (or
 // min) over replicas first.

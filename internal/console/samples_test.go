@@ -25,6 +25,7 @@ type process struct {
 	fenced, infraRetries, internalErrors prometheus.Counter
 	lag, stalled, stuck, tierLag         *prometheus.GaugeVec
 	ready, breaker, newDeadLetters       prometheus.Gauge
+	oldestNew                            prometheus.Gauge
 	oldestHeld, interrupted              prometheus.Gauge
 	outboxSetAside, outboxOldest         prometheus.Gauge
 	idempotencyBytes                     prometheus.Gauge
@@ -55,6 +56,7 @@ func newProcess() *process {
 		ready:            gauge("kafkapg_ready").WithLabelValues(),
 		breaker:          gauge("kafkapg_circuit_breaker_open").WithLabelValues(),
 		newDeadLetters:   gauge("kafkapg_dead_letters_new").WithLabelValues(),
+		oldestNew:        gauge("kafkapg_dead_letter_oldest_new_seconds").WithLabelValues(),
 		oldestHeld:       gauge("kafkapg_oldest_held_record_age_seconds").WithLabelValues(),
 		interrupted:      gauge("kafkapg_tasks_interrupted").WithLabelValues(),
 		outboxSetAside:   gauge("kafkapg_outbox_set_aside_records").WithLabelValues(),
@@ -359,10 +361,16 @@ func TestAlerts(t *testing.T) {
 		{name: "no record dead-lettered", alert: "KafkapgDeadLettersGrowing",
 			step: func(p *process, i int) { p.deadLettered.WithLabelValues("orders", "permanent") }},
 
-		{name: "new dead letters", alert: "KafkapgDeadLettersUnhandled", for_: 24 * time.Hour, holds: true, summary: "3 dead letters",
-			step: func(p *process, i int) { p.newDeadLetters.Set(3) }},
+		{name: "a dead letter new for over a day", alert: "KafkapgDeadLettersUnhandled", for_: 10 * time.Minute, holds: true, summary: "A dead letter has waited 25h",
+			step: func(p *process, i int) {
+				p.newDeadLetters.Set(3)
+				p.oldestNew.Set((25*time.Hour + time.Duration(i)*every).Seconds())
+			}},
+		// A steady trickle handled within the hour: there are always new dead letters, none old.
+		{name: "new dead letters, none a day old", alert: "KafkapgDeadLettersUnhandled",
+			step: func(p *process, i int) { p.newDeadLetters.Set(3); p.oldestNew.Set(float64(i%60) * 60) }},
 		{name: "no new dead letter", alert: "KafkapgDeadLettersUnhandled",
-			step: func(p *process, i int) { p.newDeadLetters.Set(0) }},
+			step: func(p *process, i int) { p.newDeadLetters.Set(0); p.oldestNew.Set(0) }},
 
 		{name: "a task interrupted", alert: "KafkapgReplayTaskInterrupted", for_: 10 * time.Minute, holds: true, summary: "1 replay",
 			step: func(p *process, i int) { p.interrupted.Set(1) }},
