@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -310,7 +311,7 @@ func (p *Processor) dedupeStreams(ctx context.Context, tx pgx.Tx, source string,
 		if !s.fresh {
 			continue
 		}
-		if err := p.meetStream(ctx, source, recs[byID[id].recs[0].i].Partition, s, byID[id].st, byRoot[s.root]); err != nil {
+		if err := p.meetStream(ctx, tx, source, recs[byID[id].recs[0].i].Partition, s, byID[id].st, byRoot[s.root]); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -407,7 +408,7 @@ const forkBack = 5 * time.Minute
 // stream is known here), the records of its lineage it may repeat are read again from Kafka
 // (handleFork): the keys of those applied here are recorded, and s's horizon set, for the
 // decision to use.
-func (p *Processor) meetStream(ctx context.Context, source string, partition int32, s *streamState, st sink.Stream, lineage []*streamState) error {
+func (p *Processor) meetStream(ctx context.Context, tx pgx.Tx, source string, partition int32, s *streamState, st sink.Stream, lineage []*streamState) error {
 	var from int64 = -1
 	s.successor = s.forkSeq > 0
 	for _, o := range lineage {
@@ -428,7 +429,7 @@ func (p *Processor) meetStream(ctx context.Context, source string, partition int
 			s.horizon = max(s.horizon, o.horizon)
 		}
 	}
-	horizon, err := p.handleFork(ctx, source, partition, s, st, from, lineage)
+	horizon, err := p.handleFork(ctx, tx, source, partition, s, st, from, lineage)
 	if err != nil {
 		return err
 	}
@@ -442,7 +443,7 @@ func (p *Processor) meetStream(ctx context.Context, source string, partition int
 // records, in a transaction of its own, the keys (message ids) of those applied here: a repeat of
 // one of them under s's numbers is then found by its key. It returns the highest source offset
 // among the records read.
-func (p *Processor) handleFork(ctx context.Context, source string, partition int32, s *streamState, st sink.Stream, from int64, lineage []*streamState) (int64, error) {
+func (p *Processor) handleFork(ctx context.Context, tx pgx.Tx, source string, partition int32, s *streamState, st sink.Stream, from int64, lineage []*streamState) (int64, error) {
 	cl := p.client.Load()
 	if cl == nil {
 		return 0, own(errors.New("streams: a fork to read again, and no kafka client"))
@@ -466,7 +467,7 @@ func (p *Processor) handleFork(ctx context.Context, source string, partition int
 	}
 	horizon := int64(-1)
 	var keys [][32]byte
-	read, err := p.readRange(ctx, source, partition, from, s.firstOffset, func(r *kgo.Record) {
+	read, err := p.readKeepingTx(ctx, tx, source, partition, from, s.firstOffset, func(r *kgo.Record) {
 		o, ok := sink.ParseStream(r.Headers)
 		if !ok || o.Root != s.root {
 			return
@@ -505,6 +506,41 @@ func (p *Processor) handleFork(ctx context.Context, source string, partition int
 	return horizon, nil
 }
 
+// readKeepingTx is readRange while tx, the batch transaction that waits for it, is kept from
+// Postgres's idle timeout (Config.TxIdleTimeout: a lost sibling read back from its first record
+// may take longer): a statement every third of it. fn runs in the reading goroutine.
+func (p *Processor) readKeepingTx(ctx context.Context, tx pgx.Tx, topic string, partition int32, from, to int64, fn func(*kgo.Record)) (int, error) {
+	type result struct {
+		n   int
+		err error
+	}
+	readCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan result, 1)
+	go func() {
+		n, err := p.readRange(readCtx, topic, partition, from, to, fn)
+		done <- result{n, err}
+	}()
+	keep := time.NewTicker(max(p.cfg.TxIdleTimeout/3, 10*time.Millisecond))
+	defer keep.Stop()
+	for {
+		select {
+		case r := <-done:
+			return r.n, r.err
+		case <-keep.C:
+			if _, err := tx.Exec(ctx, `SELECT 1`); err != nil {
+				cancel()
+				<-done
+				return 0, fmt.Errorf("keep the transaction while reading back: %w", err)
+			}
+		}
+	}
+}
+
+// readBackPause slows readRange down by that much a record, for a test of a read back longer
+// than the transaction's idle timeout; 0 otherwise.
+var readBackPause atomic.Int64
+
 // readRange reads the records of topic's partition from offset from up to (not including) to,
 // with a client of its own, and gives each to fn. It returns how many it read.
 func (p *Processor) readRange(ctx context.Context, topic string, partition int32, from, to int64, fn func(*kgo.Record)) (int, error) {
@@ -540,6 +576,9 @@ func (p *Processor) readRange(ctx context.Context, topic string, partition int32
 				return
 			}
 			n++
+			if d := readBackPause.Load(); d > 0 {
+				time.Sleep(time.Duration(d))
+			}
 			fn(r)
 			done = done || r.Offset >= to-1
 		})

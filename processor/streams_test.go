@@ -269,3 +269,52 @@ func mustAtoi(t *testing.T, s string) int {
 	}
 	return n
 }
+
+// TestForkReadBackOutlivesTheIdleTimeout: reading a fork's parent back from Kafka can take longer
+// than the batch transaction's idle timeout (Config.TxIdleTimeout, which Postgres enforces): the
+// transaction is kept alive meanwhile, or it would be ended, retried, ended again, for ever.
+func TestForkReadBackOutlivesTheIdleTimeout(t *testing.T) {
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	ctx := context.Background()
+	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	cfg := h.Config(midRecorder{})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
+	cfg.TxIdleTimeout = 400 * time.Millisecond
+	h.Start(cfg)
+	a := func(seq int) *kgo.Record {
+		return streamRec(h.Topic, streamA, seq, rootR, 10*seq, "", "m"+strconv.Itoa(seq), "ok")
+	}
+	k.Produce(t, a(1), a(2), a(3), a(4))
+	testenv.Eventually(t, 20*time.Second, func() error {
+		var n int
+		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM got`).Scan(&n); err != nil || n != 4 {
+			return fmt.Errorf("%d applied (%v), want 4", n, err)
+		}
+		return nil
+	})
+	defer processor.SetReadBackPause(300 * time.Millisecond)() // 4 records read back: 1.2 s
+	forkAt := strconv.FormatInt(time.Now().Add(-time.Minute).UnixMilli(), 10)
+	z := func(seq, offset int, mid string) *kgo.Record {
+		return streamRec(h.Topic, streamZ, seq, rootR, offset, " "+streamA+" 1 "+forkAt, mid, "ok")
+	}
+	k.Produce(t, z(1, 20, "m2"), z(2, 30, "m3"), z(3, 40, "m4"), z(4, 50, "m5"))
+	testenv.Eventually(t, 30*time.Second, func() error {
+		rows, _ := h.Pool.Query(ctx, `SELECT mid, count(*) FROM got GROUP BY mid ORDER BY mid`)
+		got, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (string, error) {
+			var mid string
+			var n int
+			err := r.Scan(&mid, &n)
+			return fmt.Sprintf("%s:%d", mid, n), err
+		})
+		if err != nil {
+			return err
+		}
+		if want := "[m1:1 m2:1 m3:1 m4:1 m5:1]"; fmt.Sprint(got) != want {
+			return fmt.Errorf("applied %v, want %s: the fork's repeats skipped, m5 applied", got, want)
+		}
+		return nil
+	})
+}
