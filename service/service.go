@@ -343,20 +343,9 @@ func openPool(ctx context.Context, env *dbEnv, opts ...func(*pgxpool.Config)) (p
 // serve runs the processor service until ctx is done: it waits for Postgres, migrates, sets up
 // the handlers' tables, serves /metrics, /healthz and /readyz on HTTP_ADDR, and processes records.
 func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error {
-	// The Go runtime does not know its container's memory limit: without a soft limit, the
-	// garbage collector lets the heap grow to twice what is live, which a memory-limited pod pays
-	// for with an OOM kill. GOMEMLIMIT, if set, wins.
-	if limit, err := memlimit.Set(memlimit.WithLogger(log)); err != nil {
+	if limit, gogc, err := setSoftMemoryLimit(memlimit.FromCgroup, log); err != nil {
 		log.Warn("cannot read the container's memory limit; GOMEMLIMIT not set", "err", err)
 	} else if limit < math.MaxInt64 {
-		gogc := os.Getenv("GOGC")
-		if gogc == "" {
-			// Under a soft limit the heap may grow further between collections: the limit, not
-			// GOGC, bounds it. Draining a backlog, GOGC=100's collections cost a tenth of the
-			// drain rate (BenchmarkBacklogMemory).
-			debug.SetGCPercent(gcPercentUnderLimit)
-			gogc = strconv.Itoa(gcPercentUnderLimit)
-		}
 		log.Info("soft memory limit", "gomemlimit_bytes", limit, "gogc", gogc, "max_buffered_bytes", env.MaxBufferedBytes)
 	}
 	// The shutdown bound is the binary's: SHUTDOWN_TIMEOUT from the signal to the exit, whatever
@@ -624,9 +613,37 @@ func serveConsole(ctx context.Context, env *env, concurrency map[string]int, poo
 	}, nil
 }
 
-// gcPercentUnderLimit is the garbage collector's GOGC when a soft memory limit is set and GOGC is
-// not.
-const gcPercentUnderLimit = 300
+// The soft memory limit's share of the container's, and the garbage collector's GOGC under a soft
+// limit when GOGC is not set.
+const (
+	memoryLimitShare    = 0.9
+	gcPercentUnderLimit = 300
+)
+
+// setSoftMemoryLimit sets the Go runtime's soft memory limit to memoryLimitShare of what
+// containerLimit reports (memlimit.FromCgroup: the memory limit of the process's cgroup, v1 or
+// v2), unless GOMEMLIMIT is set, which wins; and, under a soft limit (the container's or
+// GOMEMLIMIT's), GOGC to gcPercentUnderLimit unless GOGC is set. It returns the soft limit in
+// force (math.MaxInt64: none; then GOGC is left alone) and the GOGC in force.
+//
+// The Go runtime does not know its container's memory limit: without a soft limit, the garbage
+// collector lets the heap grow to twice what is live, which a memory-limited pod pays for with an
+// OOM kill.
+func setSoftMemoryLimit(containerLimit memlimit.Provider, log *slog.Logger) (limit int64, gogc string, err error) {
+	limit, err = memlimit.Set(memlimit.WithProvider(containerLimit), memlimit.WithRatio(memoryLimitShare), memlimit.WithLogger(log))
+	if err != nil || limit == math.MaxInt64 {
+		return limit, "", err
+	}
+	gogc = os.Getenv("GOGC")
+	if gogc == "" {
+		// Under a soft limit the heap may grow further between collections: the limit, not
+		// GOGC, bounds it. Draining a backlog, GOGC=100's collections cost a tenth of the
+		// drain rate (BenchmarkBacklogMemory).
+		debug.SetGCPercent(gcPercentUnderLimit)
+		gogc = strconv.Itoa(gcPercentUnderLimit)
+	}
+	return limit, gogc, nil
+}
 
 // servePprof serves Go's profiles (net/http/pprof) on addr, a listener of their own so that they
 // are never exposed where the metrics are scraped. It returns a function that closes it.
