@@ -67,9 +67,15 @@ chaos-pgbouncer: build ## make chaos with the processors behind PgBouncer (Debia
 	$(GO) build -o $(BIN)/ ./internal/rig/chaos
 	scripts/with-postgres.sh DATABASE_URL $(BIN)/chaos -postgres pgbouncer $(CHAOS_FLAGS)
 
+# BENCH picks the benchmarks (a regexp: `make bench BENCH='IdempotencyKeys|ChainDedupe'`). Each reads
+# its sizes from the environment (BENCH_EVENTS, BENCH_ROUNDS, BENCH_BACKLOG_EVENTS,
+# BENCH_BACKLOG_PARTITIONS, BENCH_BASELINE_BIN, BENCH_REPLAY_EVENTS, ...; see each benchmark's doc
+# comment), which make passes on: `BENCH_BACKLOG_EVENTS=10000000 make bench BENCH=BacklogMemory`.
+BENCH ?= .
+
 .PHONY: bench
-bench: ## End-to-end throughput: kafkapg vs hand-written loops on the same data (durable Postgres)
-	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test -run '^$$' -bench . -benchtime 1x -count 1 -timeout 60m ./internal/rig/bench/
+bench: ## End-to-end throughput and memory: kafkapg vs hand-written loops on the same data (durable Postgres); BENCH=<regexp> picks
+	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test -run '^$$' -bench '$(BENCH)' -benchtime 1x -count 1 -timeout 60m ./internal/rig/bench/
 
 .PHONY: lint
 lint: ## gofmt check, go.mod tidy check and go vet (staticcheck too if installed)

@@ -37,8 +37,9 @@
 //     progress shows in kafkapg_stalled_partitions or kafkapg_stuck_keys with the cause.
 //   - Only committed records are applied (read_committed: an aborted Kafka transaction's records
 //     never are), whatever bytes they carry.
-//   - Memory stays within Config.MaxBufferedBytes for fetched records, across all partitions,
-//     whatever the backlog.
+//   - Fetched records are counted against Config.MaxBufferedBytes, across all partitions,
+//     whatever the backlog: fetching stops once they reach it, so they exceed it by one poll at
+//     most (docs/guarantees.md, Memory, has the whole bound).
 //   - What a handler emits with Record.Emit is published to Kafka if and only if its transaction
 //     commits, a key's records in commit order, each with a message id that is the same however
 //     often the record is handled (see package sink). On a topic with an idempotency key
