@@ -5,8 +5,9 @@
 // The row (consumer_group, topic, partition) in the offsets table holds next_offset, the first
 // offset not yet processed. The processor advances it inside the same transaction as the
 // handler's effects (see package sink), so after any crash the stored offset and the effects agree:
-// a batch is either applied and skipped past, or neither. Kafka's own committed offset is only
-// advisory (lag tools read it); on assignment a worker resumes from next_offset.
+// a batch is either applied and skipped past, or neither. Kafka's own committed offset is advisory
+// where that row exists (lag tools read it); on assignment a worker resumes from next_offset, and
+// reads Kafka's only for a partition without a row (below).
 //
 // A partition's first owner resolves where it starts (Kafka's committed offset if another
 // consumer of the group made it, otherwise the log's start or end as configured; a retry tier

@@ -8,7 +8,9 @@
 // the Handler's effects and the partition's next offset (package sink); partitions run
 // concurrently, bounded by the connection pool. On assignment the processor claims the partition
 // in Postgres, which fences any previous owner (package offsets), and resumes from the offset
-// stored there. Kafka offsets are committed after the Postgres commits, for lag tools only.
+// stored there. Kafka offsets are committed after the Postgres commits: lag tools read them, and
+// the processor reads them only for a partition with no row in Postgres (another consumer's commit
+// is where it starts; kafkapg's own means the database forgot the partition: see package offsets).
 //
 // # What it guarantees
 //

@@ -9,7 +9,8 @@ import (
 	"github.com/kafkapg/kafkapg/offsets"
 )
 
-// The offsets kafkapg commits to Kafka are advisory (lag tools read them), and they are committed
+// The offsets kafkapg commits to Kafka are advisory where Postgres has the partition's row (lag
+// tools read them; a partition without one reads them, see offsets' doc), and they are committed
 // after Postgres's. A database can therefore forget what Kafka still remembers: a failover to an
 // asynchronous standby loses the commits the standby had not received, and a restore from a backup
 // loses everything after the backup. Where Postgres still has the partition's row, its position
