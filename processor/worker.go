@@ -367,6 +367,9 @@ func (w *worker) run() {
 			default:
 				err = w.applyRange(recs)
 				w.win.applied(recs)
+				if err == nil {
+					err = injectedBug(w.tp)
+				}
 			}
 			continue
 		}
@@ -380,6 +383,9 @@ func (w *worker) run() {
 		}
 		err = w.applyRange(w.records(batch))
 		w.release()
+		if err == nil {
+			err = injectedBug(w.tp)
+		}
 	}
 	switch {
 	case errors.Is(err, errStopped):
@@ -406,6 +412,19 @@ func (w *worker) run() {
 		w.stop()
 		w.p.fail(fmt.Errorf("partition %s: %w", w.tp, err))
 	}
+}
+
+// workerBug, set only by tests (SetWorkerBug), returns an error that cannot happen, as if a worker
+// had met a bug after applying a batch of tp: what the default case of run does with it is
+// tested. Nil in production: one atomic load per batch.
+var workerBug atomic.Pointer[func(tp offsets.Partition) error]
+
+// injectedBug returns workerBug's error for tp, or nil.
+func injectedBug(tp offsets.Partition) error {
+	if bug := workerBug.Load(); bug != nil {
+		return (*bug)(tp)
+	}
+	return nil
 }
 
 // verifyBatch is what take returns when the worker is to check its position (requestVerify).
