@@ -111,7 +111,6 @@ type Config struct {
 	StartOffset StartOffset
 
 	// BatchMaxRecords is the most records applied in one transaction. Defaults to 500.
-	//
 	BatchMaxRecords int
 	// BatchMaxWait is how long, at most, a partition waits for its batch to fill, and it waits
 	// only while Postgres is busy (every connection of the pool in use): then its transaction
@@ -128,19 +127,21 @@ type Config struct {
 	Concurrency int
 	// MaxBufferedBytes bounds the memory that fetched records take while they wait to be applied
 	// or are being applied, across all partitions (source and retry tiers): fetching stops while
-	// they cost this much, and each partition pauses at its equal share of it (resuming at half),
-	// so one partition that cannot move on does not starve the others. A record costs its key,
-	// value and headers plus about 400 bytes of bookkeeping. franz-go's fetch buffers come on
-	// top: at most one fetch per broker of up to an eighth of this (docs/guarantees.md has the
-	// whole bound). Defaults to 64 MiB.
+	// they cost this much, and each partition pauses at its share of it (resuming at half), which
+	// is at most a quarter once 4 partitions or more are assigned, so that one partition that
+	// cannot move on does not starve the others. A record costs its key, value and headers plus
+	// 448 bytes of bookkeeping, and 56 more for each header. franz-go's fetches come on top: at
+	// most one per broker, of max(MaxBufferedBytes/32, 1 MiB) and at most 50 MiB
+	// (docs/guarantees.md, "Memory", has the shares and the whole bound). At least 1 MiB.
+	// Defaults to 64 MiB.
 	MaxBufferedBytes int
 
 	// RetryTiers are the delays of the retry tiers. A record that still fails with a retryable
 	// error after its local attempts goes to tier 1 (topic {topic}.{group}.retry.1), is tried again
 	// (delivery Attempt 2) once the tier's delay (plus up to 10% jitter) has passed, then goes to
-	// tier 2, and so on; after the last tier it is dead-lettered. nil means DefaultRetryTiers
-	// (1s, 10s, 1m); an empty, non-nil slice means no tiers: records are dead-lettered after
-	// their local attempts.
+	// tier 2, and so on; after the last tier it is dead-lettered. An empty, non-nil slice means no
+	// tiers: records are dead-lettered after their local attempts. nil defaults to 1s, 10s, 1m
+	// (DefaultRetryTiers).
 	RetryTiers []time.Duration
 	// OnDeadLetter says what happens to a key's later records once one of its records has been
 	// dead-lettered: OnDeadLetterSkip (they are applied) or OnDeadLetterBlock (they are held until
@@ -158,7 +159,7 @@ type Config struct {
 	// Defaults to (0) the source topic's own setting, if it has one, and otherwise the broker's.
 	TopicMinInsyncReplicas int
 
-	// MaxRecordBytes bounds the key and value of a record, together. A larger record is
+	// MaxRecordBytes bounds the key, value and headers of a record, together. A larger record is
 	// dead-lettered at once (ErrRecordTooLarge, class permanent) without reaching the handler;
 	// its copy in the DLQ topic carries no value (header kafkapg-value-omitted gives its size),
 	// and its dead_letters row keeps it whole. Defaults to 1 MiB.
@@ -173,7 +174,6 @@ type Config struct {
 	// infrastructure failure. Defaults to 200ms.
 	BackoffBase time.Duration
 	// BackoffMax caps the retry delay. Defaults to 5s, or BackoffBase if that is larger.
-	//
 	BackoffMax time.Duration
 
 	// GroupProtocol is the consumer group protocol: GroupProtocolAuto (Kafka 4's consumer
@@ -181,15 +181,16 @@ type Config struct {
 	// to GroupProtocolAuto.
 	GroupProtocol GroupProtocol
 	// SessionTimeout is the Kafka group session timeout: how long a silent member keeps its
-	// partitions. Under the consumer protocol it is the group's, kept by the broker: the
-	// processor asks the broker to set it (and a heartbeat interval of a third of it, at most
-	// 500ms) for the group, and logs a warning if the broker refuses (its limits, missing
-	// permission), in which case the broker's own apply. Defaults to 45s.
+	// partitions. The heartbeat interval is min(500ms, SessionTimeout/3): 500ms at the default.
+	// Under the classic protocol members heartbeat that often. Under the consumer protocol both
+	// are the group's, kept by the broker: the processor asks the broker to set them for the
+	// group, and logs a warning if the broker refuses (its limits, missing permission), in which
+	// case the broker's own apply. A broker with default settings refuses: its
+	// group.consumer.min.heartbeat.interval.ms is 5s. Defaults to 45s.
 	SessionTimeout time.Duration
 	// RebalanceTimeout is how long the group waits for members to rejoin during a rebalance.
 	// A member that died mid-rebalance holds up the whole group until it passes, so it is kept
 	// short; it must exceed HandoffTimeout, the longest a revoke takes. Defaults to 30s.
-	//
 	RebalanceTimeout time.Duration
 	// HandoffTimeout is how long a partition handed off (revoked, or its processor stopping)
 	// waits for its transaction in flight to finish before abandoning it (it is rolled back and
@@ -206,8 +207,8 @@ type Config struct {
 	// a held key may go without progress before it counts as stuck (kafkapg_stuck_keys). Defaults
 	// to 2m.
 	StallTimeout time.Duration
-	// ShutdownTimeout bounds Run's shutdown after ctx is done: handing off the partitions, final commits, leaving the
-	// group. Defaults to 10s.
+	// ShutdownTimeout bounds Run's shutdown after ctx is done: handing off the partitions, final
+	// commits, leaving the group. Defaults to 10s.
 	ShutdownTimeout time.Duration
 
 	// BreakerDisabled turns the circuit breaker off: retryable failures always go on to the
@@ -226,10 +227,12 @@ type Config struct {
 	// BreakerMinRecords is how many records the window must hold before the breaker may open.
 	// Defaults to 20.
 	BreakerMinRecords int
-	// BreakerProbeInterval and BreakerProbeMax space the probes of an open breaker. Default to 1s
-	// and 30s.
+	// BreakerProbeInterval is the first interval between the probes of an open breaker; it
+	// doubles after each failed probe, up to BreakerProbeMax. Defaults to 1s.
 	BreakerProbeInterval time.Duration
-	BreakerProbeMax      time.Duration
+	// BreakerProbeMax caps the interval between probes. Defaults to 30s, or BreakerProbeInterval
+	// if that is larger.
+	BreakerProbeMax time.Duration
 
 	// IdempotencyRetention is how long the idempotency keys of applied records are kept
 	// (TopicPolicy.IdempotencyKey): a copy of a record arriving later than that after it is

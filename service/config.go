@@ -51,7 +51,7 @@ type env struct {
 	ConsoleAddr          string        `envconfig:"CONSOLE_ADDR"`
 	ConsoleUsers         string        `envconfig:"CONSOLE_USERS"`
 	ConsoleTokens        string        `envconfig:"CONSOLE_TOKENS"`
-	ConsoleHideValues    bool          `envconfig:"CONSOLE_HIDE_VALUES"`
+	ConsoleHideValues    bool          `envconfig:"CONSOLE_HIDE_VALUES" default:"false"`
 	ConsoleSampleEvery   time.Duration `envconfig:"CONSOLE_SAMPLE_INTERVAL" default:"15s"`
 	TraceURL             string        `envconfig:"TRACE_URL"`
 	BatchMaxRecords      int           `envconfig:"BATCH_MAX_RECORDS" default:"500" field:"BatchMaxRecords"`
