@@ -740,9 +740,6 @@ func (e *env) handlersUsed() []string {
 
 // consoleLogins parses CONSOLE_USERS and CONSOLE_TOKENS (either may be empty).
 func (e *env) consoleLogins() (users, tokens []console.User, err error) {
-	if err := errors.Join(loginEntries("CONSOLE_USERS", e.ConsoleUsers, "password"), loginEntries("CONSOLE_TOKENS", e.ConsoleTokens, "token")); err != nil {
-		return nil, nil, err
-	}
 	if e.ConsoleUsers != "" {
 		if users, err = console.ParseUsers(e.ConsoleUsers); err != nil {
 			return nil, nil, fmt.Errorf("CONSOLE_USERS: %w", err)
@@ -754,30 +751,4 @@ func (e *env) consoleLogins() (users, tokens []console.User, err error) {
 		}
 	}
 	return users, tokens, nil
-}
-
-// loginEntries checks that each entry of value, the variable name's comma-separated
-// name:role:secret entries (CONSOLE_USERS, CONSOLE_TOKENS), has a name and a role, before
-// console.ParseUsers reads them. A secret may hold colons (it is everything after the second),
-// but entries are split on commas and trimmed: a secret with a comma leaves a piece without the
-// name:role: prefix, which this names, where ParseUsers, reading entry by entry, would first
-// refuse the piece before the comma as too short a secret. Nothing of an entry is echoed: it may
-// be a secret.
-func loginEntries(name, value, secret string) error {
-	commas := fmt.Sprintf("entries are separated by commas, so a %s cannot contain one", secret)
-	for i, entry := range strings.Split(value, ",") {
-		entry = strings.TrimSpace(entry)
-		if entry == "" {
-			continue
-		}
-		user, rest, ok1 := strings.Cut(entry, ":")
-		role, _, ok2 := strings.Cut(rest, ":")
-		switch {
-		case !ok1 || !ok2 || user == "":
-			return fmt.Errorf("%s: entry %d: want name:role:%s (%s)", name, i+1, secret, commas)
-		case console.Role(role) != console.Viewer && console.Role(role) != console.Operator:
-			return fmt.Errorf("%s: entry %d: its second field, the role, must be viewer or operator (want name:role:%s); %s", name, i+1, secret, commas)
-		}
-	}
-	return nil
 }

@@ -59,8 +59,13 @@ func ParseUsers(s string) ([]User, error) { return parseLogins(s, "user", "passw
 func ParseTokens(s string) ([]User, error) { return parseLogins(s, "token", "token", 16) }
 
 func parseLogins(s, what, secret string, minLen int) ([]User, error) {
+	// Every entry's shape is checked before any secret's length: a secret holding a comma splits
+	// its entry in two, and the piece after the comma, with no name:role: prefix, is the fault to
+	// name; read in order, the piece before it would first be refused as too short a secret.
+	// Nothing of an entry is echoed: it may be a secret (an entry in the wrong order has it as
+	// its role).
+	commas := fmt.Sprintf("entries are separated by commas, so a %s cannot contain one", secret)
 	var users []User
-	seen := map[string]bool{}
 	for i, entry := range strings.Split(s, ",") {
 		entry = strings.TrimSpace(entry)
 		if entry == "" {
@@ -69,21 +74,22 @@ func parseLogins(s, what, secret string, minLen int) ([]User, error) {
 		name, rest, ok1 := strings.Cut(entry, ":")
 		role, password, ok2 := strings.Cut(rest, ":")
 		if !ok1 || !ok2 || name == "" {
-			// Nothing of the entry is echoed: it may be a secret.
-			return nil, fmt.Errorf("entry %d: want name:role:%s", i+1, secret)
+			return nil, fmt.Errorf("entry %d: want name:role:%s (%s)", i+1, secret, commas)
 		}
 		if Role(role) != Viewer && Role(role) != Operator {
-			// Not echoed either: an entry in the wrong order has its secret there.
-			return nil, fmt.Errorf("entry %d: its second field, the role, must be viewer or operator (want name:role:%s)", i+1, secret)
+			return nil, fmt.Errorf("entry %d: its second field, the role, must be viewer or operator (want name:role:%s); %s", i+1, secret, commas)
 		}
-		if len(password) < minLen {
-			return nil, fmt.Errorf("%s %q: the %s must be at least %d characters", what, name, secret, minLen)
-		}
-		if seen[name] {
-			return nil, fmt.Errorf("%s %q is listed twice", what, name)
-		}
-		seen[name] = true
 		users = append(users, User{Name: name, Role: Role(role), Password: password})
+	}
+	seen := map[string]bool{}
+	for _, u := range users {
+		if len(u.Password) < minLen {
+			return nil, fmt.Errorf("%s %q: the %s must be at least %d characters", what, u.Name, secret, minLen)
+		}
+		if seen[u.Name] {
+			return nil, fmt.Errorf("%s %q is listed twice", what, u.Name)
+		}
+		seen[u.Name] = true
 	}
 	if len(users) == 0 {
 		return nil, fmt.Errorf("no %ss: want name:role:%s entries", what, secret)
