@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"net/url"
 	"slices"
 	"strings"
 	"sync"
@@ -14,7 +13,6 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -891,17 +889,7 @@ func TestStuckKeysAreReportedAndReleased(t *testing.T) {
 func TestConnectionDropUnderTheHandlerIsRetriedInPlace(t *testing.T) {
 	k := testenv.NewKfake(t)
 	h := carelessHarness(t, k, 1)
-	u, err := url.Parse(h.DBURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := testenv.NewProxy(t, u.Host)
-	u.Host = proxy.Addr()
-	proxied, err := pgxpool.New(context.Background(), u.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(proxied.Close)
+	proxied, proxy, _ := proxiedPool(t, h.DBURL)
 	var once sync.Once
 	sleeping := make(chan struct{})
 	cfg := h.Config(careless{before: func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -12,7 +11,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -337,22 +335,7 @@ func TestPostgresOutage(t *testing.T) {
 	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
 		t.Parallel()
 		h := newHarness(t, k, 3)
-		u, err := url.Parse(h.DBURL)
-		if err != nil {
-			t.Fatal(err)
-		}
-		proxy := testenv.NewProxy(t, u.Host)
-		u.Host = proxy.Addr()
-		poolCfg, err := pgxpool.ParseConfig(u.String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		poolCfg.MaxConns = 4
-		proxied, err := pgxpool.NewWithConfig(context.Background(), poolCfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(proxied.Close)
+		proxied, proxy, _ := proxiedPool(t, h.DBURL)
 
 		items := ledger.Generate(ledger.GenConfig{Events: 4000, Accounts: 30, Seed: 6, Prefix: "po"})
 		cfg := h.Config(ledger.Handler{})

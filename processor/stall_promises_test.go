@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/url"
 	"os"
 	"regexp"
 	"slices"
@@ -125,17 +124,7 @@ func startOn(t *testing.T, pool *pgxpool.Pool, cfg *processor.Config) *running {
 func TestStalledWhilePostgresIsDown(t *testing.T) {
 	k := testenv.NewKfake(t)
 	h := carelessHarness(t, k, 1)
-	u, err := url.Parse(h.DBURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	proxy := testenv.NewProxy(t, u.Host)
-	u.Host = proxy.Addr()
-	proxied, err := pgxpool.New(context.Background(), u.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(proxied.Close)
+	proxied, proxy, _ := proxiedPool(t, h.DBURL)
 	cfg := h.Config(careless{})
 	cfg.StallTimeout = time.Second
 	r := startOn(t, proxied, cfg)
