@@ -80,6 +80,9 @@ type keysAPI struct {
 
 func newAPI(ctx context.Context, o *ops.Ops, token string, log *slog.Logger) *api {
 	log = log.With("component", "api")
+	// Trimmed, as the request's header is (and as its length is checked): a token from a Secret
+	// file often ends in a newline, which no caller can send.
+	token = strings.TrimSpace(token)
 	return &api{ops: o, token: sha256.Sum256([]byte(token)), log: log, tasks: newTaskRunner(ctx, o, "api", log)}
 }
 

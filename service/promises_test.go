@@ -7,8 +7,10 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"io"
+	"log/slog"
 	"math/big"
 	"net/http"
+	"net/http/httptest"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -18,6 +20,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/console"
+	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 )
 
@@ -309,6 +312,34 @@ func TestKafkaTLSServerName(t *testing.T) {
 			t.Errorf("KAFKA_TLS_SERVER_NAME=%q: connected, want the certificate refused", tt.serverName)
 		case tt.wantErr != "" && !strings.Contains(err.Error(), tt.wantErr):
 			t.Errorf("KAFKA_TLS_SERVER_NAME=%q: %v, want %q", tt.serverName, err, tt.wantErr)
+		}
+	}
+}
+
+// TestOperatorTokenFromASecretFile: an OPERATOR_TOKEN that ends in a newline (a Secret written
+// from a file) is the token without it, the one a caller can send: its length is checked
+// trimmed, and a header's value arrives trimmed.
+func TestOperatorTokenFromASecretFile(t *testing.T) {
+	pool := dlqDB(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	const token = "0123456789abcdef-token"
+	a := newAPI(ctx, ops.New(pool, "kafkapg", "dg"), token+"\n", slog.New(slog.NewTextHandler(io.Discard, nil)))
+	srv := httptest.NewServer(a.handler())
+	defer srv.Close()
+	defer func() { cancel(); a.wait() }()
+	for tok, want := range map[string]int{token: http.StatusOK, "wrong-token-0123456789": http.StatusUnauthorized} {
+		req, err := http.NewRequest("GET", srv.URL+"/api/v1/tasks", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Authorization", "Bearer "+tok)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != want {
+			t.Errorf("OPERATOR_TOKEN %q + newline, called with %q: %d, want %d", token, tok, resp.StatusCode, want)
 		}
 	}
 }
