@@ -469,3 +469,95 @@ func TestOptionErrors(t *testing.T) {
 	}
 	t.Logf("bad setting: %v", err)
 }
+
+// TestSnapshotRestoreLosesCommitsKeepsIdentity: a copy of the running server's data dir, started
+// in its place, has what was committed before the copy and not after, with the same system
+// identifier and timeline; a client connected during the copy sees a pause, not an error.
+func TestSnapshotRestoreLosesCommitsKeepsIdentity(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	s := start(t, Options{})
+	mustExec(t, s, "postgres", "CREATE TABLE t (id serial PRIMARY KEY, v text NOT NULL)")
+	mustExec(t, s, "postgres", "INSERT INTO t (v) VALUES ('before')")
+	identity := func() string {
+		t.Helper()
+		conn := connect(t, s.URL("postgres"))
+		var id string
+		if err := conn.QueryRow(ctx, `SELECT (SELECT system_identifier::text FROM pg_control_system()) || '/' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8)`).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	was := identity()
+
+	// A client writes all along the copy: its writes wait, none fails.
+	conn := connect(t, s.URL("postgres"))
+	stop := make(chan struct{})
+	wrote := make(chan error, 1)
+	go func() {
+		for {
+			select {
+			case <-stop:
+				wrote <- nil
+				return
+			default:
+			}
+			if _, err := conn.Exec(ctx, "INSERT INTO t (v) VALUES ('during')"); err != nil {
+				wrote <- err
+				return
+			}
+		}
+	}()
+	time.Sleep(50 * time.Millisecond)
+	snap, err := s.Snapshot(ctx)
+	close(stop)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := <-wrote; err != nil {
+		t.Fatalf("a write during the snapshot failed: %v", err)
+	}
+	t.Logf("snapshot of %d bytes, server frozen %v", snap.Bytes, snap.Frozen.Round(time.Millisecond))
+	var atCopy int
+	if err := conn.QueryRow(ctx, "SELECT count(*) FROM t").Scan(&atCopy); err != nil {
+		t.Fatal(err)
+	}
+	mustExec(t, s, "postgres", "INSERT INTO t (v) VALUES ('after')")
+
+	if err := s.Restore(ctx, snap); err != nil {
+		t.Fatal(err)
+	}
+	got := values(t, s, "postgres")
+	if len(got) == 0 || got[0] != "before" || slices.Contains(got, "after") {
+		t.Fatalf("t after the restore = %q, want 'before' and no 'after'", got)
+	}
+	if len(got) > atCopy {
+		t.Fatalf("t after the restore has %d rows, more than the %d committed by the time the copy ended", len(got), atCopy)
+	}
+	if now := identity(); now != was {
+		t.Fatalf("identity after the restore = %s, want %s (same system identifier and timeline)", now, was)
+	}
+	mustExec(t, s, "postgres", "INSERT INTO t (v) VALUES ('restored')")
+	if err := s.Restore(ctx, snap); err == nil || !strings.Contains(err.Error(), "restored already") {
+		t.Fatalf("a second restore of the snapshot: %v, want 'restored already'", err)
+	}
+}
+
+func TestParentFromStat(t *testing.T) {
+	for _, tt := range []struct {
+		name, stat string
+		want       int
+		ok         bool
+	}{
+		{"plain", "123 (postgres) S 77 123 123 0", 77, true},
+		{"title with spaces and parens", "124 (postgres: (x) y) S 78 124", 78, true},
+		{"garbage", "nothing", 0, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			got, ok := parentFromStat([]byte(tt.stat))
+			if got != tt.want || ok != tt.ok {
+				t.Fatalf("parentFromStat(%q) = %d, %v; want %d, %v", tt.stat, got, ok, tt.want, tt.ok)
+			}
+		})
+	}
+}

@@ -61,6 +61,8 @@ type Server struct {
 	proc    *process   // nil while stopped
 	primary *Server    // what it streams from; nil for a primary
 	closed  bool
+
+	snapshots int // taken so far (Snapshot): names the next one's dir
 }
 
 // Start creates a cluster (initdb -A trust -U postgres -E UTF8 --locale=C) in o.Dir, configures
