@@ -39,7 +39,8 @@ chaos: build ## Fault-injection suite: kill, stop and cut processors, Postgres a
 	scripts/with-postgres.sh DATABASE_URL $(BIN)/chaos $(CHAOS_FLAGS)
 
 # The topologies teams run (docs/testing.md): a three-broker Kafka cluster rolled and broken,
-# Postgres failed over to a synchronous or an asynchronous standby, PgBouncer in transaction mode.
+# Postgres failed over to a synchronous or an asynchronous standby or restored from a copy of its
+# data directory, PgBouncer in transaction mode.
 KAFKA_CLUSTER_DIR ?= /tmp/kafkapg-kafka-cluster
 
 .PHONY: chaos-cluster
@@ -61,6 +62,11 @@ chaos-failover-sync: build ## make chaos with Postgres failed over again and aga
 chaos-failover-async: build ## make chaos with Postgres failed over to a lagging asynchronous standby (commits lost)
 	$(GO) build -o $(BIN)/ ./internal/rig/chaos
 	$(BIN)/chaos -postgres async-standby $(CHAOS_FLAGS)
+
+.PHONY: chaos-restore
+chaos-restore: build ## make chaos with Postgres restored from a copy of its data directory: commits lost, same identity
+	$(GO) build -o $(BIN)/ ./internal/rig/chaos
+	$(BIN)/chaos -postgres same-identity-restore $(CHAOS_FLAGS)
 
 .PHONY: chaos-pgbouncer
 chaos-pgbouncer: build ## make chaos with the processors behind PgBouncer (Debian's) in transaction mode

@@ -51,7 +51,8 @@ func main() {
 		" or ledger-forward (a chain: stage 1 forwards a posting per event to stage 2, HANDLER=ledger-post; a tenth of the events sent twice)")
 	flag.IntVar(&c.postProcs, "post-procs", 2, "stage 2 processes (HANDLER=ledger-post), with -handler ledger-forward")
 	flag.StringVar(&c.postgres, "postgres", pgDirect, "how the processors reach Postgres: "+pgDirect+" (DATABASE_URL), "+pgBouncer+" (DATABASE_URL behind PgBouncer in transaction mode), "+
-		pgSyncHA+" or "+pgAsyncHA+" (a primary and a standby of the suite's own, failed over again and again; DATABASE_URL is not used)")
+		pgSyncHA+" or "+pgAsyncHA+" (a primary and a standby of the suite's own, failed over again and again; DATABASE_URL is not used),"+
+		" or "+pgRestore+" (a server of the suite's own, restored three times from a copy of its data directory: the commits since the copy lost, its identity unchanged; DATABASE_URL is not used)")
 	flag.StringVar(&c.kafkaCluster, "kafka-cluster", "", "the state directory of a three-broker cluster that `scripts/kafka.sh cluster start` runs (/tmp/kafkapg-kafka-cluster):"+
 		" run against it, with broker faults (kill, controlled shutdown, freeze, a rolling restart) instead of broker cuts; KAFKA_BROKERS is not used")
 	flag.StringVar(&c.protocol, "group-protocol", "auto", "the processors' KAFKA_GROUP_PROTOCOL: auto (the consumer protocol where the broker offers it) or classic")

@@ -18,12 +18,13 @@ import (
 
 // The Postgres topologies the suite runs against (-postgres).
 const (
-	pgDirect    = "direct"        // DATABASE_URL, through a fault proxy
-	pgBouncer   = "pgbouncer"     // DATABASE_URL behind PgBouncer in transaction mode, through a fault proxy
-	pgSyncHA    = "sync-standby"  // a primary and a synchronous standby of the suite's own, failed over
-	pgAsyncHA   = "async-standby" // the same with an asynchronous standby: commits can vanish
-	pgDatabase  = "kafkapg"       // the database of the suite's own servers
-	bouncerPool = 10              // PgBouncer's server sessions: fewer than the processors' connections
+	pgDirect    = "direct"                // DATABASE_URL, through a fault proxy
+	pgBouncer   = "pgbouncer"             // DATABASE_URL behind PgBouncer in transaction mode, through a fault proxy
+	pgSyncHA    = "sync-standby"          // a primary and a synchronous standby of the suite's own, failed over
+	pgAsyncHA   = "async-standby"         // the same with an asynchronous standby: commits can vanish
+	pgRestore   = "same-identity-restore" // a server of the suite's own, restored from copies of its data dir: commits vanish, same identity
+	pgDatabase  = "kafkapg"               // the database of the suite's own servers
+	bouncerPool = 10                      // PgBouncer's server sessions: fewer than the processors' connections
 )
 
 // database is the suite's Postgres: where it is, how the processors reach it, and the proxies
@@ -43,6 +44,8 @@ type database struct {
 	byServer [2]*faultproxy.Proxy
 	primary  int
 	vip      *faultproxy.Proxy
+
+	restores *restoreState // same-identity-restore: servers[0], restored from copies of its data dir
 }
 
 func (d *database) failover() bool { return d.mode == pgSyncHA || d.mode == pgAsyncHA }
@@ -61,6 +64,8 @@ func (d *database) describe() string {
 			kind = "an asynchronous"
 		}
 		return "postgres primary with " + kind + " standby, processors by a multi-host URL (target_session_attrs=read-write) and by an address that moves to the primary"
+	case pgRestore:
+		return "postgres restored from copies of its data directory taken while it ran (same system identifier and timeline), processors through a proxy"
 	}
 	return "postgres direct"
 }
@@ -163,8 +168,15 @@ func (s *suite) setupPostgres(ctx context.Context, dbURL string) error {
 			hosts(d.byServer[0].Addr(), d.byServer[1].Addr()),
 			fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable&search_path=%s", d.vip.Addr(), pgDatabase, schema),
 		}
+	case pgRestore:
+		if err := s.startRestorable(ctx); err != nil {
+			return err
+		}
+		srv := d.servers[0]
+		direct = fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable&search_path=%s", srv.Addr(), pgDatabase, schema)
+		d.urls = []string{fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable&search_path=%s", d.proxies[0].Addr(), pgDatabase, schema)}
 	default:
-		return fmt.Errorf("-postgres must be %s, %s, %s or %s, got %q", pgDirect, pgBouncer, pgSyncHA, pgAsyncHA, d.mode)
+		return fmt.Errorf("-postgres must be %s, %s, %s, %s or %s, got %q", pgDirect, pgBouncer, pgSyncHA, pgAsyncHA, pgRestore, d.mode)
 	}
 	if s.pool, err = pgxpool.New(ctx, direct); err != nil {
 		return err

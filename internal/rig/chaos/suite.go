@@ -72,7 +72,8 @@ type stats struct {
 	brokerCuts, brokerRestarts         int
 	acksLost, republished              int // relay-ack-lost faults, and the postings they republish (a chain)
 	failovers                          int
-	lostRows                           int64           // applied events the new primaries lacked (an asynchronous standby), applied again
+	lostRows                           int64           // applied events the new primaries lacked (an asynchronous standby) or a restore lost, applied again
+	restores                           []restoreRecord // same-identity-restore's
 	promote, failoverRecovery          []time.Duration // primary killed -> standby promoted; -> processors commit again
 	termExit, killRecovery, pgRecovery []time.Duration
 	unmeasured                         int // recoveries that could not be measured (no traffic left)
@@ -377,10 +378,17 @@ func (s *suite) inject(ctx context.Context) error {
 			return fmt.Errorf("rolling restart: %w", err)
 		}
 	}
-	end := time.Now().Add(s.cfg.duration)
+	began := time.Now()
+	end := began.Add(s.cfg.duration)
+	if s.db.restores != nil {
+		s.planRestores(began)
+	}
 	for time.Now().Before(end) {
 		if err := sleep(ctx, time.Duration(300+s.rng.IntN(1200))*time.Millisecond); err != nil {
 			return err
+		}
+		if err := s.restoreDue(ctx); err != nil {
+			return fmt.Errorf("same-identity restore: %w", err)
 		}
 		n := s.rng.IntN(total)
 		for _, f := range faults {
@@ -391,6 +399,9 @@ func (s *suite) inject(ctx context.Context) error {
 				break
 			}
 		}
+	}
+	if err := s.finishRestores(ctx); err != nil {
+		return fmt.Errorf("same-identity restore: %w", err)
 	}
 	return nil
 }
@@ -886,6 +897,9 @@ func (s *suite) topology(st stats) string {
 		out += fmt.Sprintf(": %d failovers, the standby promoted %s (median) after the primary was killed; primary killed->commits again %s alone, median %s max %s under random faults; "+
 			"%d applied events lost with the old primaries and applied again",
 			st.failovers, medianDuration(st.promote), measured(st.alone.failover), medianDuration(st.failoverRecovery), maxDuration(st.failoverRecovery), st.lostRows)
+	}
+	if s.db.restores != nil {
+		out += describeRestores(st, s.cfg.chain())
 	}
 	return out
 }
