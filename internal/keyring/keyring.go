@@ -1,14 +1,23 @@
 // Package keyring keeps the idempotency keys a schema's processors applied, in a ring of four
-// generations that is Turned a generation at a time with TRUNCATE, and compacts the generations
-// past (see migration 8 and Ring).
+// generations that turns a generation at a time, and compacts the generations past (see
+// migrations 8 and 10, Ring, and state.go for the protocol).
+//
+// It guarantees, for recorders in read committed transactions: no key is taken for new by two
+// transactions that both commit; a key committed less than the longest retention ago is found;
+// nothing the ring's turner does makes a recorder wait (a recorder may fail with ErrMoved, to be
+// retried, in a rare race). It does not promise when a turn ends: a move waits, without queueing,
+// for the recorders of the epoch two before it to end, however long they last.
 package keyring
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -22,69 +31,130 @@ import (
 const Generations = 4
 
 // Ring is where a schema keeps the idempotency keys its processors applied: a ring of
-// generations (idempotency_keys_0 to _3), one of them current, each a table of 16-byte hashes.
-// Recording a key looks it up in every generation and inserts it into the current one; turning
-// the ring empties the oldest generation with TRUNCATE and makes it current. The tables are
-// shared by every group of the schema (a key's hash covers its group and topic).
+// generations (idempotency_keys_0 to _3), one of them current, each a table of 16-byte hashes,
+// and their compacted copies (idempotency_runs_0 to _3). The tables are shared by every group of
+// the schema (a key's hash covers its group and topic).
 //
-// Why a turn cannot split two copies of a record between generations: without care, transaction
-// A could insert key K into generation 1 (current), the ring turn to 2, and transaction B insert
-// K into 2, looking K up in 1 but unable to see A's uncommitted row (only a unique index on one
-// table makes a second insert wait for the first). TRUNCATE prevents it: it takes the emptied
-// generation's ACCESS EXCLUSIVE lock, which waits for every transaction that looked a key up in
-// it (every recording looks in all four, and holds their locks until it ends), and a statement
-// that comes meanwhile waits for the lock before it takes its snapshot (read committed: one per
-// statement, taken after its tables are locked), so it sees the turn's commit. No transaction
-// recording into the old current generation overlaps one recording into the new.
+// Recording keys (Record) looks them up in the tables the ring's state says, and inserts the new
+// ones into its current generation (two, while it turns). Turning the ring (Keep) is a sequence
+// of moves, each an epoch (state.go): stop looking up the oldest generation (its keys that dead
+// letters share copied into the current one first), empty it with TRUNCATE, insert into both it
+// and the current one, then into it only, then freeze the one before: compact it (Compact), look
+// it up by its runs, and empty its table of keys.
 //
-// A generation no longer current takes no more keys, and is compacted (Compact): its keys are
-// copied, sorted, runSize to a row, into idempotency_runs_<n>, a range of hashes per
-// transaction, and then its table of keys is emptied: 18 bytes a key instead of 85. A key is in
-// one table or the other (or both, while it is compacted), never neither.
+// Why two copies of a record cannot land in two generations unseen by each other: recorders alive
+// at once are of two consecutive epochs at most (a move to E waits until no recorder of E-2 is
+// alive, and a recorder that finds the ring two epochs past its own fails), and two consecutive
+// states always insert into a common table of keys, whose primary key makes the second insert of
+// a key wait for the first and find it.
 type Ring struct {
-	recordSQL  string // $1 the 16-byte hashes, $2 the full ones (the legacy table's); returns the new keys
+	schema     string
 	generation [Generations]string
 	runs       [Generations]string // each generation's compacted keys
 	legacy     string              // idempotency_keys, the layout before migration 8
 	ring       string
 	retention  string
 	deadLetter string
+	offsets    string
+	enterSQL   string
+	ns         int32 // the namespace of the ring's advisory locks
+
+	// grace is how long a move waits after the one before it: a processor recording keys sees
+	// each state before the next (one whose view of the ring is older than grace/2 reads it again
+	// first, see Record), so that ErrMoved stays a rare race.
+	grace time.Duration
+
+	seen atomic.Pointer[seenState] // the last state this process read
+	sqls sync.Map                  // View -> its record statement
 }
 
+// seenState is a state read, and when (before the statement that read it was sent).
+type seenState struct {
+	s  State
+	at time.Time
+}
+
+// New returns the ring of schema.
 func New(schema string) *Ring {
 	k := &Ring{
+		schema:     schema,
 		legacy:     pgx.Identifier{schema, "idempotency_keys"}.Sanitize(),
 		ring:       pgx.Identifier{schema, "idempotency_ring"}.Sanitize(),
 		retention:  pgx.Identifier{schema, "idempotency_retention"}.Sanitize(),
 		deadLetter: pgx.Identifier{schema, "dead_letters"}.Sanitize(),
+		offsets:    pgx.Identifier{schema, "offsets"}.Sanitize(),
+		grace:      250 * time.Millisecond,
 	}
+	k.enterSQL = `SELECT epoch, gen, step, legacy FROM ` + pgx.Identifier{schema, "idempotency_ring_enter"}.Sanitize() + `($1, $2)`
 	for g := range Generations {
 		k.generation[g] = pgx.Identifier{schema, "idempotency_keys_" + strconv.Itoa(g)}.Sanitize()
 		k.runs[g] = pgx.Identifier{schema, "idempotency_runs_" + strconv.Itoa(g)}.Sanitize()
 	}
-	// One statement: the lookups in every generation (and the legacy table), then an insert into
-	// each generation of which only the current one's inserts anything. A key another
-	// transaction is inserting into the current generation makes this one wait on its primary
-	// key until that one ends (ON CONFLICT): a duplicate if it committed, ours if it rolled back.
-	// Keys are inserted in hash order, so two transactions inserting the same keys wait for each
-	// other in one order, never in a cycle.
-	var s strings.Builder
-	s.WriteString(`WITH ring AS (SELECT current FROM ` + k.ring + ` WHERE id = 0),
-		fresh AS (SELECT u FROM unnest($1::uuid[], $2::bytea[]) AS k(u, h) WHERE true`)
-	for g, t := range k.generation {
-		s.WriteString("\n\t\t\tAND NOT EXISTS (SELECT 1 FROM " + t + " x WHERE x.key_hash = k.u)")
-		s.WriteString("\n\t\t\tAND NOT " + inRuns(k.runs[g], "k.u"))
-	}
-	s.WriteString("\n\t\t\tAND NOT EXISTS (SELECT 1 FROM " + k.legacy + " x WHERE x.key_hash = k.h))")
-	for g, t := range k.generation {
-		fmt.Fprintf(&s, ",\n\t\ti%d AS (INSERT INTO %s SELECT u FROM fresh WHERE (SELECT current FROM ring) = %d ORDER BY u ON CONFLICT DO NOTHING RETURNING key_hash)", g, t, g)
-	}
-	s.WriteString("\n\t\tSELECT key_hash FROM i0")
-	for g := 1; g < Generations; g++ {
-		fmt.Fprintf(&s, " UNION ALL SELECT key_hash FROM i%d", g)
-	}
-	k.recordSQL = s.String()
+	h := fnv.New32a()
+	h.Write([]byte("kafkapg.keyring:" + schema))
+	k.ns = int32(h.Sum32())
 	return k
+}
+
+// table is the name of t.
+func (k *Ring) table(t Table) string {
+	switch {
+	case t.Legacy:
+		return k.legacy
+	case t.Runs:
+		return k.runs[t.Gen]
+	default:
+		return k.generation[t.Gen]
+	}
+}
+
+// recordSQL is the statement a recorder of v runs: $1 the 16-byte hashes, $2 the full ones if v
+// looks up the legacy table. It references only v's tables (a statement locks every table it
+// names, whatever it reads). It looks the keys up, inserts the ones not found into each table v
+// inserts into, in hash order, and returns those inserted into all of them: a key another
+// transaction is inserting makes this one wait on the key's primary key until that one ends (ON
+// CONFLICT): a duplicate if it committed, ours if it rolled back.
+func (k *Ring) recordSQL(v View) string {
+	if s, ok := k.sqls.Load(v); ok {
+		return s.(string)
+	}
+	var s strings.Builder
+	if v.Legacy {
+		s.WriteString(`WITH fresh AS (SELECT u FROM unnest($1::uuid[], $2::bytea[]) AS k(u, h) WHERE true`)
+	} else {
+		s.WriteString(`WITH fresh AS (SELECT u FROM unnest($1::uuid[]) AS k(u) WHERE true`)
+	}
+	for g := range Generations {
+		if (v.Keys|v.Insert)&bit(g) != 0 {
+			s.WriteString("\n\t\tAND NOT EXISTS (SELECT 1 FROM " + k.generation[g] + " x WHERE x.key_hash = k.u)")
+		}
+		if v.Runs&bit(g) != 0 {
+			s.WriteString("\n\t\tAND NOT " + inRuns(k.runs[g], "k.u"))
+		}
+	}
+	if v.Legacy {
+		s.WriteString("\n\t\tAND NOT EXISTS (SELECT 1 FROM " + k.legacy + " x WHERE x.key_hash = k.h)")
+	}
+	s.WriteString(")")
+	var ins []string
+	for g := range Generations {
+		if v.Insert&bit(g) != 0 {
+			name := "i" + strconv.Itoa(g)
+			fmt.Fprintf(&s, ",\n\t%s AS (INSERT INTO %s SELECT u FROM fresh ORDER BY u ON CONFLICT DO NOTHING RETURNING key_hash)", name, k.generation[g])
+			ins = append(ins, name)
+		}
+	}
+	s.WriteString("\nSELECT key_hash FROM " + ins[0])
+	for i, name := range ins[1:] {
+		if i == 0 {
+			s.WriteString(" WHERE")
+		} else {
+			s.WriteString(" AND")
+		}
+		s.WriteString(" key_hash IN (SELECT key_hash FROM " + name + ")")
+	}
+	out, _ := k.sqls.LoadOrStore(v, s.String())
+	return out.(string)
 }
 
 // runSize is how many keys a row of a compacted generation holds: a row (a 24-byte tuple header,
@@ -101,19 +171,64 @@ func inRuns(runs, key string) string {
 // Short is the part of a key's hash the ring keeps: its first 16 bytes.
 func Short(h [32]byte) [16]byte { return [16]byte(h[:16]) }
 
-// Record records keys (their hashes, in hash order) in tx and returns the ones no transaction
-// recorded before, by their short hash. One round trip.
+// ErrMoved is Record's when the ring moved two states past the one this process saw while it
+// recorded (a rare race, see state.go): the transaction must be rolled back and retried. It wraps
+// a *pgconn.PgError of SQLSTATE class 40 (transaction rollback).
+var ErrMoved = errors.New("the idempotency key ring moved on: retry the transaction")
+
+// codeMoved is the SQLSTATE of idempotency_ring_enter's refusal (migration 10).
+const codeMoved = "40K01"
+
+// Record records keys (their hashes, in hash order) in tx, a read committed transaction, and
+// returns the ones no transaction recorded before, by their short hash. One round trip (two, if
+// this process has not read the ring for grace/2). On ErrMoved, roll tx back and retry.
 func (k *Ring) Record(ctx context.Context, tx pgx.Tx, keys [][32]byte) (map[[16]byte]bool, error) {
+	seen := k.seen.Load()
+	if seen == nil || time.Since(seen.at) > k.grace/2 {
+		at := time.Now()
+		s, err := k.read(ctx, tx, "")
+		if err != nil {
+			return nil, fmt.Errorf("read the idempotency key ring: %w", err)
+		}
+		seen = k.remember(s, at)
+	}
 	short := make([][16]byte, len(keys))
 	full := make([][]byte, len(keys))
 	for i := range keys {
 		short[i], full[i] = Short(keys[i]), keys[i][:]
 	}
-	rows, err := tx.Query(ctx, k.recordSQL, short, full)
+	view := seen.s.View()
+	args := []any{short}
+	if view.Legacy {
+		args = append(args, full)
+	}
+	at := time.Now()
+	b := &pgx.Batch{}
+	b.Queue(k.enterSQL, k.ns, seen.s.Epoch)
+	b.Queue(k.recordSQL(view), args...)
+	br := tx.SendBatch(ctx, b)
+	var now State
+	if err := br.QueryRow().Scan(&now.Epoch, &now.Gen, &now.Step, &now.Legacy); err != nil {
+		br.Close()
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == codeMoved {
+			k.seen.CompareAndSwap(seen, nil)
+			return nil, fmt.Errorf("%w: %w", ErrMoved, err)
+		}
+		return nil, err
+	}
+	k.remember(now, at)
+	rows, err := br.Query()
 	if err != nil {
+		br.Close()
 		return nil, err
 	}
 	fresh, err := pgx.CollectRows(rows, pgx.RowTo[[16]byte])
+	if err == nil {
+		err = br.Close()
+	} else {
+		br.Close()
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -124,121 +239,338 @@ func (k *Ring) Record(ctx context.Context, tx pgx.Tx, keys [][32]byte) (map[[16]
 	return out, nil
 }
 
-// Turned is what one Keep did.
-type Turned struct {
-	Rotated bool  // the oldest generation was emptied and made current
-	Legacy  bool  // the legacy table was emptied
-	Emptied int64 // keys removed, as Postgres's statistics count them
+// remember keeps s, read at at, as the state this process saw, unless it saw a later one.
+func (k *Ring) remember(s State, at time.Time) *seenState {
+	next := &seenState{s: s, at: at}
+	for {
+		old := k.seen.Load()
+		if old != nil && (old.s.Epoch > s.Epoch || old.s.Epoch == s.Epoch && !old.at.Before(at)) {
+			return old
+		}
+		if k.seen.CompareAndSwap(old, next) {
+			return next
+		}
+	}
 }
 
-// ErrBusy is Keep's when it could not empty the oldest generation in time: transactions
-// recording keys held it; the next keep tries again.
-var ErrBusy = errors.New("the idempotency key ring is busy")
+// querier is a transaction or a pool.
+type querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
 
-// Keep says that group keeps its keys for retention, and turns the ring if it is due: when its
-// current generation is older than a third of the longest retention of the groups seen within
-// their retention. It also empties the legacy table once its newest key is older than that
-// retention. A key that a dead letter which may still be replayed (new, replaying) shares is
-// copied into the current generation first: the replay must find it, however late it comes.
+// read reads the ring's state; lock is "" or a locking clause (FOR UPDATE).
+func (k *Ring) read(ctx context.Context, q querier, lock string) (State, error) {
+	var s State
+	err := q.QueryRow(ctx, `SELECT epoch, gen, step, legacy FROM `+k.ring+` WHERE id = 0 `+lock).Scan(&s.Epoch, &s.Gen, &s.Step, &s.Legacy)
+	return s, err
+}
+
+// State reads the ring's state.
+func (k *Ring) State(ctx context.Context, pool *pgxpool.Pool) (State, error) {
+	return k.read(ctx, pool, "")
+}
+
+// Turned is what one Keep (or Compact) did.
+type Turned struct {
+	Rotated bool  // a new generation became the only one keys are inserted into
+	Legacy  bool  // the legacy table was emptied
+	Emptied int64 // keys removed, as Postgres's statistics count them
+	Moves   int   // moves made
+	// LegacyHeldBy is a consumer group of the schema (in its offsets) that has no retention row:
+	// one that has not run this release yet, whose keys may still be in the legacy table, which is
+	// therefore kept.
+	LegacyHeldBy string
+	State        State // the ring's state after
+}
+
+// ErrBusy is Keep's and Compact's when a move due could not be made yet: recorders of an epoch
+// two before it are still alive (batches that recorded keys are still open), or a table to empty
+// is in use. Nothing waits for them; the next keep tries again.
+var ErrBusy = errors.New("the idempotency key ring is not ready to move yet")
+
+// Register says that group runs this release, for a group without idempotency keys (a group with
+// keys says it with Keep): a group of the schema without a retention row keeps the legacy table
+// (idempotency_keys) from being emptied, as it may be one of the release before whose keys are
+// there. It writes retention 0 if the group has no row, and changes nothing otherwise.
+func (k *Ring) Register(ctx context.Context, pool *pgxpool.Pool, group string) error {
+	_, err := pool.Exec(ctx, `INSERT INTO `+k.retention+` (consumer_group, retention, seen_at) VALUES ($1, interval '0', now()) ON CONFLICT DO NOTHING`, group)
+	if err != nil {
+		return fmt.Errorf("register group %q with the idempotency key ring: %w", group, err)
+	}
+	return nil
+}
+
+// Keep says that group keeps its keys for retention, and moves the ring as far as it can: into a
+// turn when it is due (its last turn froze a generation a third of the longest retention of the
+// groups seen within it ago), through the turn's moves up to the freeze of the generation before
+// (Compact takes it from there). It also empties the legacy table once every group of the schema
+// has a retention row and its newest key is older than the longest one. A key that a dead letter
+// which may still be replayed (new, replaying) shares is copied into the current generation
+// first: the replay must find it, however late it comes.
 //
-// The turn waits for the batches recording keys at that moment, and the batches that come
-// meanwhile wait for it: at most lockTimeout, past which keep gives up with ErrBusy and the
-// batches go on. Replicas turning at once take turns on the ring's row.
-func (k *Ring) Keep(ctx context.Context, pool *pgxpool.Pool, group string, retention time.Duration, lockTimeout time.Duration) (Turned, error) {
-	var out Turned
+// A move waits, polling, up to patience for the recorders of the epoch two before it to end, and
+// returns ErrBusy if they have not: nothing queues, and no recorder ever waits for it. Replicas
+// moving at once take turns on the ring's row.
+func (k *Ring) Keep(ctx context.Context, pool *pgxpool.Pool, group string, retention time.Duration, patience time.Duration) (Turned, error) {
 	// The ring turns at the longest retention of the groups seen within it; a group's row is
 	// refreshed every hour (every quarter of its retention, if shorter), not every minute.
 	if _, err := pool.Exec(ctx, `INSERT INTO `+k.retention+` AS r (consumer_group, retention, seen_at) VALUES ($1, $2, now())
 		ON CONFLICT (consumer_group) DO UPDATE SET retention = EXCLUDED.retention, seen_at = EXCLUDED.seen_at
 		WHERE r.retention <> EXCLUDED.retention OR r.seen_at < now() - least(interval '1 hour', r.retention / 4)`, group, retention); err != nil {
-		return out, fmt.Errorf("record the retention: %w", err)
+		return Turned{}, fmt.Errorf("record the retention: %w", err)
 	}
-	var due, legacyDue bool
-	if err := pool.QueryRow(ctx, k.dueSQL()).Scan(&due, &legacyDue); err != nil {
-		return out, fmt.Errorf("read the ring: %w", err)
+	out, err := k.advance(ctx, pool, patience, false)
+	if err != nil && !errors.Is(err, ErrBusy) {
+		err = fmt.Errorf("turn the ring: %w", err)
 	}
-	if !due && !legacyDue {
-		return out, nil
-	}
-	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, strconv.FormatInt(lockTimeout.Milliseconds(), 10)); err != nil {
-			return err
-		}
-		var current int
-		if err := tx.QueryRow(ctx, `SELECT current FROM `+k.ring+` WHERE id = 0 FOR UPDATE`).Scan(&current); err != nil {
-			return err
-		}
-		// Again, holding the ring's row: another replica may have Turned it meanwhile.
-		if err := tx.QueryRow(ctx, k.dueSQL()).Scan(&due, &legacyDue); err != nil {
-			return err
-		}
-		if due {
-			next := (current + 1) % Generations
-			n, err := k.empty(ctx, tx, k.generation[next], k.generation[current], `k.key_hash = encode(substr(d.idempotency_key_hash, 1, 16), 'hex')::uuid`, "1", 1)
-			if err != nil {
-				return err
-			}
-			m, err := k.empty(ctx, tx, k.runs[next], k.generation[current], `k.lo = (SELECT r.lo FROM `+k.runs[next]+` r
-				WHERE r.lo <= encode(substr(d.idempotency_key_hash, 1, 16), 'hex')::uuid ORDER BY r.lo DESC LIMIT 1)
-				AND encode(substr(d.idempotency_key_hash, 1, 16), 'hex')::uuid = ANY(k.keys)`, "cardinality(k.keys)", runSize)
-			if err != nil {
-				return err
-			}
-			n += m
-			if _, err := tx.Exec(ctx, `UPDATE `+k.ring+` SET current = $1, rotated_at = now() WHERE id = 0`, next); err != nil {
-				return err
-			}
-			out.Rotated, out.Emptied, current = true, out.Emptied+n, next
-		}
-		if legacyDue {
-			n, err := k.empty(ctx, tx, k.legacy, k.generation[current], `k.key_hash = d.idempotency_key_hash`, "1", 1)
-			if err != nil {
-				return err
-			}
-			out.Legacy, out.Emptied = true, out.Emptied+n
-		}
-		return nil
-	})
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
-		return Turned{}, ErrBusy
-	}
+	return out.Turned, err
+}
+
+// Compact compacts the generations that their state says to (the one the last turn froze, or the
+// generations past that the release before migration 10 left), a chunk of keys per transaction,
+// then makes the moves that follow: look them up by their runs, empty their tables of keys.
+// Several processes may compact at once: they start each chunk from the last key copied, so a
+// chunk's rows are the same whoever writes them, and the second to write one finds it there.
+// It returns how many generations it finished (their tables of keys emptied).
+func (k *Ring) Compact(ctx context.Context, pool *pgxpool.Pool, patience time.Duration) (int, error) {
+	s, err := k.read(ctx, pool, "")
 	if err != nil {
-		return Turned{}, fmt.Errorf("turn the ring: %w", err)
+		return 0, err
 	}
-	return out, nil
+	for g := range Generations {
+		if s.Compacting()&bit(g) != 0 {
+			if err := k.compactGeneration(ctx, pool, g); err != nil {
+				return 0, fmt.Errorf("compact generation %d: %w", g, err)
+			}
+		}
+	}
+	out, err := k.advance(ctx, pool, patience, true)
+	if err != nil && !errors.Is(err, ErrBusy) {
+		err = fmt.Errorf("after compacting: %w", err)
+	}
+	return out.compacted, err
 }
 
-// dueSQL says whether the ring is due to turn, and whether the legacy table is due to be emptied.
-func (k *Ring) dueSQL() string {
-	return `WITH longest AS (SELECT coalesce(max(retention), interval '0') AS r FROM ` + k.retention + ` WHERE seen_at + retention > now())
+// advanced is what advance did, and the generations whose compaction it finished.
+type advanced struct {
+	Turned
+	compacted int
+}
+
+// advance makes the moves due, one a transaction, until none is (or, unless compacting, the next
+// needs a compaction; if compacting, only moves that follow one).
+func (k *Ring) advance(ctx context.Context, pool *pgxpool.Pool, patience time.Duration, compacting bool) (advanced, error) {
+	var out advanced
+	start := time.Now()
+	for {
+		var (
+			m     Move
+			moved bool
+			wait  time.Duration
+		)
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			var movedAgo time.Duration
+			var s State
+			if err := tx.QueryRow(ctx, `SELECT epoch, gen, step, legacy, clock_timestamp() - moved_at FROM `+k.ring+` WHERE id = 0 FOR UPDATE`).
+				Scan(&s.Epoch, &s.Gen, &s.Step, &s.Legacy, &movedAgo); err != nil {
+				return err
+			}
+			out.State = s
+			var due, legacyDue bool
+			if s.Step == Steady || s.Legacy == LegacyLooked {
+				var err error
+				if due, legacyDue, out.LegacyHeldBy, err = k.due(ctx, tx); err != nil {
+					return err
+				}
+			}
+			var ok bool
+			if m, ok = s.Next(due, legacyDue); !ok {
+				return nil
+			}
+			if compacting {
+				if !(s.Step == Frozen || s.Step == Compacted || s.Step == Upgrade || s.Step == Upgraded) || m.To.Step == s.Step {
+					return nil // not a move that follows a compaction (a legacy one: Keep's)
+				}
+			} else if m.Compact != 0 {
+				return nil // Compact's
+			}
+			if movedAgo < k.grace {
+				wait = k.grace - movedAgo
+				return nil
+			}
+			var got bool
+			if err := tx.QueryRow(ctx, `SELECT pg_try_advisory_xact_lock($1::int4, $2::int4)`, k.ns, lockKey(Guard(m.To.Epoch))).Scan(&got); err != nil {
+				return err
+			}
+			if !got {
+				wait = -1
+				return nil
+			}
+			if m.Compact != 0 {
+				done, err := k.compacted(ctx, tx, m.Compact)
+				if err != nil || !done {
+					return err // a compaction still to finish (Compact does it)
+				}
+			}
+			for _, t := range m.Carry {
+				if err := k.carry(ctx, tx, t, m.Into); err != nil {
+					return err
+				}
+			}
+			for _, t := range m.Empty {
+				n, err := k.empty(ctx, tx, t, !m.Kept)
+				if err != nil {
+					return err
+				}
+				out.Emptied += n
+			}
+			stamp := ""
+			if m.Stamp {
+				stamp = ", rotated_at = clock_timestamp()"
+			}
+			if _, err := tx.Exec(ctx, `UPDATE `+k.ring+` SET epoch = $1, gen = $2, step = $3, legacy = $4, moved_at = clock_timestamp()`+stamp+` WHERE id = 0`,
+				m.To.Epoch, m.To.Gen, m.To.Step, m.To.Legacy); err != nil {
+				return err
+			}
+			moved = true
+			return nil
+		})
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available: a table to empty is in use
+			err, wait = nil, -1
+		}
+		if err != nil {
+			return out, err
+		}
+		if moved {
+			out.Moves++
+			out.State = m.To
+			out.Rotated = out.Rotated || m.Rotated
+			out.Legacy = out.Legacy || len(m.Empty) == 1 && m.Empty[0].Legacy
+			if m.Compact != 0 {
+				out.compacted += popcount(m.Compact)
+			}
+			start = time.Now()
+			k.remember(m.To, time.Now())
+			continue
+		}
+		switch {
+		case wait == 0:
+			return out, nil // nothing due
+		case wait < 0 && time.Since(start) >= patience:
+			return out, fmt.Errorf("%w: the move to %s waits for older recorders", ErrBusy, m.To)
+		case wait < 0:
+			wait = 50 * time.Millisecond
+		}
+		select {
+		case <-ctx.Done():
+			return out, ctx.Err()
+		case <-time.After(wait):
+		}
+	}
+}
+
+func popcount(m uint8) int {
+	n := 0
+	for ; m != 0; m &= m - 1 {
+		n++
+	}
+	return n
+}
+
+// due says whether the ring is due to turn, whether the legacy table is due to be emptied, and
+// which group holds it back if one does. The legacy table is due only when every group with
+// positions in the schema (offsets) has a retention row (it runs this release: its keys are in
+// the ring), and its newest key is older than the longest retention of them all: a group's keys
+// are never removed at another group's retention.
+func (k *Ring) due(ctx context.Context, tx pgx.Tx) (due, legacyDue bool, heldBy string, err error) {
+	var held *string
+	err = tx.QueryRow(ctx, `WITH longest AS (SELECT coalesce(max(retention), interval '0') AS r FROM `+k.retention+` WHERE seen_at + retention > now())
 		SELECT g.rotated_at <= now() - (SELECT r FROM longest) / 3 AND (SELECT r FROM longest) > interval '0',
-			coalesce((SELECT max(applied_at) FROM ` + k.legacy + `) <= now() - (SELECT r FROM longest), false)
-		FROM ` + k.ring + ` g WHERE g.id = 0`
+			g.legacy = 0 AND coalesce((SELECT max(applied_at) FROM `+k.legacy+`) <= now() - (SELECT max(retention) FROM `+k.retention+`), false),
+			CASE WHEN g.legacy = 0 THEN (SELECT o.consumer_group FROM (SELECT DISTINCT consumer_group FROM `+k.offsets+`) o
+				WHERE NOT EXISTS (SELECT 1 FROM `+k.retention+` r WHERE r.consumer_group = o.consumer_group) ORDER BY 1 LIMIT 1) END
+		FROM `+k.ring+` g WHERE g.id = 0`).Scan(&due, &legacyDue, &held)
+	if held != nil {
+		heldBy, legacyDue = *held, false
+	}
+	return due, legacyDue, heldBy, err
 }
 
-// empty empties table, a table of keys or of runs of a generation, or the legacy table, with
-// TRUNCATE, after copying into current the keys of it that dead letters which may still be
-// replayed share (match says how a row k of table matches a dead letter d). It returns how many
-// keys the table held, less those copied: counted if Postgres's statistics say it holds fewer
-// than a million rows, else as they say (inserts only: exact, short of a crash's and the last
-// second's, perRow keys a row). keys is the SQL of the keys of a row k.
-func (k *Ring) empty(ctx context.Context, tx pgx.Tx, table, current, match, keys string, perRow int) (int64, error) {
-	var keep, held int64
-	if err := tx.QueryRow(ctx, `WITH kept AS (INSERT INTO `+current+` SELECT DISTINCT encode(substr(d.idempotency_key_hash, 1, 16), 'hex')::uuid
-			FROM `+k.deadLetter+` d JOIN `+table+` k ON `+match+`
+// compacted reports whether the tables of keys of the generations gens are wholly in their runs:
+// a compaction copies them in hash order, from the last key copied, into runs emptied before the
+// generation took keys, so they are once no key is past the last one copied.
+func (k *Ring) compacted(ctx context.Context, tx pgx.Tx, gens uint8) (bool, error) {
+	for g := range Generations {
+		if gens&bit(g) == 0 {
+			continue
+		}
+		var left bool
+		if err := tx.QueryRow(ctx, `WITH last AS (SELECT keys[cardinality(keys)] AS k FROM `+k.runs[g]+` ORDER BY lo DESC LIMIT 1)
+			SELECT EXISTS (SELECT 1 FROM `+k.generation[g]+` WHERE NOT EXISTS (SELECT 1 FROM last) OR key_hash > (SELECT k FROM last))`).Scan(&left); err != nil {
+			return false, err
+		}
+		if left {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// deadLetterKey is the SQL of a dead letter d's key as the ring keeps it.
+const deadLetterKey = `encode(substr(d.idempotency_key_hash, 1, 16), 'hex')::uuid`
+
+// match is the SQL condition "row k of t holds dead letter d's key", and keys the SQL of how many
+// keys row k holds.
+func (k *Ring) match(t Table) (match, keys string, perRow int) {
+	switch {
+	case t.Legacy:
+		return `k.key_hash = d.idempotency_key_hash`, "1", 1
+	case t.Runs:
+		return `k.lo = (SELECT r.lo FROM ` + k.runs[t.Gen] + ` r WHERE r.lo <= ` + deadLetterKey + ` ORDER BY r.lo DESC LIMIT 1)
+			AND ` + deadLetterKey + ` = ANY(k.keys)`, "cardinality(k.keys)", runSize
+	default:
+		return `k.key_hash = ` + deadLetterKey, "1", 1
+	}
+}
+
+// carry copies the keys of t that dead letters which may still be replayed share into generation
+// into's table of keys.
+func (k *Ring) carry(ctx context.Context, tx pgx.Tx, t Table, into int) error {
+	match, _, _ := k.match(t)
+	if _, err := tx.Exec(ctx, `INSERT INTO `+k.generation[into]+` SELECT DISTINCT `+deadLetterKey+`
+			FROM `+k.deadLetter+` d JOIN `+k.table(t)+` k ON `+match+`
 			WHERE d.idempotency_key_hash IS NOT NULL AND d.status IN ('new', 'replaying')
-			ON CONFLICT DO NOTHING RETURNING 1),
-		stat AS (SELECT coalesce((SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = $1::regclass), 0) AS rows)
-		SELECT (SELECT count(*) FROM kept), CASE WHEN (SELECT rows FROM stat) < 1000000
-			THEN (SELECT coalesce(sum(`+keys+`), 0) FROM `+table+` k)
-			ELSE (SELECT rows FROM stat) * `+strconv.Itoa(perRow)+` END`, table).Scan(&keep, &held); err != nil {
-		return 0, fmt.Errorf("keep the keys dead letters share: %w", err)
+			ORDER BY 1 ON CONFLICT DO NOTHING`); err != nil {
+		return fmt.Errorf("keep the keys dead letters share: %w", err)
 	}
-	if _, err := tx.Exec(ctx, `TRUNCATE `+table); err != nil {
-		return 0, fmt.Errorf("empty %s: %w", table, err)
+	return nil
+}
+
+// empty empties t with TRUNCATE, its lock taken NOWAIT (no recorder references it: see Move), and
+// returns (if count) how many keys it held, less those dead letters which may still be replayed share (carried
+// into the ring before): counted if Postgres's statistics say it holds fewer than a million rows,
+// else as they say (inserts only: exact, short of a crash's and the last second's).
+func (k *Ring) empty(ctx context.Context, tx pgx.Tx, t Table, count bool) (int64, error) {
+	name := k.table(t)
+	if _, err := tx.Exec(ctx, `LOCK TABLE `+name+` IN ACCESS EXCLUSIVE MODE NOWAIT`); err != nil {
+		return 0, fmt.Errorf("empty %s: %w", name, err)
 	}
-	return max(held-keep, 0), nil
+	var kept, held int64
+	if count {
+		match, keys, perRow := k.match(t)
+		if err := tx.QueryRow(ctx, `WITH stat AS (SELECT coalesce((SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = $1::regclass), 0) AS rows)
+			SELECT (SELECT count(DISTINCT d.idempotency_key_hash) FROM `+k.deadLetter+` d JOIN `+name+` k ON `+match+`
+					WHERE d.idempotency_key_hash IS NOT NULL AND d.status IN ('new', 'replaying')),
+				CASE WHEN (SELECT rows FROM stat) < 1000000 THEN (SELECT coalesce(sum(`+keys+`), 0) FROM `+name+` k)
+				ELSE (SELECT rows FROM stat) * `+strconv.Itoa(perRow)+` END`, name).Scan(&kept, &held); err != nil {
+			return 0, fmt.Errorf("count the keys of %s: %w", name, err)
+		}
+	}
+	if _, err := tx.Exec(ctx, `TRUNCATE `+name); err != nil {
+		return 0, fmt.Errorf("empty %s: %w", name, err)
+	}
+	return max(held-kept, 0), nil
 }
 
 // Size is the keys the ring (and the legacy table) holds, as Postgres's statistics count them
@@ -258,89 +590,42 @@ func (k *Ring) Size(ctx context.Context, pool *pgxpool.Pool) (keys, bytes int64,
 	return keys, bytes, err
 }
 
-// Compact compacts the generations that are not current and still hold keys in their table of
-// keys (the one the last turn made old, or one a compaction cut short): a chunk of keys per
-// transaction, then the table of keys emptied. Several processes may compact at once: they
-// start from the same key, so a chunk's rows are the same whoever writes them, and the second to
-// write one finds it there.
-// It returns how many generations it finished.
-func (k *Ring) Compact(ctx context.Context, pool *pgxpool.Pool, lockTimeout time.Duration) (int, error) {
-	var current int
-	if err := pool.QueryRow(ctx, `SELECT current FROM `+k.ring+` WHERE id = 0`).Scan(&current); err != nil {
-		return 0, err
-	}
-	done := 0
-	for g := range Generations {
-		if g == current {
-			continue
-		}
-		var left bool
-		if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+k.generation[g]+`)`).Scan(&left); err != nil {
-			return done, err
-		}
-		if !left {
-			continue
-		}
-		if err := k.compactGeneration(ctx, pool, g, lockTimeout); err != nil {
-			return done, fmt.Errorf("compact generation %d: %w", g, err)
-		}
-		done++
-	}
-	return done, nil
-}
-
 // compactChunk is how many keys a transaction of a compaction copies: whole rows of runSize.
-const compactChunk = runSize * 8192
+var compactChunk = runSize * 8192
+
+// beforeChunk, if set (tests), runs before each transaction of a compaction.
+var beforeChunk func(g int)
 
 // compactGeneration copies generation g's keys into its runs, in hash order, compactChunk keys a
-// transaction, from the key after the last one an earlier compaction copied (the last key of the
-// last row: a chunk commits whole, and every key up to its last is in it); then empties its table
-// of keys.
-func (k *Ring) compactGeneration(ctx context.Context, pool *pgxpool.Pool, g int, lockTimeout time.Duration) error {
-	var from *[16]byte
-	if err := pool.QueryRow(ctx, `SELECT (SELECT keys[cardinality(keys)] FROM `+k.runs[g]+` ORDER BY lo DESC LIMIT 1)`).Scan(&from); err != nil {
-		return err
-	}
-	chunk := `WITH c AS (SELECT key_hash FROM ` + k.generation[g] + ` WHERE $1::uuid IS NULL OR key_hash > $1 ORDER BY key_hash LIMIT $2),
+// transaction, each from the key after the last one copied (the last key of the last row, read
+// in the transaction: a chunk commits whole, and every key up to its last is in it). Each
+// transaction holds the ring's row (FOR SHARE: no move in the middle of it) and stops unless the
+// ring's state still says to compact g: the table of keys is then frozen, and the runs
+// referenced by no recorder but as the state says.
+func (k *Ring) compactGeneration(ctx context.Context, pool *pgxpool.Pool, g int) error {
+	chunk := `WITH last AS (SELECT keys[cardinality(keys)] AS k FROM ` + k.runs[g] + ` ORDER BY lo DESC LIMIT 1),
+		c AS (SELECT key_hash FROM ` + k.generation[g] + ` WHERE NOT EXISTS (SELECT 1 FROM last) OR key_hash > (SELECT k FROM last) ORDER BY key_hash LIMIT $1),
 		runs AS (INSERT INTO ` + k.runs[g] + ` (lo, keys) SELECT keys[1], keys FROM (SELECT array_agg(key_hash ORDER BY key_hash) AS keys
 			FROM (SELECT key_hash, (row_number() OVER (ORDER BY key_hash) - 1) / ` + strconv.Itoa(runSize) + ` AS run FROM c) AS s GROUP BY run) AS r
 			ON CONFLICT (lo) DO NOTHING)
-		SELECT (SELECT count(*) FROM c), (SELECT key_hash FROM c ORDER BY key_hash DESC LIMIT 1)`
-	// Each transaction first holds the ring's row (FOR SHARE): a turn, which takes it FOR UPDATE,
-	// cannot make g current, and empty it, in the middle of one; and one that finds g current
-	// (a turn came between two) stops, copying nothing more and emptying nothing.
-	stillPast := func(tx pgx.Tx) (bool, error) {
-		var current int
-		err := tx.QueryRow(ctx, `SELECT current FROM `+k.ring+` WHERE id = 0 FOR SHARE`).Scan(&current)
-		return current != g, err
-	}
+		SELECT count(*) FROM c`
 	for {
-		var n int
-		var last *[16]byte
-		past := true
+		if beforeChunk != nil {
+			beforeChunk(g)
+		}
+		n, still := 0, true
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			var err error
-			if past, err = stillPast(tx); err != nil || !past {
+			s, err := k.read(ctx, tx, "FOR SHARE")
+			if err != nil {
 				return err
 			}
-			return tx.QueryRow(ctx, chunk, from, compactChunk).Scan(&n, &last)
+			if still = s.Compacting()&bit(g) != 0; !still {
+				return nil
+			}
+			return tx.QueryRow(ctx, chunk, compactChunk).Scan(&n)
 		})
-		if err != nil || !past {
+		if err != nil || !still || n < compactChunk {
 			return err
 		}
-		if n < compactChunk {
-			break
-		}
-		from = last
 	}
-	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, strconv.FormatInt(lockTimeout.Milliseconds(), 10)); err != nil {
-			return err
-		}
-		if past, err := stillPast(tx); err != nil || !past {
-			return err
-		}
-		_, err := tx.Exec(ctx, `TRUNCATE `+k.generation[g])
-		return err
-	})
 }
