@@ -313,27 +313,37 @@ func humanBytes(n float64) string {
 }
 
 // keepKeys says, every minute (or every tenth of the retention, if shorter), that the group
-// keeps its idempotency keys for Config.IdempotencyRetention, turns the key ring when it is due
-// (keyring.Ring.Keep) and compacts the generations past (keyring.Ring.Compact), until ctx is done; then it
-// publishes the keys' size (a gauge a 3-day
-// projection reads needs no finer grain, and the size of a table of billions of rows is a stat of
-// each of its files).
+// keeps its idempotency keys for Config.IdempotencyRetention, moves the key ring as far as it can
+// (keyring.Ring.Keep: a turn when it is due, a move at a time, each waiting up to 2 s, without
+// queueing, for the batches recording keys two moves before it) and compacts the generation a
+// turn froze (keyring.Ring.Compact), until ctx is done; then it publishes the keys' size (a gauge
+// a 3-day projection reads needs no finer grain, and the size of a table of billions of rows is
+// a stat of each of its files). A move not ready yet (keyring.ErrBusy: batches still open) is
+// tried again at the next keep, said at debug level: it delays the turn, never a batch.
 func (p *Processor) keepKeys(ctx context.Context) {
 	every := min(time.Minute, max(p.cfg.IdempotencyRetention/10, time.Second))
 	t := time.NewTicker(every)
 	defer t.Stop()
+	heldBy := ""
 	for {
-		done, err := p.keys.Keep(ctx, p.pool, p.cfg.Group, p.cfg.IdempotencyRetention, 2*time.Second)
+		done, err := p.keys.KeepEach(ctx, p.pool, p.cfg.Group, p.cfg.IdempotencyRetention, 2*time.Second, func(d keyring.Turned) {
+			p.metrics.keysPruned.Add(float64(d.Emptied))
+			p.log.Info("idempotency keys: the oldest keys were dropped", "keys", d.Emptied, "generation", !d.Legacy, "table_before_migration_8", d.Legacy)
+		})
 		switch {
 		case errors.Is(err, keyring.ErrBusy):
-			p.log.Info("idempotency keys: the ring's turn waited 2s for batches recording keys; it will try again", "every", every.String())
+			p.log.Debug("idempotency keys: the ring's next move waits for batches recording keys; it will try again", "err", err, "every", every.String())
 		case err != nil && ctx.Err() == nil:
 			p.log.Warn("cannot keep the idempotency keys; will try again", "err", err)
-		case done.Rotated || done.Legacy:
-			p.metrics.keysPruned.Add(float64(done.Emptied))
-			p.log.Info("idempotency keys: the oldest keys were dropped", "keys", done.Emptied, "generation", done.Rotated, "table_before_migration_8", done.Legacy)
 		}
-		if n, err := p.keys.Compact(ctx, p.pool, 2*time.Second); err != nil && ctx.Err() == nil {
+		if done.LegacyHeldBy != heldBy && err == nil {
+			heldBy = done.LegacyHeldBy
+			if heldBy != "" {
+				p.log.Info("idempotency keys: the table before migration 8 (idempotency_keys) is kept while a group of the schema has not run this release: its keys may be there",
+					"held_by", heldBy, "hint", "run that group on this release, or delete its rows from the offsets table if it is gone")
+			}
+		}
+		if n, err := p.keys.Compact(ctx, p.pool, 2*time.Second); err != nil && !errors.Is(err, keyring.ErrBusy) && ctx.Err() == nil {
 			p.log.Warn("cannot compact the idempotency keys of a generation past; will try again", "err", err)
 		} else if n > 0 {
 			p.log.Info("idempotency keys: a generation past was compacted", "generations", n)

@@ -312,6 +312,13 @@ func (k *Ring) Register(ctx context.Context, pool *pgxpool.Pool, group string) e
 // returns ErrBusy if they have not: nothing queues, and no recorder ever waits for it. Replicas
 // moving at once take turns on the ring's row.
 func (k *Ring) Keep(ctx context.Context, pool *pgxpool.Pool, group string, retention time.Duration, patience time.Duration) (Turned, error) {
+	return k.KeepEach(ctx, pool, group, retention, patience, nil)
+}
+
+// KeepEach is Keep, calling dropped (if not nil) as soon as a move removed keys, with what that
+// move did: a turn's later moves are spaced (by a quarter of a second), and the keys are gone
+// already.
+func (k *Ring) KeepEach(ctx context.Context, pool *pgxpool.Pool, group string, retention time.Duration, patience time.Duration, dropped func(Turned)) (Turned, error) {
 	// The ring turns at the longest retention of the groups seen within it; a group's row is
 	// refreshed every hour (every quarter of its retention, if shorter), not every minute.
 	if _, err := pool.Exec(ctx, `INSERT INTO `+k.retention+` AS r (consumer_group, retention, seen_at) VALUES ($1, $2, now())
@@ -319,7 +326,7 @@ func (k *Ring) Keep(ctx context.Context, pool *pgxpool.Pool, group string, reten
 		WHERE r.retention <> EXCLUDED.retention OR r.seen_at < now() - least(interval '1 hour', r.retention / 4)`, group, retention); err != nil {
 		return Turned{}, fmt.Errorf("record the retention: %w", err)
 	}
-	out, err := k.advance(ctx, pool, patience, false)
+	out, err := k.advance(ctx, pool, patience, false, dropped)
 	if err != nil && !errors.Is(err, ErrBusy) {
 		err = fmt.Errorf("turn the ring: %w", err)
 	}
@@ -344,7 +351,7 @@ func (k *Ring) Compact(ctx context.Context, pool *pgxpool.Pool, patience time.Du
 			}
 		}
 	}
-	out, err := k.advance(ctx, pool, patience, true)
+	out, err := k.advance(ctx, pool, patience, true, nil)
 	if err != nil && !errors.Is(err, ErrBusy) {
 		err = fmt.Errorf("after compacting: %w", err)
 	}
@@ -359,14 +366,15 @@ type advanced struct {
 
 // advance makes the moves due, one a transaction, until none is (or, unless compacting, the next
 // needs a compaction; if compacting, only moves that follow one).
-func (k *Ring) advance(ctx context.Context, pool *pgxpool.Pool, patience time.Duration, compacting bool) (advanced, error) {
+func (k *Ring) advance(ctx context.Context, pool *pgxpool.Pool, patience time.Duration, compacting bool, dropped func(Turned)) (advanced, error) {
 	var out advanced
 	start := time.Now()
 	for {
 		var (
-			m     Move
-			moved bool
-			wait  time.Duration
+			m       Move
+			moved   bool
+			wait    time.Duration
+			emptied int64
 		)
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 			var movedAgo time.Duration
@@ -422,7 +430,7 @@ func (k *Ring) advance(ctx context.Context, pool *pgxpool.Pool, patience time.Du
 				if err != nil {
 					return err
 				}
-				out.Emptied += n
+				emptied += n
 			}
 			stamp := ""
 			if m.Stamp {
@@ -443,10 +451,15 @@ func (k *Ring) advance(ctx context.Context, pool *pgxpool.Pool, patience time.Du
 			return out, err
 		}
 		if moved {
+			legacy := len(m.Empty) == 1 && m.Empty[0].Legacy
 			out.Moves++
 			out.State = m.To
 			out.Rotated = out.Rotated || m.Rotated
-			out.Legacy = out.Legacy || len(m.Empty) == 1 && m.Empty[0].Legacy
+			out.Legacy = out.Legacy || legacy
+			out.Emptied += emptied
+			if dropped != nil && len(m.Empty) > 0 && !m.Kept {
+				dropped(Turned{Legacy: legacy, Emptied: emptied, Moves: 1, State: m.To})
+			}
 			if m.Compact != 0 {
 				out.compacted += popcount(m.Compact)
 			}
