@@ -25,7 +25,9 @@
 //
 //  1. Claim. When a member is assigned a partition, before it fetches anything, it runs Claim:
 //     INSERT ... ON CONFLICT DO UPDATE SET owner_token = owner_token + 1 RETURNING next_offset,
-//     owner_token. The member remembers the token and starts fetching at next_offset.
+//     owner_token. The member remembers the token and starts fetching at next_offset. (The
+//     processor claims with ClaimAbove: the token is also at least TokenFloor of the group
+//     generation that assigned the partition; see below.)
 //  2. Advance. Every batch transaction begins with
 //     UPDATE offsets SET next_offset = <new> WHERE <row> AND owner_token = <token> AND
 //     next_offset IS NOT DISTINCT FROM <expected>.
@@ -57,6 +59,16 @@
 // or the row gone. That is not another owner, and Advance says so with ErrMoved instead of
 // ErrFenced: the owner starts again from the stored position, and applies again what was lost.
 // Only a higher token is another owner's claim.
+//
+// A lost claim is claimed again (Reclaim), above the owner's own token, never taken over: the
+// token the row holds again is the previous owner's, and that owner may be a zombie that never
+// saw the lost claim fence it. Sharing a token, both would pass the fence; the expected-offset
+// condition would still keep each batch to one of them, but each would decide which of its
+// records wait behind a held key from the held keys it read, blind to those the other holds, and
+// a key's records would be applied out of order. What the database forgot is remembered outside
+// it: the owner remembers its own token, and the Kafka group its generation. A claim takes at
+// least TokenFloor(generation), so that the claims of a later generation stay above every token an
+// earlier generation's member (perhaps a zombie) reaches when it claims again after a loss.
 //
 // # Keys held from outside: keys_epoch
 //

@@ -17,9 +17,11 @@ var ErrFenced = errors.New("partition was claimed by another owner (fenced)")
 // owner has claimed it since: the database lost the owner's last commits or its claim (a failover
 // to a standby that lacked them, a restore from a backup), or an operator moved the position. The
 // transaction that observed it has applied nothing. The owner must not go on from its own
-// position: it starts again from the stored one (Reload), which applies again what the database
-// lost. That is safe even if another owner does the same: every advance is conditional on the
-// stored offset, so of two owners only one applies each record.
+// position: it starts again from the stored one, which applies again what the database lost. If
+// the database lost its claim (a lower token, or no row), it claims the partition again above its
+// own token (Reclaim) before it does: the stored token may be a previous owner's, perhaps a zombie
+// that has not found out it lost the partition, and two owners with one token both pass the fence,
+// each blind to the keys the other holds.
 var ErrMoved = errors.New("the partition's stored position moved under its owner, and nobody else claimed it")
 
 // ErrAlreadyAdvanced means the stored offset already equals the target of an Advance made with the
@@ -70,6 +72,7 @@ func (p Position) Advanced(next int64) Position {
 type Store struct {
 	group      string
 	claimSQL   string
+	reclaimSQL string
 	advanceSQL string
 	readSQL    string
 	listSQL    string
@@ -89,12 +92,20 @@ func NewStore(schema, group string) *Store {
 	t := pgx.Identifier{schema, "offsets"}.Sanitize()
 	return &Store{
 		group: group,
-		claimSQL: `INSERT INTO ` + t + ` AS o (consumer_group, topic, partition, owner)
-			SELECT $1, topic, partition, $4
+		claimSQL: `INSERT INTO ` + t + ` AS o (consumer_group, topic, partition, owner, owner_token)
+			SELECT $1, topic, partition, $4, greatest($5::bigint, 1)
 			FROM unnest($2::text[], $3::int[]) AS c(topic, partition)
 			ORDER BY topic, partition
 			ON CONFLICT (consumer_group, topic, partition) DO UPDATE
-			SET owner_token = o.owner_token + 1, owner = EXCLUDED.owner, claimed_at = now()
+			SET owner_token = greatest(o.owner_token + 1, $5::bigint), owner = EXCLUDED.owner, claimed_at = now()
+			RETURNING topic, partition, owner_token, next_offset, keys_epoch, start_offset`,
+		// Only while the stored token is at most the owner's own ($6): a higher one is another
+		// owner's claim, which stands.
+		reclaimSQL: `INSERT INTO ` + t + ` AS o (consumer_group, topic, partition, owner, owner_token)
+			VALUES ($1, $2, $3, $4, $5)
+			ON CONFLICT (consumer_group, topic, partition) DO UPDATE
+			SET owner_token = EXCLUDED.owner_token, owner = EXCLUDED.owner, claimed_at = now()
+			WHERE o.owner_token <= $6
 			RETURNING topic, partition, owner_token, next_offset, keys_epoch, start_offset`,
 		advanceSQL: `UPDATE ` + t + ` SET next_offset = $5, updated_at = now()
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3
@@ -127,6 +138,13 @@ func (s *Store) Group() string { return s.group }
 // the order of parts. Rows are locked in (topic, partition) order, so concurrent claims of
 // overlapping sets cannot deadlock.
 func (s *Store) Claim(ctx context.Context, q Querier, owner string, parts []Partition) ([]Position, error) {
+	return s.ClaimAbove(ctx, q, owner, 0, parts)
+}
+
+// ClaimAbove is Claim with a floor: each partition's new token is its stored token plus one, or
+// floor if that is higher (a partition without a row gets floor, or 1). The processor passes
+// TokenFloor of the group generation that assigned the partitions.
+func (s *Store) ClaimAbove(ctx context.Context, q Querier, owner string, floor int64, parts []Partition) ([]Position, error) {
 	if len(parts) == 0 {
 		return nil, nil
 	}
@@ -135,23 +153,16 @@ func (s *Store) Claim(ctx context.Context, q Querier, owner string, parts []Part
 	for i, p := range parts {
 		topics[i], nums[i] = p.Topic, p.Partition
 	}
-	rows, err := q.Query(ctx, s.claimSQL, s.group, topics, nums, owner)
+	rows, err := q.Query(ctx, s.claimSQL, s.group, topics, nums, owner, floor)
 	if err != nil {
 		return nil, fmt.Errorf("claim %d partitions: %w", len(parts), err)
 	}
 	got := make(map[Partition]Position, len(parts))
 	for rows.Next() {
-		var pos Position
-		var next, start *int64
-		if err := rows.Scan(&pos.Topic, &pos.Partition, &pos.Token, &next, &pos.KeysEpoch, &start); err != nil {
+		pos, err := scanClaim(rows)
+		if err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("claim: %w", err)
-		}
-		if next != nil {
-			pos.Next, pos.Known = *next, true
-		}
-		if start != nil {
-			pos.Start, pos.StartKnown = *start, true
 		}
 		got[pos.TP()] = pos
 	}
@@ -167,6 +178,62 @@ func (s *Store) Claim(ctx context.Context, q Querier, owner string, parts []Part
 		out[i] = pos
 	}
 	return out, nil
+}
+
+// scanClaim reads the position a claim returns.
+func scanClaim(row pgx.Row) (Position, error) {
+	var pos Position
+	var next, start *int64
+	if err := row.Scan(&pos.Topic, &pos.Partition, &pos.Token, &next, &pos.KeysEpoch, &start); err != nil {
+		return pos, err
+	}
+	if next != nil {
+		pos.Next, pos.Known = *next, true
+	}
+	if start != nil {
+		pos.Start, pos.StartKnown = *start, true
+	}
+	return pos, nil
+}
+
+// TokenFloor is the lowest token a claim made by a member of the given group generation (the
+// member epoch under Kafka's consumer group protocol) takes: generation << 32 (0 for none).
+//
+// The Kafka group remembers what the database can forget. Suppose A owned a partition with token
+// t, and froze; the group gave the partition to B, whose claim took t+1; then the database lost
+// both claims (a failover to an asynchronous standby, a restore) and the row holds t-1. Claiming
+// above the stored token, B could take t again: A's token, and A, waking, would pass the fence
+// beside B. Claiming above its own token, A (finding its claim gone) could take t+1: B's. With
+// floors, tokens of a later generation are above every token an earlier generation's member can
+// reach by claiming again after a loss (fewer than 2^32 times): B's claim is at least its
+// generation's floor, and A's claims stay below it.
+//
+// It keeps tokens apart while the group's generations rise, which they do for as long as the
+// group lives; a group that was emptied and expired on the brokers starts again from generation
+// 1, and its first claims are then above the stored tokens by one only.
+func TokenFloor(generation int32) int64 {
+	if generation <= 0 {
+		return 0
+	}
+	return int64(generation) << 32
+}
+
+// Reclaim claims pos's partition again for its owner after the database lost the owner's claim:
+// Advance or a position check found a stored token below pos.Token, or no row (ErrMoved). The new
+// token is above pos.Token and at least floor (TokenFloor of the owner's current generation): never
+// the stored token, which may be a previous owner's, nor any token handed out before the owner's
+// own claim. It returns the stored position with the new token, or ErrFenced, leaving the row
+// alone, if the stored token is above pos.Token: another owner claimed the partition since.
+func (s *Store) Reclaim(ctx context.Context, q Querier, owner string, pos Position, floor int64) (Position, error) {
+	token := max(floor, pos.Token+1)
+	got, err := scanClaim(q.QueryRow(ctx, s.reclaimSQL, s.group, pos.Topic, pos.Partition, owner, token, pos.Token))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return pos, fmt.Errorf("claim %s again: token %d, another owner claimed it since: %w", pos.TP(), pos.Token, ErrFenced)
+	}
+	if err != nil {
+		return pos, fmt.Errorf("claim %s again: %w", pos.TP(), err)
+	}
+	return got, nil
 }
 
 // Holder is a transaction of a previous owner that EndStaleHolders ended.

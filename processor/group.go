@@ -321,8 +321,9 @@ func (p *Processor) applyRewinds(cl *kgo.Client) {
 
 // restartPartition starts w's partition again from the position Postgres has for it, after w
 // found that position moved under it (offsets.ErrMoved) and stopped. In the background, retrying
-// while Postgres fails, it reads the stored position (claiming the partition again if the
-// database lost its row, and resolving a start if it lost the first commit), then has the poll
+// while Postgres fails, it reads the stored position (claiming the partition again, above w's
+// token, if the database lost w's claim or the row, and resolving a start if it lost the first
+// commit), then has the poll
 // loop hand the partition to a new worker and move its fetch there. It gives up once w is no
 // longer the partition's worker (revoked meanwhile), once another owner has claimed the
 // partition (that one goes on), and at shutdown.
@@ -373,9 +374,17 @@ func (p *Processor) isWorker(w *worker) bool {
 	return p.workers[w.tp] == w
 }
 
-// storedPosition returns the position Postgres has for w's partition, for a new worker: with the
-// stored token, or a new one if the database lost the row (claimed again), and a resolved start
-// if it lost the first commit. offsets.ErrFenced: another owner has claimed it since.
+// storedPosition returns the position Postgres has for w's partition, for a new worker: with w's
+// token if the database still has it, or a new one above it if the database lost w's claim or
+// the row (claimed again), and a resolved start if it lost the first commit. offsets.ErrFenced:
+// another owner has claimed it since.
+//
+// A lost claim is never taken over: the stored token below w's is the previous owner's claim (or
+// an older one). That owner may be a zombie (frozen, cut off from the group) that has not found
+// out that w's claim fenced it. Both holding one token, both would pass the fence, each with the
+// held keys it read, blind to the keys the other holds: a key's later record applied by one while
+// the other held the key (TestZombieAndOwnerAfterALostClaim). Claimed again above w's token and
+// its generation's floor, the partition fences every owner before w once more.
 func (p *Processor) storedPosition(ctx context.Context, w *worker) (offsets.Position, error) {
 	pos, err := p.store.Load(ctx, p.pool, w.tp)
 	if err != nil {
@@ -384,13 +393,20 @@ func (p *Processor) storedPosition(ctx context.Context, w *worker) (offsets.Posi
 	switch {
 	case pos.Token > w.pos.Token:
 		return pos, fmt.Errorf("%s: token %d, now %d: %w", w.tp, w.pos.Token, pos.Token, offsets.ErrFenced)
-	case pos.Token == 0: // no row: the database lost it
+	case pos.Token < w.pos.Token: // the database lost w's claim (no row: token 0)
 		member, gen := w.cl.GroupMetadata()
-		claims, err := p.claim(ctx, fmt.Sprintf("%s member=%s generation=%d", p.cfg.InstanceName, member, gen), []offsets.Partition{w.tp})
+		owner := fmt.Sprintf("%s member=%s generation=%d", p.cfg.InstanceName, member, gen)
+		var claimed offsets.Position
+		err := p.claimTx(ctx, func(tx pgx.Tx) (err error) {
+			claimed, err = p.store.Reclaim(ctx, tx, owner, w.pos, offsets.TokenFloor(gen))
+			return err
+		})
 		if err != nil {
 			return pos, err
 		}
-		pos = claims[0]
+		w.log.Warn("claimed the partition again: the database had lost this owner's claim", "stored_token", pos.Token,
+			"lost_token", w.pos.Token, "token", claimed.Token)
+		pos = claimed
 	}
 	if !pos.Known {
 		// As at an assignment: Kafka's committed offset, unless kafkapg made it.
@@ -426,7 +442,7 @@ func (p *Processor) claimAssigned(ctx context.Context, assigned map[string]map[i
 	var claims []offsets.Position
 	for failures := 1; ; failures++ {
 		var err error
-		claims, err = p.claim(ctx, owner, parts)
+		claims, err = p.claim(ctx, owner, offsets.TokenFloor(gen), parts)
 		if err == nil {
 			claims, err = p.resolveStarts(ctx, cl, assigned, claims)
 		}
@@ -480,22 +496,30 @@ const claimWait = time.Second
 // errHeld means a claim waited claimWait for rows another transaction holds.
 var errHeld = errors.New("the partitions' rows are held by another transaction")
 
-// claim claims parts in one transaction that waits at most claimWait for their rows.
-func (p *Processor) claim(ctx context.Context, owner string, parts []offsets.Partition) ([]offsets.Position, error) {
+// claim claims parts, each with a token of at least floor (offsets.TokenFloor of the generation
+// that assigned them), in one transaction that waits at most claimWait for their rows.
+func (p *Processor) claim(ctx context.Context, owner string, floor int64, parts []offsets.Partition) ([]offsets.Position, error) {
 	var claims []offsets.Position
+	err := p.claimTx(ctx, func(tx pgx.Tx) (err error) {
+		claims, err = p.store.ClaimAbove(ctx, tx, owner, floor, parts)
+		return err
+	})
+	return claims, err
+}
+
+// claimTx runs fn, a claim, in a transaction that waits at most claimWait for rows (errHeld).
+func (p *Processor) claimTx(ctx context.Context, fn func(pgx.Tx) error) error {
 	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL lock_timeout = %d", claimWait.Milliseconds())); err != nil {
 			return err
 		}
-		var err error
-		claims, err = p.store.Claim(ctx, tx, owner, parts)
-		return err
+		return fn(tx)
 	})
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
-		return nil, fmt.Errorf("%w: %w", errHeld, err)
+		return fmt.Errorf("%w: %w", errHeld, err)
 	}
-	return claims, err
+	return err
 }
 
 // endStaleHolders ends the transactions of a previous owner that hold parts' rows while waiting

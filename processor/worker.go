@@ -392,7 +392,8 @@ func (w *worker) run() {
 	case errors.Is(err, offsets.ErrMoved):
 		// Not a zombie: the database lost this owner's last commits (or its claim), or an
 		// operator moved the position. Going on from here would skip what the database lost;
-		// a new worker starts again from the stored position.
+		// a new worker starts again from the stored position, with a new claim above this
+		// worker's token if the claim was lost (see storedPosition).
 		w.p.metrics.forgotten.Inc()
 		w.log.Warn("the partition's position in Postgres moved under this owner (a failover to a standby that lacked its last commits, a restore, or an edit); starting again from the stored position", "err", err)
 		w.stop()
