@@ -3,7 +3,9 @@ package processor
 import (
 	"container/heap"
 	"context"
+	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -19,7 +21,11 @@ import (
 //
 // What Prepare may rely on:
 //   - the Prepare calls of one key never overlap within a process, and a key's records are
-//     first prepared in offset order; records without a key are prepared in any order;
+//     first prepared in offset order; records without a key are prepared in any order. One
+//     exception: a Prepare that ignores its context and is still running when its partition's
+//     worker stops (the partition revoked, the process stopping) loses its key's lock then, and
+//     its result is discarded; the partition's next worker in the process may prepare the key
+//     beside it;
 //   - Handle gets a record only after its Prepare returned nil, in the same process.
 //
 // What it must not assume:
@@ -40,6 +46,11 @@ type Preparer interface {
 // prepareOne runs the handler's Prepare over r, recovering a panic, under the lock of r's key
 // (Prepare calls of one key never overlap in a process, from whichever path they come), in a
 // "prepare {topic}" span of r's trace while tracing.
+//
+// ctx is the lifetime of what prepares: the window's or the worker's (a partition's worker, as
+// long as it owns the partition) or the held records' applier's, never a shorter one: when it
+// ends, the key's lock is given back even if Prepare has not returned (see prepLocks.lock), and a
+// Prepare that returns after it is discarded (an error: nobody is left to handle its record).
 func (p *Processor) prepareOne(ctx context.Context, pol *policy, r *Record) error {
 	if r.ordered {
 		unlock, err := p.prepLocks.lock(ctx, prepKey{r.Topic, r.Partition, string(r.Key)})
@@ -53,13 +64,46 @@ func (p *Processor) prepareOne(ctx context.Context, pol *policy, r *Record) erro
 		pctx, span = p.tracer.StartPrepare(ctx, p.delivery(r))
 	}
 	start := time.Now()
+	returned := make(chan struct{})
+	var outlived atomic.Bool
+	stopWatch := context.AfterFunc(ctx, func() { p.watchAbandoned(r, start, returned, &outlived) })
 	err := p.call([]*Record{r}, func() error { // a panic: retried, its stack logged
 		r.Prepared = nil
 		return pol.preparer.Prepare(pctx, r)
 	})
+	close(returned)
+	stopWatch()
 	p.metrics.prepareDuration.Observe(time.Since(start).Seconds())
+	if ctx.Err() != nil && err == nil {
+		r.Prepared = nil
+		err = fmt.Errorf("prepare of %s[%d]@%d returned after its worker stopped; its result is discarded: %w", r.Topic, r.Partition, r.Offset, context.Cause(ctx))
+	}
+	if outlived.Load() {
+		p.log.Info("a Prepare that ignored its context returned, long after its worker stopped; its result is discarded", "topic", r.Topic,
+			"partition", r.Partition, "offset", r.Offset, "key_hash", keyHash(r.Key), "prepare_duration", time.Since(start).Round(time.Millisecond))
+	}
 	p.endProcess(span, r.Topic, err)
 	return err
+}
+
+// prepareGrace is how long a Prepare may take to return after its context ended before it is
+// logged as ignoring it.
+const prepareGrace = time.Second
+
+// watchAbandoned runs when the context of r's Prepare ends (its worker stopped: the partition
+// revoked, the process stopping): it warns if the Prepare has not returned within prepareGrace.
+// Its key's lock is already given back; outlived tells prepareOne to log its return.
+func (p *Processor) watchAbandoned(r *Record, start time.Time, returned <-chan struct{}, outlived *atomic.Bool) {
+	t := time.NewTimer(prepareGrace)
+	defer t.Stop()
+	select {
+	case <-returned:
+	case <-t.C:
+		outlived.Store(true)
+		p.log.Warn("a Prepare ignores its context: its worker stopped and it has not returned; its key's lock is given back to the "+
+			"partition's next worker, and its result will be discarded", "topic", r.Topic, "partition", r.Partition, "offset", r.Offset,
+			"key_hash", keyHash(r.Key), "running_for", time.Since(start).Round(time.Millisecond))
+	}
 }
 
 // prepareInline prepares, before their Handle, the records of recs that are not prepared yet:
@@ -149,38 +193,69 @@ type prepKey struct {
 
 // prepLocks keeps the Prepare calls of a key from overlapping in a process: the window's, a
 // retry's and the held records' applier's.
+//
+// A key's lock belongs to what took it (a partition's worker, the held records' applier), for as
+// long as that lives: lock's ctx. A Prepare that ignores its context, still running when its
+// worker stopped (the partition revoked), would otherwise keep the key from the partition's next
+// worker in this process, and from the held records' applier inside its transaction, for as long
+// as it runs, with nothing to bound it. Its worker gone, its result is of no use to anyone
+// (prepareOne discards it), so its lock is given back when the worker stops. Within one live
+// worker nothing changes: its lock is held until its Prepare returns, and its key's records are
+// prepared one at a time, in order. Only a stopped worker's Prepare may still run beside the
+// next Prepare of its key.
 type prepLocks struct {
 	mu   sync.Mutex
-	busy map[prepKey]chan struct{} // closed when the key's Prepare returns
+	busy map[prepKey]*prepHold
 }
 
-// lock waits until no Prepare of k runs, and takes k; unlock gives it back.
+// prepHold is a key's lock, taken.
+type prepHold struct {
+	free chan struct{} // closed when given back
+	once sync.Once
+}
+
+// lock waits until no Prepare of k runs, and takes k; unlock gives it back. So does the end of
+// ctx, the lifetime of the worker that takes it (see prepLocks), even before unlock. It fails if
+// ctx ends first, or has ended.
 func (l *prepLocks) lock(ctx context.Context, k prepKey) (unlock func(), err error) {
 	l.mu.Lock()
 	for {
-		ch, ok := l.busy[k]
+		if err := ctx.Err(); err != nil {
+			l.mu.Unlock()
+			return nil, err
+		}
+		h, ok := l.busy[k]
 		if !ok {
 			break
 		}
 		l.mu.Unlock()
 		select {
-		case <-ch:
+		case <-h.free:
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		}
 		l.mu.Lock()
 	}
 	if l.busy == nil {
-		l.busy = map[prepKey]chan struct{}{}
+		l.busy = map[prepKey]*prepHold{}
 	}
-	ch := make(chan struct{})
-	l.busy[k] = ch
+	h := &prepHold{free: make(chan struct{})}
+	l.busy[k] = h
 	l.mu.Unlock()
+	giveBack := func() {
+		h.once.Do(func() {
+			l.mu.Lock()
+			if l.busy[k] == h {
+				delete(l.busy, k)
+			}
+			l.mu.Unlock()
+			close(h.free)
+		})
+	}
+	stop := context.AfterFunc(ctx, giveBack)
 	return func() {
-		l.mu.Lock()
-		delete(l.busy, k)
-		l.mu.Unlock()
-		close(ch)
+		stop()
+		giveBack()
 	}, nil
 }
 
