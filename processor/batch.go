@@ -3,6 +3,7 @@ package processor
 import (
 	"context"
 	"errors"
+	"fmt"
 
 	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/trace"
@@ -83,6 +84,14 @@ func (w *worker) handleOnce(recs []*Record) error {
 			w.txSpan = span.SpanContext()
 		}
 		out = outcome{}
+		ctx, ls := withLineages(ctx)
+		if w.tier == 0 {
+			// Every numbered record the partition's worker passes is observed, whatever
+			// becomes of it, with the position's advance (see streamdedupe.go).
+			if err := w.p.observeStreams(ctx, tx, w.source, recs); err != nil {
+				return own(err)
+			}
+		}
 		var index []int
 		var err error
 		live, index, err = w.admit(ctx, tx, recs, &out)
@@ -99,6 +108,9 @@ func (w *worker) handleOnce(recs []*Record) error {
 		}
 		if err := w.settle(ctx, tx, live); err != nil {
 			return own(err)
+		}
+		if err := ls.flush(ctx, w.p, tx); err != nil {
+			return own(fmt.Errorf("streams: %w", err))
 		}
 		out.applied = len(live)
 		for _, r := range live {

@@ -100,7 +100,6 @@ func TestDocsStateTheCodesNumbers(t *testing.T) {
 		{guarantees, fmt.Sprintf("every %s the processor reads its partitions' stored positions", durText(statsInterval))},
 		{design, fmt.Sprintf("each worker's progress every %s", durText(statsInterval))},
 		{guarantees, fmt.Sprintf("`IDEMPOTENCY_RETENTION` (%s by default)", durText(def.IdempotencyRetention))},
-		{guarantees, fmt.Sprintf("and all for %s)", durText(successorYouth))},
 		{design, fmt.Sprintf("The claim waits %s for its rows", durText(claimWait))},
 		{design, fmt.Sprintf("`OUTBOX_POLL_INTERVAL` (%s)", durText(def.OutboxPollInterval))},
 		{design, fmt.Sprintf("`HandoffTimeout` (%s)", durText(def.HandoffTimeout))},

@@ -334,12 +334,9 @@ func (p *Processor) restartPartition(w *worker) {
 				return
 			}
 			// What the database lost may be applied again and emit its events again, under
-			// other numbers: its streams fork first.
-			err := p.forkStreams(p.clientCtx, w.tp.Topic, w.tp.Partition)
-			var pos offsets.Position
-			if err == nil {
-				pos, err = p.storedPosition(p.clientCtx, w)
-			}
+			// other numbers: its streams fork at their next number all the same (the
+			// database's identity includes its start; see sink.DatabaseIdentitySQL).
+			pos, err := p.storedPosition(p.clientCtx, w)
 			if errors.Is(err, offsets.ErrFenced) {
 				p.metrics.fenced.Inc()
 				w.log.Warn("partition was claimed by another owner; this worker stops and applies nothing more", "err", err)
@@ -632,9 +629,6 @@ func (p *Processor) resolveStarts(ctx context.Context, cl *kgo.Client, assigned 
 			from = firstStart
 		}
 		starts[i].Next = from
-		if err := p.forkStreams(ctx, pos.Topic, pos.Partition); err != nil {
-			return nil, err
-		}
 		p.metrics.forgotten.Inc()
 		p.log.Warn("postgres has no position for this partition, but kafka holds an offset kafkapg committed for it: the database forgot it "+
 			"(restored from a backup, or failed over to a standby that had not received it); starting again where it was first started, "+

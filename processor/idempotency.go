@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/kafkapg/kafkapg/internal/keyring"
+	"github.com/kafkapg/kafkapg/internal/streams"
 	"github.com/kafkapg/kafkapg/sink"
 )
 
@@ -101,7 +102,8 @@ func KeyFromJSON(path string) IdempotencyKey {
 // (nil when all are). A record whose key cannot be taken fails alone: a *RecordError naming it.
 //
 // On a topic deduplicated on the message id, the events a kafkapg service numbered are decided
-// by their streams (dedupeStreams), and by key only where a stream forked; other records by key,
+// by their streams (dedupeStreams), and by key as well where another stream's event may share
+// their key; other records by key,
 // in the key ring (keyring.Ring.Record). A key inserted by a concurrent transaction (a copy of the
 // record in another partition) makes this one wait on the key's primary key until that one ends:
 // it is then a duplicate if that transaction committed, and the key is this record's if it rolled
@@ -120,27 +122,28 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 		}
 	}
 	byKey := make([]int, 0, len(recs))
-	var commitStreams func() error
+	var streamsDone func() error
 	if isMessageIDKey(key) {
-		var nums []numberedRec
+		var nums []int
+		var evs []streams.Event
 		for i, r := range recs {
 			if hashes[i] == nil {
 				continue
 			}
-			if st, ok := sink.ParseStream(r.Headers); ok {
-				nums = append(nums, numberedRec{i: i, st: st})
+			if e, ok := streamEvent(r); ok {
+				nums, evs = append(nums, i), append(evs, e)
 			} else {
 				byKey = append(byKey, i)
 			}
 		}
 		if len(nums) > 0 {
-			forked, commit, err := p.dedupeStreams(ctx, tx, source, recs, nums, func(i int) [32]byte { return *hashes[i] })
+			keyed, done, err := p.dedupeStreams(ctx, tx, source, recs, nums, evs, hashes)
 			if err != nil {
 				return nil, nil, err
 			}
-			byKey = append(byKey, forked...)
+			byKey = append(byKey, keyed...)
 			slices.Sort(byKey)
-			commitStreams = commit
+			streamsDone = done
 		}
 	} else {
 		for i := range recs {
@@ -152,8 +155,8 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 	if err := p.dedupeByKey(ctx, tx, recs, byKey, hashes); err != nil {
 		return nil, nil, err
 	}
-	if commitStreams != nil {
-		if err := commitStreams(); err != nil {
+	if streamsDone != nil {
+		if err := streamsDone(); err != nil {
 			return nil, nil, err
 		}
 	}

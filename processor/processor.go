@@ -31,30 +31,29 @@ import (
 // Processor consumes topics in a consumer group and applies each record through a Handler,
 // exactly once in effect. See the package documentation.
 type Processor struct {
-	cfg            *Config
-	pool           *pgxpool.Pool
-	log            *slog.Logger
-	metrics        *metrics
-	kprom          *kprom.Metrics
-	store          *offsets.Store
-	sink           *sink.Sink
-	outbox         *sink.Outbox       // where Record.Emit writes
-	captured       *[]sink.Event      // processortest: what Record.Emit was given, instead of the outbox
-	tracer         *tracing.Tracer    // nil: tracing off
-	keys           *keyring.Ring      // where idempotency keys are recorded
-	partCounts     partitionCounts    // of the topics Record.Emit emits to, for numbering events
-	streamSQL      streamSQL          // the consuming side of streams
-	forkStreamsSQL string             // forks a source partition's streams (sink.ForkStreamsSQL)
-	policies       map[string]*policy // by source topic
-	backoff        backoff.Policy
-	retry          *retrytopics.Store
-	tierOf         map[string]tierRef // retry-tier topic -> its source topic and tier
-	heldApplier    *heldApplier
-	breaker        *breaker
-	prepLocks      prepLocks    // keeps a key's Prepare calls from overlapping (see Preparer)
-	buf            *buffer      // fetched records in memory, across partitions
-	nWorkers       atomic.Int32 // len(workers), read without the lock
-	busy           atomic.Int32 // workers holding records: they share the buffer budget
+	cfg         *Config
+	pool        *pgxpool.Pool
+	log         *slog.Logger
+	metrics     *metrics
+	kprom       *kprom.Metrics
+	store       *offsets.Store
+	sink        *sink.Sink
+	outbox      *sink.Outbox       // where Record.Emit writes
+	captured    *[]sink.Event      // processortest: what Record.Emit was given, instead of the outbox
+	tracer      *tracing.Tracer    // nil: tracing off
+	keys        *keyring.Ring      // where idempotency keys are recorded
+	partCounts  partitionCounts    // of the topics Record.Emit emits to, for numbering events
+	streamSQL   streamSQL          // the consuming side of streams
+	policies    map[string]*policy // by source topic
+	backoff     backoff.Policy
+	retry       *retrytopics.Store
+	tierOf      map[string]tierRef // retry-tier topic -> its source topic and tier
+	heldApplier *heldApplier
+	breaker     *breaker
+	prepLocks   prepLocks    // keeps a key's Prepare calls from overlapping (see Preparer)
+	buf         *buffer      // fetched records in memory, across partitions
+	nWorkers    atomic.Int32 // len(workers), read without the lock
+	busy        atomic.Int32 // workers holding records: they share the buffer budget
 	// heldSinceAnalyze counts the records this process held since the heldApplier last had
 	// held_records analyzed.
 	heldSinceAnalyze atomic.Int64
@@ -65,6 +64,9 @@ type Processor struct {
 	clientCtx context.Context
 	cutClient context.CancelFunc
 	relay     atomic.Pointer[sink.Relay]
+	// keysAllUntil: until then (Unix milliseconds), numbered records are decided by key as well
+	// (streamsGroupWindow).
+	keysAllUntil atomic.Int64
 	// pooled says that the pool reaches Postgres through a pooler in transaction mode (see
 	// checkPooler): the relay polls instead of LISTENing.
 	pooled  atomic.Bool
@@ -159,7 +161,6 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 	}
 	p.keys = keyring.New(c.Schema)
 	p.streamSQL = newStreamSQL(c.Schema)
-	p.forkStreamsSQL = sink.ForkStreamsSQL(c.Schema)
 	p.sink = sink.New(pool, p.store, sink.Config{
 		Schema:        c.Schema,
 		TxIdleTimeout: c.TxIdleTimeout,
@@ -204,6 +205,15 @@ func (p *Processor) Run(ctx context.Context) error {
 	}
 	p.client.Store(cl)
 	p.checkNumbering(ctx)
+	if p.streamsOn() {
+		if err := p.streamsGroupWindow(ctx); err != nil {
+			cl.Close()
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+	}
 
 	if err := p.ensureTopics(ctx, kadm.NewClient(cl)); err != nil {
 		cl.Close() // not in a group yet: nothing to wait for

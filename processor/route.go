@@ -3,6 +3,7 @@ package processor
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"strconv"
 	"time"
@@ -213,6 +214,16 @@ func (p *Processor) moved(m move, source string, f failure) {
 func (w *worker) route(rec *Record, f failure) error {
 	m := w.p.plan(rec, w.source, f)
 	err := w.transact([]*Record{rec}, []sink.Message{m.msg}, func(ctx context.Context, tx pgx.Tx) error {
+		if w.tier == 0 {
+			// Observed with the position's advance past it, as every record the worker passes.
+			ctx, ls := withLineages(ctx)
+			if err := w.p.observeStreams(ctx, tx, w.source, []*Record{rec}); err != nil {
+				return own(err)
+			}
+			if err := ls.flush(ctx, w.p, tx); err != nil {
+				return own(fmt.Errorf("streams: %w", err))
+			}
+		}
 		return w.p.write(ctx, tx, m)
 	}, false)
 	if errors.Is(err, offsets.ErrKeysChanged) {

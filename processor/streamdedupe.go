@@ -1,53 +1,46 @@
 package processor
 
 import (
-	"cmp"
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"reflect"
 	"slices"
-	"strconv"
-	"strings"
 	"sync/atomic"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/internal/streams"
+	"github.com/kafkapg/kafkapg/retrytopics"
 	"github.com/kafkapg/kafkapg/sink"
 )
 
 // Streams, the consuming side. A topic deduplicated on the message id (KeyFromHeader with
 // sink.HeaderMessageID) receives, from kafkapg services, numbered events (sink.Event.Source):
-// for those it keeps, per stream, the highest number applied and the numbers below it not
-// applied yet (idempotency_streams), instead of a key per event. The argument for why that is
-// exact is in sink/doc.go ("Streams"); in short:
+// for those it keeps, per lineage of streams, a few numbers per stream instead of a key per event
+// (idempotency_lineages). What to do with each record is decided by package internal/streams,
+// which does no I/O; this file loads and writes its state, inside the transactions that apply
+// the records, and does what it asks for outside them:
 //
-//   - A stream's numbers are dense and each is taken once, by the transaction that emitted the
-//     event, which committed (a rolled-back one took none). A copy of an event (the relay
-//     published its row twice) carries the same number. So an event is new exactly when its
-//     number was never applied: above high, or missing.
-//   - The relay publishes a stream's events of different keys in any order, and a record can wait
-//     in the retry path or as a dead letter: numbers below high not applied yet are kept as
-//     missing (a few ranges), and applied when they come, however late.
-//   - A database that loses commits (a failover to a standby that lacked them, a restore) takes
-//     the numbers past what it kept again, for the same events applied again, or others: the
-//     stream forks. The fork names the stream it replaces, how far that one is kept, and the
-//     lineage both belong to (their root); a stream the database lost entirely is created again
-//     under the same root. The first transaction here to meet such a successor reads the records
-//     of its lineage it may repeat from Kafka (handleFork), records the keys of those applied
-//     here, and notes the highest source offset among them (its horizon). From then on, the
-//     successor's records from source offsets up to the horizon (a record applied again after
-//     the loss comes from one of those; later ones are new), and for ten minutes all of them,
-//     and the records it may repeat, are deduplicated by key as well. State per record only for
-//     what a failover lost.
+//   - The partition's worker observes every numbered record of its batch, in the batch's
+//     transaction, whatever becomes of the record (observeStreams; route observes a record it
+//     sends to a tier or dead-letters).
+//   - A record that needs preparing (a stream met for the first time; an event that raises a newer
+//     stream's horizon; on another path, a record the worker never observed) fails the
+//     transaction with a *streamsWork; inPlace does the work — a transaction of its own that
+//     prepares the records (streamsPrepare), then any read back — and tries again.
+//   - A read back (readBack) reads the partition from Kafka with no transaction open, and
+//     records, a chunk at a time, in a transaction that also moves its cursor, the keys the core
+//     asks for: progress survives a retry and a restart, and no connection is held while Kafka is
+//     read, nor a second one taken.
 //
-// The state changes in the transaction that applies the records; a lineage's rows are locked by
-// it, so the transactions applying a lineage's records (its partition's, a retry tier's, the
-// held keys', a replay's) take turns.
+// The argument for why this applies every event exactly once is in sink/doc.go ("Streams") and
+// internal/streams; TestProtocol checks it over random histories.
 
 // messageIDKey is KeyFromHeader(sink.HeaderMessageID): a topic deduplicated on it deduplicates
 // numbered events by their stream.
@@ -59,487 +52,492 @@ func isMessageIDKey(key IdempotencyKey) bool {
 	return key != nil && reflect.ValueOf(key).Pointer() == reflect.ValueOf(IdempotencyKey(messageIDKey)).Pointer()
 }
 
-// streamState is a stream's row in idempotency_streams.
-type streamState struct {
-	id, root, parent [16]byte
-	forkSeq          int64
-	successor        bool  // a fork, or a stream created again for its root
-	horizon          int64 // a successor's records from source offsets up to this are deduplicated by key too
-	high             int64
-	missing          spans
-	firstOffset      int64
-	young            bool // created less than successorYouth ago
-	fresh            bool // inserted by this transaction: the stream is new here
-}
-
-// successorYouth is how long all of a successor's records are deduplicated by key too, whatever
-// their source offset: a record of the stream it replaces may still come after the successor's
-// first (published by a relay of the old database just before it went).
-const successorYouth = 10 * time.Minute
-
-// applied reports whether seq was applied.
-func (s *streamState) applied(seq int64) bool { return seq <= s.high && !s.missing.has(seq) }
-
-// apply marks seqs applied.
-func (s *streamState) apply(seqs []int64) {
-	top := s.high
-	for _, q := range seqs {
-		top = max(top, q)
+// streamEvent is r as the core sees it, if r carries a stream header that fits where r is (its
+// origin topic and partition: a header copied onto another record by another producer does not).
+func streamEvent(r *Record) (streams.Event, bool) {
+	st, ok := sink.ParseStream(r.Headers)
+	if !ok || !st.Fits(r.Topic, r.Partition) {
+		return streams.Event{}, false
 	}
-	if top > s.high {
-		s.missing = s.missing.add(s.high+1, top+1)
-		s.high = top
-	}
-	for _, q := range seqs {
-		s.missing = s.missing.remove(q)
-	}
-}
-
-// mayRepeat reports whether successor c may repeat, under its numbers, the record numbered seq
-// of stream s: s is c's parent and seq past what the database kept, or c is a stream created
-// again for the root s was created for first.
-func (c *streamState) mayRepeat(s *streamState, seq int64) bool {
-	if !c.successor || c.id == s.id {
-		return false
-	}
-	if c.forkSeq > 0 {
-		return c.parent == s.id && seq > c.forkSeq
-	}
-	return s.forkSeq == 0 && s.firstOffset < c.firstOffset
-}
-
-// spans is a set of int64s as sorted, disjoint, non-adjacent half-open ranges.
-type spans []span
-
-type span struct{ lo, hi int64 } // [lo, hi)
-
-func (ss spans) has(q int64) bool {
-	i, found := slices.BinarySearchFunc(ss, q, func(s span, q int64) int {
-		switch {
-		case s.hi <= q:
-			return -1
-		case s.lo > q:
-			return 1
-		}
-		return 0
-	})
-	return found && i >= 0
-}
-
-// add returns ss with [lo, hi) added: it is above every span of ss (a new high).
-func (ss spans) add(lo, hi int64) spans {
-	if lo >= hi {
-		return ss
-	}
-	if n := len(ss); n > 0 && ss[n-1].hi == lo {
-		ss[n-1].hi = hi
-		return ss
-	}
-	return append(ss, span{lo, hi})
-}
-
-// remove returns ss without q.
-func (ss spans) remove(q int64) spans {
-	for i, s := range ss {
-		if q < s.lo || q >= s.hi {
-			continue
-		}
-		switch {
-		case s.lo == q && s.hi == q+1:
-			return slices.Delete(ss, i, i+1)
-		case s.lo == q:
-			ss[i].lo++
-		case s.hi == q+1:
-			ss[i].hi--
-		default: // split [lo, hi) into [lo, q) and [q+1, hi)
-			out := make(spans, 0, len(ss)+1)
-			out = append(out, ss[:i]...)
-			out = append(out, span{s.lo, q}, span{q + 1, s.hi})
-			return append(out, ss[i+1:]...)
-		}
-		return ss
-	}
-	return ss
-}
-
-// String is ss as Postgres writes an int8multirange: "{[1,5),[7,8)}".
-func (ss spans) String() string {
-	var b strings.Builder
-	b.WriteByte('{')
-	for i, s := range ss {
-		if i > 0 {
-			b.WriteByte(',')
-		}
-		fmt.Fprintf(&b, "[%d,%d)", s.lo, s.hi)
-	}
-	b.WriteByte('}')
-	return b.String()
-}
-
-// parseSpans reads an int8multirange as Postgres writes it (canonical: "[lo,hi)" ranges).
-func parseSpans(text string) (spans, error) {
-	body, ok := strings.CutPrefix(text, "{")
-	if body, ok = strings.CutSuffix(body, "}"); !ok {
-		return nil, fmt.Errorf("not a multirange: %q", text)
-	}
-	var out spans
-	for body != "" {
-		r, rest, closed := strings.Cut(body, ")")
-		lo, hi, ok := strings.Cut(strings.TrimPrefix(r, "["), ",")
-		l, err1 := strconv.ParseInt(lo, 10, 64)
-		h, err2 := strconv.ParseInt(hi, 10, 64)
-		if !closed || !ok || !strings.HasPrefix(r, "[") || err1 != nil || err2 != nil || l >= h {
-			return nil, fmt.Errorf("not a multirange of int8: %q", text)
-		}
-		out = append(out, span{l, h})
-		if body, ok = strings.CutPrefix(rest, ","); (!ok && rest != "") || (ok && body == "") {
-			return nil, fmt.Errorf("not a multirange of int8: %q", text)
-		}
-	}
-	return out, nil
+	return streams.Event{Header: streams.Header{
+		Stream: st.ID, Seq: st.Seq, Root: st.Root, Src: st.SourceOffset,
+		Parent: st.Parent, ForkSeq: st.ForkSeq, Since: st.Since,
+	}, Offset: r.Offset}, true
 }
 
 // streamSQL is the statements of the consuming side, for a schema.
 type streamSQL struct {
-	ensure, lineage, update string
+	ensure, lock, read, write, position, groupWindow string
 }
 
 func newStreamSQL(schema string) streamSQL {
-	streams := pgx.Identifier{schema, "idempotency_streams"}.Sanitize()
+	t := pgx.Identifier{schema, "idempotency_lineages"}.Sanitize()
 	return streamSQL{
-		// Rows for the streams met for the first time; the ones this statement inserted are new.
-		ensure: `INSERT INTO ` + streams + ` (consumer_group, stream, topic, partition, root, parent, fork_seq, successor, horizon, high, missing,
-				first_offset, created_at, updated_at)
-			SELECT $1, s, $2, p, r, par, fs, false, -1, 0, '{}', o, now(), now()
-			FROM unnest($3::uuid[], $4::int4[], $5::uuid[], $6::uuid[], $7::int8[], $8::int8[]) AS u(s, p, r, par, fs, o)
-			ORDER BY s ON CONFLICT DO NOTHING RETURNING stream`,
-		// Every stream of the batch's lineages, locked in id order.
-		lineage: `SELECT stream, root, parent, fork_seq, successor, horizon, high, missing::text, first_offset, created_at > now() - $3::interval
-			FROM ` + streams + ` WHERE consumer_group = $1 AND root = ANY($2) ORDER BY stream FOR UPDATE`,
-		update: `UPDATE ` + streams + ` AS s SET high = u.high, missing = u.missing::int8multirange, first_offset = least(s.first_offset, u.o),
-				successor = u.successor, horizon = u.horizon, updated_at = now()
-			FROM unnest($2::uuid[], $3::int8[], $4::text[], $5::int8[], $6::bool[], $7::int8[]) AS u(stream, high, missing, o, successor, horizon)
-			WHERE s.consumer_group = $1 AND s.stream = u.stream`,
+		// A row for every lineage of the transaction, so that its lock covers a lineage met for
+		// the first time too: a second transaction inserting the same row waits for the first.
+		ensure: `INSERT INTO ` + t + ` (consumer_group, root, topic, partition, state, updated_at)
+			SELECT $1, r, $2, $3, '{"streams":[]}', now() FROM unnest($4::uuid[]) AS u(r) ORDER BY r
+			ON CONFLICT DO NOTHING`,
+		// In a later statement than ensure: its snapshot sees every row ensure waited for.
+		lock: `SELECT root, state FROM ` + t + ` WHERE consumer_group = $1 AND root = ANY($2) ORDER BY root FOR UPDATE`,
+		read: `SELECT state FROM ` + t + ` WHERE consumer_group = $1 AND root = $2`,
+		write: `UPDATE ` + t + ` AS l SET state = u.state, updated_at = now()
+			FROM unnest($2::uuid[], $3::jsonb[]) AS u(root, state) WHERE l.consumer_group = $1 AND l.root = u.root`,
+		position: `SELECT coalesce(next_offset, 0) FROM ` + pgx.Identifier{schema, "offsets"}.Sanitize() + `
+			WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
+		// A group that consumed before this release decides by key as well for its first retention.
+		groupWindow: `WITH g AS (INSERT INTO ` + pgx.Identifier{schema, "idempotency_groups"}.Sanitize() + ` (consumer_group, keys_all_until)
+				SELECT $1, CASE WHEN EXISTS (SELECT 1 FROM ` + pgx.Identifier{schema, "offsets"}.Sanitize() + ` WHERE consumer_group = $1)
+					OR EXISTS (SELECT 1 FROM ` + t + ` WHERE consumer_group = $1) THEN now() + $2::interval ELSE now() END
+				ON CONFLICT (consumer_group) DO NOTHING RETURNING keys_all_until)
+			SELECT keys_all_until FROM g UNION ALL
+			SELECT keys_all_until FROM ` + pgx.Identifier{schema, "idempotency_groups"}.Sanitize() + ` WHERE consumer_group = $1 LIMIT 1`,
 	}
 }
 
-// numberedRec is a record of a batch that carries a stream number.
-type numberedRec struct {
-	i  int // index in the batch
-	st sink.Stream
-}
-
-// dedupeStreams decides, in tx, which of recs (numbered, of source) are copies of events applied
-// before, by their streams' state, and marks them duplicate; it returns the ones the state
-// cannot decide alone (a fork may repeat them, or they may be repeats: deduplicate them by key as
-// well) and the function that writes the streams' new state (every number not a copy's is done
-// with: applied, or found a copy by its key), to call once the by-key decision is made.
-func (p *Processor) dedupeStreams(ctx context.Context, tx pgx.Tx, source string, recs []*Record, nums []numberedRec, keyOf func(int) [32]byte) (byKey []int, commit func() error, err error) {
-	type met struct {
-		st   sink.Stream
-		recs []numberedRec
-	}
-	byID := map[[16]byte]*met{}
-	var ids, roots [][16]byte
-	for _, n := range nums {
-		m := byID[n.st.ID]
-		if m == nil {
-			m = &met{st: n.st}
-			byID[n.st.ID] = m
-			ids = append(ids, n.st.ID)
-			if !slices.Contains(roots, n.st.Root) {
-				roots = append(roots, n.st.Root)
-			}
-		}
-		m.recs = append(m.recs, n)
-	}
-	// In id order: the rows are locked in that order, no deadlock between two transactions
-	// applying records of the same lineages.
-	slices.SortFunc(ids, func(a, b [16]byte) int { return slices.Compare(a[:], b[:]) })
-	sids, parts, sroots, parents, forkSeqs, offs := make([][16]byte, len(ids)), make([]int32, len(ids)), make([][16]byte, len(ids)),
-		make([][16]byte, len(ids)), make([]int64, len(ids)), make([]int64, len(ids))
-	for i, id := range ids {
-		m := byID[id]
-		sids[i], parts[i], sroots[i], forkSeqs[i] = id, recs[m.recs[0].i].Partition, m.st.Root, m.st.ForkSeq
-		parents[i] = m.st.Parent
-		if m.st.IsRoot() {
-			parents[i] = m.st.Root
-		}
-		offs[i] = recs[m.recs[0].i].Offset
-		for _, n := range m.recs {
-			offs[i] = min(offs[i], recs[n.i].Offset)
-		}
-	}
-
-	b := &pgx.Batch{}
-	b.Queue(p.streamSQL.ensure, p.cfg.Group, source, sids, parts, sroots, parents, forkSeqs, offs)
-	b.Queue(p.streamSQL.lineage, p.cfg.Group, roots, successorYouth)
-	br := tx.SendBatch(ctx, b)
-	inserted, err := collect(br, func(r pgx.CollectableRow) ([16]byte, error) {
-		var id [16]byte
-		return id, r.Scan(&id)
-	})
-	if err != nil {
-		br.Close()
-		return nil, nil, own(fmt.Errorf("streams: %w", err))
-	}
-	lineage, err := collect(br, scanState)
-	if err := errors.Join(err, br.Close()); err != nil {
-		return nil, nil, own(fmt.Errorf("streams: %w", err))
-	}
-	state := map[[16]byte]*streamState{}
-	byRoot := map[[16]byte][]*streamState{}
-	for _, s := range lineage {
-		state[s.id] = s
-		byRoot[s.root] = append(byRoot[s.root], s)
-	}
-	for _, id := range inserted {
-		if s := state[id]; s != nil {
-			s.fresh = true
-		}
-	}
-
-	// A stream met for the first time may be a successor: find what it may repeat. In first
-	// offset order, so that of two met in one batch the earlier is found first.
-	fresh := slices.Clone(ids)
-	slices.SortFunc(fresh, func(a, b [16]byte) int { return cmp.Compare(state[a].firstOffset, state[b].firstOffset) })
-	for _, id := range fresh {
-		s := state[id]
-		if s == nil {
-			return nil, nil, own(fmt.Errorf("streams: stream %s has no row", fmtUUID(id)))
-		}
-		if !s.fresh {
-			continue
-		}
-		if err := p.meetStream(ctx, tx, source, recs[byID[id].recs[0].i].Partition, s, byID[id].st, byRoot[s.root]); err != nil {
-			return nil, nil, err
-		}
-	}
-
-	// Decide: by number; and by key as well where a successor may repeat a record, or a
-	// successor's record may be a repeat.
-	seen := map[[16]byte]map[int64]bool{}
-	for _, id := range ids {
-		m, s := byID[id], state[id]
-		seen[id] = map[int64]bool{}
-		for _, n := range m.recs {
-			r := recs[n.i]
-			if s.applied(n.st.Seq) || seen[id][n.st.Seq] {
-				h := keyOf(n.i)
-				r.duplicate = h[:]
-				continue
-			}
-			seen[id][n.st.Seq] = true
-			if s.successor && (s.young || n.st.SourceOffset <= s.horizon) || repeatable(byRoot[s.root], s, n.st.Seq) {
-				byKey = append(byKey, n.i)
-			}
-		}
-	}
-	commit = func() error {
-		var uids [][16]byte
-		var highs, firsts, horizons []int64
-		var missing []string
-		var successors []bool
-		for _, id := range ids {
-			m, s := byID[id], state[id]
-			var done []int64
-			first := s.firstOffset
-			for _, n := range m.recs {
-				first = min(first, recs[n.i].Offset)
-				if seen[id][n.st.Seq] {
-					done = append(done, n.st.Seq)
-					seen[id][n.st.Seq] = false // a number once
-				}
-			}
-			if len(done) == 0 && first == s.firstOffset && !s.fresh {
-				continue
-			}
-			s.apply(done)
-			uids, highs, missing, firsts = append(uids, id), append(highs, s.high), append(missing, s.missing.String()), append(firsts, first)
-			successors, horizons = append(successors, s.successor), append(horizons, s.horizon)
-		}
-		if len(uids) == 0 {
-			return nil
-		}
-		if _, err := tx.Exec(ctx, p.streamSQL.update, p.cfg.Group, uids, highs, missing, firsts, successors, horizons); err != nil {
-			return own(fmt.Errorf("streams: %w", err))
-		}
-		return nil
-	}
-	return byKey, commit, nil
-}
-
-// repeatable reports whether a successor in lineage may repeat the record numbered seq of s.
-func repeatable(lineage []*streamState, s *streamState, seq int64) bool {
-	for _, c := range lineage {
-		if c.mayRepeat(s, seq) {
+// streamsOn reports whether a topic of the processor deduplicates numbered events by streams.
+func (p *Processor) streamsOn() bool {
+	for _, pol := range p.policies {
+		if isMessageIDKey(pol.idempotencyKey) {
 			return true
 		}
 	}
 	return false
 }
 
-func scanState(r pgx.CollectableRow) (*streamState, error) {
-	s := &streamState{}
-	var missing string
-	if err := r.Scan(&s.id, &s.root, &s.parent, &s.forkSeq, &s.successor, &s.horizon, &s.high, &missing, &s.firstOffset, &s.young); err != nil {
-		return nil, err
-	}
-	var err error
-	s.missing, err = parseSpans(missing)
-	return s, err
-}
-
-// collect reads the next result of br as rows.
-func collect[T any](br pgx.BatchResults, fn pgx.RowToFunc[T]) ([]T, error) {
-	rows, err := br.Query()
-	if err != nil {
-		return nil, err
-	}
-	return pgx.CollectRows(rows, fn)
-}
-
-// forkBack is how far before a fork's fork_at (by Kafka's record timestamps) its parent's
-// records are read again: the clocks of the database and of the relays publishing may differ.
-const forkBack = 5 * time.Minute
-
-// meetStream looks at s, a stream of lineage met here for the first time in source's partition
-// (st its header). If it is a successor (a fork, or a stream created again for a root whose first
-// stream is known here), the records of its lineage it may repeat are read again from Kafka
-// (handleFork): the keys of those applied here are recorded, and s's horizon set, for the
-// decision to use.
-func (p *Processor) meetStream(ctx context.Context, tx pgx.Tx, source string, partition int32, s *streamState, st sink.Stream, lineage []*streamState) error {
-	var from int64 = -1
-	s.successor = s.forkSeq > 0
-	for _, o := range lineage {
-		if o.id != s.id && o.forkSeq == 0 && s.forkSeq == 0 && o.firstOffset < s.firstOffset {
-			s.successor = true // created again: its siblings' records may come again
-			if from < 0 || o.firstOffset < from {
-				from = o.firstOffset
-			}
+// streamsGroupWindow reads (and on the group's first run of this release, sets) until when the
+// group decides every numbered record by key as well.
+func (p *Processor) streamsGroupWindow(ctx context.Context) error {
+	var until time.Time
+	err := p.inPlace(ctx, nil, p.log, "", nil, func() error {
+		if err := p.pool.QueryRow(ctx, p.streamSQL.groupWindow, p.cfg.Group, p.cfg.IdempotencyRetention).Scan(&until); err != nil {
+			return fmt.Errorf("read the group's window of keys: %w", err)
 		}
-	}
-	if !s.successor {
 		return nil
-	}
-	s.young = true
-	// Successors before it in the lineage may still be repeating their own predecessors'.
-	for _, o := range lineage {
-		if o.id != s.id && o.successor {
-			s.horizon = max(s.horizon, o.horizon)
-		}
-	}
-	horizon, err := p.handleFork(ctx, tx, source, partition, s, st, from, lineage)
+	})
 	if err != nil {
 		return err
 	}
-	s.horizon = max(s.horizon, horizon)
+	p.keysAllUntil.Store(until.UnixMilli())
+	if time.Until(until) > 0 {
+		p.log.Info("numbered events are deduplicated by key as well until the group's first retention under streams ends: copies of events the release before applied carry numbers it never marked",
+			"until", until.UTC().Format(time.RFC3339))
+	}
 	return nil
 }
 
-// handleFork reads again, from Kafka, the records of source's partition that successor s may
-// repeat (its parent's past what the database kept, or, created again, its siblings'), from from
-// (a fork: the first published after its fork_at, less forkBack) up to s's first record, and
-// records, in a transaction of its own, the keys (message ids) of those applied here: a repeat of
-// one of them under s's numbers is then found by its key. It returns the highest source offset
-// among the records read.
-func (p *Processor) handleFork(ctx context.Context, tx pgx.Tx, source string, partition int32, s *streamState, st sink.Stream, from int64, lineage []*streamState) (int64, error) {
-	cl := p.client.Load()
-	if cl == nil {
-		return 0, own(errors.New("streams: a fork to read again, and no kafka client"))
+// lineages is what one transaction loaded of the lineages, written back (flush) before it
+// commits.
+type lineages struct {
+	source    string
+	partition int32
+	byRoot    map[streams.ID]*streams.Lineage
+	dirty     map[streams.ID]bool
+}
+
+type lineagesKey struct{}
+
+// withLineages gives the transaction of ctx a cache of lineages, for observeStreams and dedupe to
+// share; the caller flushes it before committing.
+func withLineages(ctx context.Context) (context.Context, *lineages) {
+	ls := &lineages{}
+	return context.WithValue(ctx, lineagesKey{}, ls), ls
+}
+
+func lineagesFrom(ctx context.Context) *lineages {
+	ls, _ := ctx.Value(lineagesKey{}).(*lineages)
+	return ls
+}
+
+// load locks and reads the lineages of roots (of source's partition) not loaded yet.
+func (ls *lineages) load(ctx context.Context, p *Processor, tx pgx.Tx, source string, partition int32, roots []streams.ID) error {
+	if ls.byRoot == nil {
+		ls.byRoot, ls.dirty = map[streams.ID]*streams.Lineage{}, map[streams.ID]bool{}
+		ls.source, ls.partition = source, partition
 	}
-	if st.ForkSeq > 0 {
-		at, err := kadm.NewClient(cl).ListOffsetsAfterMilli(ctx, st.ForkAt.Add(-forkBack).UnixMilli(), source)
+	var want [][16]byte
+	for _, r := range roots {
+		if _, ok := ls.byRoot[r]; !ok && !slices.Contains(want, [16]byte(r)) {
+			want = append(want, [16]byte(r))
+		}
+	}
+	if len(want) == 0 {
+		return nil
+	}
+	slices.SortFunc(want, func(a, b [16]byte) int { return bytes.Compare(a[:], b[:]) })
+	b := &pgx.Batch{}
+	b.Queue(p.streamSQL.ensure, p.cfg.Group, source, partition, want)
+	b.Queue(p.streamSQL.lock, p.cfg.Group, want)
+	br := tx.SendBatch(ctx, b)
+	if _, err := br.Exec(); err != nil {
+		br.Close()
+		return err
+	}
+	rows, err := br.Query()
+	if err != nil {
+		br.Close()
+		return err
+	}
+	for rows.Next() {
+		var root [16]byte
+		var state []byte
+		if err := rows.Scan(&root, &state); err != nil {
+			rows.Close()
+			br.Close()
+			return err
+		}
+		l := &streams.Lineage{}
+		if err := json.Unmarshal(state, l); err != nil {
+			rows.Close()
+			br.Close()
+			return fmt.Errorf("lineage %s: %w", streams.ID(root), err)
+		}
+		l.Root = streams.ID(root)
+		ls.byRoot[l.Root] = l
+	}
+	rows.Close()
+	if err := errors.Join(rows.Err(), br.Close()); err != nil {
+		return err
+	}
+	for _, r := range want {
+		if ls.byRoot[streams.ID(r)] == nil {
+			return fmt.Errorf("lineage %s: no row after it was ensured", streams.ID(r))
+		}
+	}
+	return nil
+}
+
+// flush writes the lineages changed.
+func (ls *lineages) flush(ctx context.Context, p *Processor, tx pgx.Tx) error {
+	if ls == nil || len(ls.dirty) == 0 {
+		return nil
+	}
+	var roots [][16]byte
+	var states [][]byte
+	for r := range ls.dirty {
+		b, err := json.Marshal(ls.byRoot[r])
+		if err != nil {
+			return err
+		}
+		roots, states = append(roots, [16]byte(r)), append(states, b)
+	}
+	clear(ls.dirty)
+	_, err := tx.Exec(ctx, p.streamSQL.write, p.cfg.Group, roots, states)
+	return err
+}
+
+// streamsWork is what a transaction needs done before it can decide its numbered records: it
+// fails with it, and inPlace does it (Processor.doStreams) and tries again.
+type streamsWork struct {
+	source    string
+	partition int32
+	main      bool            // the partition's worker, whose batch starts at pos
+	pos       int64           // main only
+	prepare   []streams.Event // in offset order
+	readBack  []streams.ID    // lineages with a read back pending
+}
+
+func (w *streamsWork) Error() string {
+	return fmt.Sprintf("streams of %s/%d: %d records to prepare, %d lineages to read back first", w.source, w.partition, len(w.prepare), len(w.readBack))
+}
+
+// observeStreams is the partition's worker observing the numbered records of its batch recs (all
+// of source's partition, from its position), in the batch's transaction, in offset order. It
+// returns a *streamsWork if one must be prepared first.
+func (p *Processor) observeStreams(ctx context.Context, tx pgx.Tx, source string, recs []*Record) error {
+	pol := p.policy(source)
+	if !isMessageIDKey(pol.idempotencyKey) || len(recs) == 0 {
+		return nil
+	}
+	var evs []streams.Event
+	var roots []streams.ID
+	for _, r := range recs {
+		if r.control {
+			continue
+		}
+		if e, ok := streamEvent(r); ok {
+			evs, roots = append(evs, e), append(roots, e.Root)
+		}
+	}
+	if len(evs) == 0 {
+		return nil
+	}
+	ls := lineagesFrom(ctx)
+	if err := ls.load(ctx, p, tx, source, recs[0].Partition, roots); err != nil {
+		return own(fmt.Errorf("streams: %w", err))
+	}
+	for _, e := range evs {
+		if ls.byRoot[e.Root].NeedsPrepare(e, true) {
+			return &streamsWork{source: source, partition: recs[0].Partition, main: true, pos: recs[0].Offset, prepare: evs}
+		}
+	}
+	for _, e := range evs {
+		ls.byRoot[e.Root].Observe(e)
+		ls.dirty[e.Root] = true
+	}
+	return nil
+}
+
+// keyAll reports whether r, numbered, is decided by key as well whatever its stream says: a
+// replay, or the group's first retention under streams.
+func (p *Processor) keyAll(r *Record) bool {
+	return r.deadLetter != 0 || time.Now().UnixMilli() < p.keysAllUntil.Load()
+}
+
+// dedupeStreams decides, in tx, the numbered records nums of recs (all of source's partition)
+// by their lineages: it marks copies duplicate and returns the records to decide by key as well
+// (byKey), and a function to call once they are decided (their numbers done). It returns a
+// *streamsWork if records must be prepared, or a read back done, first.
+func (p *Processor) dedupeStreams(ctx context.Context, tx pgx.Tx, source string, recs []*Record, nums []int, evs []streams.Event, hashes []*[32]byte) (byKey []int, done func() error, err error) {
+	ls := lineagesFrom(ctx)
+	local := ls == nil
+	if local {
+		ls = &lineages{}
+	}
+	roots := make([]streams.ID, len(evs))
+	for j, e := range evs {
+		roots[j] = e.Root
+	}
+	partition := recs[nums[0]].Partition
+	if err := ls.load(ctx, p, tx, source, partition, roots); err != nil {
+		return nil, nil, own(fmt.Errorf("streams: %w", err))
+	}
+	// Records no worker observed (another path; a release before) are prepared first.
+	var prep []streams.Event
+	for j, i := range nums {
+		if recs[i].stage != retrytopics.FromSource && ls.byRoot[evs[j].Root].NeedsPrepare(evs[j], false) {
+			prep = append(prep, evs[j])
+		}
+	}
+	if len(prep) > 0 {
+		return nil, nil, &streamsWork{source: source, partition: partition, prepare: prep}
+	}
+	var keyed []int // indexes into nums/evs
+	var wait []streams.ID
+	for j, i := range nums {
+		l, e := ls.byRoot[evs[j].Root], evs[j]
+		switch l.Decide(e, p.keyAll(recs[i])) {
+		case streams.Copy:
+			recs[i].duplicate = hashes[i][:]
+		case streams.Wait:
+			if !slices.Contains(wait, e.Root) {
+				wait = append(wait, e.Root)
+			}
+		case streams.ByKey:
+			keyed = append(keyed, j)
+			byKey = append(byKey, i)
+		case streams.Apply:
+			l.Done(e, false)
+			ls.dirty[e.Root] = true
+		}
+	}
+	if len(wait) > 0 {
+		return nil, nil, &streamsWork{source: source, partition: partition, readBack: wait}
+	}
+	done = func() error {
+		for _, j := range keyed {
+			ls.byRoot[evs[j].Root].Done(evs[j], true)
+			ls.dirty[evs[j].Root] = true
+		}
+		if local {
+			if err := ls.flush(ctx, p, tx); err != nil {
+				return own(fmt.Errorf("streams: %w", err))
+			}
+		}
+		return nil
+	}
+	return byKey, done, nil
+}
+
+// doStreams does what a transaction asked for (w), with no transaction open: the preparing
+// transaction, then any read back.
+func (p *Processor) doStreams(ctx context.Context, w *streamsWork) error {
+	pending := slices.Clone(w.readBack)
+	if len(w.prepare) > 0 {
+		more, err := p.streamsPrepare(ctx, w)
+		if err != nil {
+			return err
+		}
+		for _, r := range more {
+			if !slices.Contains(pending, r) {
+				pending = append(pending, r)
+			}
+		}
+	}
+	for _, root := range pending {
+		if err := p.readBack(ctx, w.source, w.partition, root); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// streamsPrepare prepares w's records in a transaction of its own and returns the lineages that
+// now have a read back pending.
+func (p *Processor) streamsPrepare(ctx context.Context, w *streamsWork) ([]streams.ID, error) {
+	// Where each fork's parent may have published what the fork's database lost: asked of Kafka
+	// before the transaction.
+	since := map[time.Time]int64{}
+	for _, e := range w.prepare {
+		if e.ForkSeq <= 0 {
+			continue
+		}
+		if _, ok := since[e.Since]; ok {
+			continue
+		}
+		cl := p.client.Load()
+		if cl == nil {
+			return nil, errors.New("streams: a fork to prepare, and no kafka client yet")
+		}
+		lctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		at, err := kadm.NewClient(cl).ListOffsetsAfterMilli(lctx, e.Since.Add(-streams.Skew).UnixMilli(), w.source)
+		cancel()
 		if err == nil {
 			err = at.Error()
 		}
 		if err != nil {
-			return 0, own(fmt.Errorf("streams: find where fork %s's parent may repeat: %w", fmtUUID(s.id), err))
+			return nil, fmt.Errorf("streams: find the first record of %s/%d published after %s: %w", w.source, w.partition, e.Since.Add(-streams.Skew).UTC().Format(time.RFC3339), err)
 		}
-		from = 0
-		if o, ok := at.Lookup(source, partition); ok {
-			from = o.Offset
+		since[e.Since] = 0
+		if o, ok := at.Lookup(w.source, w.partition); ok {
+			since[e.Since] = o.Offset
 		}
 	}
-	byID := map[[16]byte]*streamState{}
-	for _, n := range lineage {
-		byID[n.id] = n
-	}
-	horizon := int64(-1)
-	var keys [][32]byte
-	read, err := p.readKeepingTx(ctx, tx, source, partition, from, s.firstOffset, func(r *kgo.Record) {
-		o, ok := sink.ParseStream(r.Headers)
-		if !ok || o.Root != s.root {
-			return
+	var pending []streams.ID
+	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		ls := &lineages{}
+		roots := make([]streams.ID, len(w.prepare))
+		for j, e := range w.prepare {
+			roots[j] = e.Root
 		}
-		n := byID[o.ID]
-		if n == nil || !s.mayRepeat(n, o.Seq) {
-			return
+		if err := ls.load(ctx, p, tx, w.source, w.partition, roots); err != nil {
+			return err
 		}
-		horizon = max(horizon, o.SourceOffset)
-		if !n.applied(o.Seq) {
-			return
-		}
-		for _, h := range r.Headers {
-			if h.Key == sink.HeaderMessageID && len(h.Value) > 0 {
-				keys = append(keys, p.keyHash(source, h.Value))
+		pos := w.pos
+		if !w.main {
+			// Every record before the worker's position was observed.
+			if err := tx.QueryRow(ctx, p.streamSQL.position, p.cfg.Group, w.source, w.partition).Scan(&pos); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+				return err
 			}
 		}
+		pending = pending[:0]
+		for _, e := range w.prepare {
+			l := ls.byRoot[e.Root]
+			before := len(l.Streams)
+			if !w.main && !l.NeedsPrepare(e, false) {
+				continue
+			}
+			if l.Prepare(e, pos, since[e.Since], w.main) && !slices.Contains(pending, e.Root) {
+				pending = append(pending, e.Root)
+			}
+			ls.dirty[e.Root] = true
+			if len(l.Streams) > before && e.ForkSeq > 0 {
+				p.log.Info("a stream of events forked upstream (its database restarted, failed over or was restored): what it may repeat is decided by key as well",
+					"topic", w.source, "partition", w.partition, "stream", e.Stream.String(), "parent", e.Parent.String(), "fork_seq", e.ForkSeq,
+					"read_back", l.Pending != nil)
+			}
+		}
+		return ls.flush(ctx, p, tx)
 	})
 	if err != nil {
-		return 0, own(fmt.Errorf("streams: read %s/%d from %d to %d again for stream %s: %w", source, partition, from, s.firstOffset, fmtUUID(s.id), err))
+		return nil, own(fmt.Errorf("streams: prepare %d records of %s/%d: %w", len(w.prepare), w.source, w.partition, err))
 	}
-	slices.SortFunc(keys, func(a, b [32]byte) int { return slices.Compare(a[:], b[:]) })
-	keys = slices.Compact(keys)
-	if len(keys) > 0 {
-		err = pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-			_, err := p.keys.Record(ctx, tx, keys)
-			return err
+	return pending, nil
+}
+
+// readBackChunk is how many records a read back reads and records the keys of per transaction.
+const readBackChunk = 5000
+
+// readBackPause slows the read back down by that much a record, for a test of a read back that
+// outlives a transaction's idle timeout; 0 otherwise.
+var readBackPause atomic.Int64
+
+// readBack does root's pending read back: it reads the partition from Kafka from the read back's
+// cursor, a chunk at a time with no transaction open, and for each chunk, in a transaction that
+// moves the cursor past it, records the keys of the chunk's records the core asks for (applied
+// by number, and another stream may share their key). A chunk whose transaction finds the cursor
+// moved (another process did it, or a registration widened the read back) is read again from
+// where the cursor is.
+func (p *Processor) readBack(ctx context.Context, source string, partition int32, root streams.ID) error {
+	started := time.Now()
+	records, keys := 0, 0
+	for {
+		var state []byte
+		if err := p.pool.QueryRow(ctx, p.streamSQL.read, p.cfg.Group, [16]byte(root)).Scan(&state); err != nil {
+			return own(fmt.Errorf("streams: read lineage %s: %w", root, err))
+		}
+		var l streams.Lineage
+		if err := json.Unmarshal(state, &l); err != nil {
+			return own(fmt.Errorf("streams: lineage %s: %w", root, err))
+		}
+		if l.Pending == nil {
+			if records > 0 {
+				p.log.Info("streams: read back done", "topic", source, "partition", partition, "lineage", root.String(),
+					"records", records, "keys_recorded", keys, "took", time.Since(started).Round(time.Millisecond).String())
+			}
+			return nil
+		}
+		from, to := l.Pending.Cursor, min(l.Pending.Cursor+readBackChunk, l.Pending.To)
+		if records == 0 {
+			p.log.Warn("streams: reading back what a newer stream may repeat, before its records are decided",
+				"topic", source, "partition", partition, "lineage", root.String(), "from", l.Pending.From, "cursor", from, "to", l.Pending.To)
+		}
+		type read struct {
+			e   streams.Event
+			key [32]byte
+		}
+		var got []read
+		n, err := p.readRange(ctx, source, partition, from, to, func(r *kgo.Record) {
+			rec := &Record{Topic: r.Topic, Partition: r.Partition, Offset: r.Offset, Headers: r.Headers}
+			e, ok := streamEvent(rec)
+			if !ok || e.Root != root {
+				return
+			}
+			id, err := messageIDKey(rec)
+			if err != nil {
+				return
+			}
+			got = append(got, read{e, p.keyHash(source, id)})
 		})
 		if err != nil {
-			return 0, own(fmt.Errorf("streams: record the keys stream %s may repeat: %w", fmtUUID(s.id), err))
+			return fmt.Errorf("streams: read back %s/%d from %d to %d: %w", source, partition, from, to, err)
 		}
-	}
-	p.log.Warn("a stream of events forked upstream (its database failed over or was restored, and lost commits): the events it may repeat were read back from kafka, and its records from source offsets up to the horizon are deduplicated by key too",
-		"topic", source, "partition", partition, "stream", fmtUUID(s.id), "parent", fmtUUID(st.Parent), "fork_seq", st.ForkSeq,
-		"read_from", from, "read_to", s.firstOffset, "records_read", read, "keys_recorded", len(keys), "horizon", max(s.horizon, horizon))
-	return horizon, nil
-}
-
-// readKeepingTx is readRange while tx, the batch transaction that waits for it, is kept from
-// Postgres's idle timeout (Config.TxIdleTimeout: a lost sibling read back from its first record
-// may take longer): a statement every third of it. fn runs in the reading goroutine.
-func (p *Processor) readKeepingTx(ctx context.Context, tx pgx.Tx, topic string, partition int32, from, to int64, fn func(*kgo.Record)) (int, error) {
-	type result struct {
-		n   int
-		err error
-	}
-	readCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	done := make(chan result, 1)
-	go func() {
-		n, err := p.readRange(readCtx, topic, partition, from, to, fn)
-		done <- result{n, err}
-	}()
-	keep := time.NewTicker(max(p.cfg.TxIdleTimeout/3, 10*time.Millisecond))
-	defer keep.Stop()
-	for {
-		select {
-		case r := <-done:
-			return r.n, r.err
-		case <-keep.C:
-			if _, err := tx.Exec(ctx, `SELECT 1`); err != nil {
-				cancel()
-				<-done
-				return 0, fmt.Errorf("keep the transaction while reading back: %w", err)
+		records += n
+		err = pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+			ls := &lineages{}
+			if err := ls.load(ctx, p, tx, source, partition, []streams.ID{root}); err != nil {
+				return err
 			}
+			l := ls.byRoot[root]
+			if l.Pending == nil || l.Pending.Cursor != from {
+				return nil // moved meanwhile: read again from where it is
+			}
+			var ks [][32]byte
+			for _, g := range got {
+				if l.ReadBackRecord(g.e) {
+					ks = append(ks, g.key)
+				}
+			}
+			slices.SortFunc(ks, func(a, b [32]byte) int { return bytes.Compare(a[:], b[:]) })
+			ks = slices.Compact(ks)
+			if len(ks) > 0 {
+				if _, err := p.keys.Record(ctx, tx, ks); err != nil {
+					return err
+				}
+				keys += len(ks)
+			}
+			l.Pending.Cursor = to
+			if to >= l.Pending.To {
+				l.ReadBackDone()
+			}
+			ls.dirty[root] = true
+			return ls.flush(ctx, p, tx)
+		})
+		if err != nil {
+			return own(fmt.Errorf("streams: record what the read back of %s/%d from %d to %d found: %w", source, partition, from, to, err))
 		}
 	}
 }
-
-// readBackPause slows readRange down by that much a record, for a test of a read back longer
-// than the transaction's idle timeout; 0 otherwise.
-var readBackPause atomic.Int64
 
 // readRange reads the records of topic's partition from offset from up to (not including) to,
 // with a client of its own, and gives each to fn. It returns how many it read.
@@ -549,7 +547,7 @@ func (p *Processor) readRange(ctx context.Context, topic string, partition int32
 	}
 	opts := []kgo.Opt{
 		kgo.SeedBrokers(p.cfg.Brokers...),
-		kgo.ClientID("kafkapg-fork"),
+		kgo.ClientID("kafkapg-read-back"),
 		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: {partition: kgo.NewOffset().At(from)}}),
 		kgo.FetchMaxWait(100 * time.Millisecond),
 	}
@@ -558,6 +556,8 @@ func (p *Processor) readRange(ctx context.Context, topic string, partition int32
 		return 0, err
 	}
 	defer cl.Close()
+	// A chunk, not the whole read back: its progress is kept, so a slow broker costs a retry of
+	// one chunk at most.
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
 	n := 0
@@ -571,7 +571,7 @@ func (p *Processor) readRange(ctx context.Context, topic string, partition int32
 		}
 		done := false
 		fs.EachRecord(func(r *kgo.Record) {
-			if r.Offset >= to {
+			if r.Offset >= to || done {
 				done = true
 				return
 			}
@@ -580,12 +580,10 @@ func (p *Processor) readRange(ctx context.Context, topic string, partition int32
 				time.Sleep(time.Duration(d))
 			}
 			fn(r)
-			done = done || r.Offset >= to-1
+			done = r.Offset >= to-1
 		})
 		if done {
 			return n, nil
 		}
 	}
 }
-
-func fmtUUID(u [16]byte) string { return uuid.UUID(u).String() }

@@ -118,13 +118,3 @@ func (p *Processor) checkNumbering(ctx context.Context) {
 		}
 	}
 }
-
-// forkStreams makes the streams of a source partition fork at their next event: its position
-// went back in Postgres (the database lost commits), so the events numbered past what the
-// database kept may be emitted again, under other numbers.
-func (p *Processor) forkStreams(ctx context.Context, topic string, partition int32) error {
-	if _, err := p.pool.Exec(ctx, p.forkStreamsSQL, p.cfg.Group, topic, partition); err != nil {
-		return fmt.Errorf("fork the streams of %s/%d: %w", topic, partition, err)
-	}
-	return nil
-}

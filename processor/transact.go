@@ -74,7 +74,7 @@ func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(contex
 // statements that waiting will not fix (a bug, a table changed underneath): the latter is logged
 // as an error and counted in kafkapg_internal_errors_total. prog, if not nil, is told which.
 func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *slog.Logger, blame string, prog *progress, tx func() error) error {
-	for failures := 0; ; {
+	for failures, work := 0, 0; ; {
 		err := tx()
 		if err == nil {
 			if failures > 0 {
@@ -84,6 +84,20 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 		}
 		if ctx.Err() != nil {
 			return errStopped
+		}
+		// Numbered records to prepare, or a read back, before the transaction can decide them:
+		// done here, with no transaction open, and tried again. Each piece of work moves the
+		// lineages on (a stream registered, a horizon raised, a read back's cursor); one that
+		// keeps coming back is a bug, retried with backoff below and counted.
+		var sw *streamsWork
+		if errors.As(err, &sw) && work < 100 {
+			work++
+			if err = p.doStreams(ctx, sw); err == nil {
+				continue
+			}
+			if ctx.Err() != nil {
+				return errStopped
+			}
 		}
 		if errors.Is(err, offsets.ErrFenced) || errors.Is(err, offsets.ErrMoved) || errors.Is(err, offsets.ErrKeysChanged) || errors.Is(err, retrytopics.ErrStale) {
 			return err

@@ -70,63 +70,95 @@
 // A consumer that deduplicates events by their message id keeps, naively, one id per event for as
 // long as a copy may come: rate x retention. The events a processor emits while applying a
 // record (processor.Record.Emit, with the id it derives) can do with a few numbers per stream,
-// forever, because of where they come from:
+// because of where they come from:
 //
 //  1. A stream is what one group's source partition emits to one partition of one topic. The
 //     partition is fixed when the event is emitted (Event.Source; its key's partition, as Kafka's
 //     producers place it), so all of a stream's events reach one partition of its topic, and so
-//     one consumer at a time.
-//  2. Numbers are dense, and each is taken once. The emitting transaction takes the next numbers
-//     of its streams from a counter row (outbox_streams), locked until it ends: a rolled-back
-//     transaction took none, and a stream's numbers follow the order its transactions commit in.
-//     A copy of an event (its row published twice: a relay that died between Kafka's
-//     acknowledgement and its delete, or lost its "published" mark) carries the same header,
-//     hence the same number.
+//     one consumer at a time; the header names that partition and topic (Stream.Fits), so a
+//     header another producer copied onto a record elsewhere is not taken for one.
+//  2. Numbers are dense, and each is taken once in a database history. The emitting transaction
+//     takes the next numbers of its streams from a counter row (outbox_streams), locked until it
+//     ends: a rolled-back transaction took none, and a stream's numbers follow the order its
+//     transactions commit in. A copy of an event (its row published twice: a relay that died
+//     between Kafka's acknowledgement and its delete, or a database restored with the row still
+//     in its outbox) carries the same header, hence the same number.
 //  3. So, for a stream, "this event was applied" is "its number was applied", and the numbers
-//     applied are the numbers up to the highest applied, less the few not applied yet: a relay
-//     publishes a stream's events of different keys in any order (lanes), and a consumer may hold
-//     one in its retry path or as a dead letter, or its record may have been refused by Kafka for
-//     good. The consumer keeps the highest number and those missing numbers (as ranges), and
-//     applies an event exactly when its number is above the highest or missing: constant state,
-//     whatever the number of events.
+//     applied are the numbers up to the highest applied, less the few not applied yet (a relay
+//     publishes a stream's events of different keys in any order; a consumer holds some in its
+//     retry path or as dead letters; Kafka refused some for good).
 //
-// What breaks the argument is a database that forgets: a failover to a standby that lacked the
-// last commits, or a restore. Its counter rows went back with the records they numbered, so the
-// numbers past what it kept are taken again, by the same records applied again (their events
-// have the same message ids) or by others. The stream forks: each counter row records the
-// database's identity (its system identifier and WAL timeline: a promoted standby and a restored
-// backup start a new timeline) when it last took a number, and a row that finds another one, or
-// none (a processor found its partition's position gone back, see processor), starts a new
-// stream, numbered from 1, whose header names the stream it replaces (its parent), the last
-// number of that one the database kept (fork seq) and when it was taken. A stream whose row the
-// database lost entirely is created again: every header names its lineage's root (derived from
-// the group, source partition and destination partition), which the lost stream named too. The
-// consumer, when it first meets such a successor, reads its topic's partition again from Kafka
-// (from the parent's fork time less five minutes, or from where it first met the lost sibling),
-// records the message ids of the parent's events past the fork seq (of the sibling's, all) that it
-// had applied, and notes the highest source offset among them: the successor repeats only
-// events of records applied again, which come from source offsets up to that horizon. The
-// successor's records from those offsets (and all of its records for ten minutes, for a relay of
-// the old database that published just before it went), and the parent's past the fork seq, are
-// then deduplicated by message id as well. State per event only for what a failover lost; the
-// events of an upstream that never forgets are never keyed.
+// What breaks the argument is a database that forgets commits: a failover to a standby that lacked
+// the last ones, a restore to a point in time, a copy of the data directory started as it was.
+// Its counter rows went back with the records they numbered, so the numbers past what it kept are
+// taken again, by the same records applied again or by others, on every path that emits: the
+// partition's worker, a retry tier's, the held records', a replay's. None of those is trusted to
+// notice: the counter row does. Each row records the database's identity when it last took a
+// number — its system identifier, WAL timeline and the server's start time (DatabaseIdentitySQL):
+// a promoted standby and a point-in-time restore start a timeline, and a copy started as it was
+// starts a server. A row written under another identity forks its stream at its next number,
+// whatever path takes it: a new stream, numbered from 1, whose header names the stream it replaces
+// (its parent), the last number of that one the database kept (fork seq) and Since, the latest
+// time a number was taken under the parent's identity among the rows the database kept (the
+// commits it lost came after that, and a relay publishes after a commit). A stream whose row the
+// database lost entirely is created again, under the same root (derived from the group, source
+// partition and destination partition), which every stream of the lineage names. A plain restart
+// forks too: it cannot be told from a copy started as it was, and costs a consumer only keys for
+// a while (below).
 //
-// Walk through a failover with a consumer sharing the upstream's database. Stream X is at 100;
-// the standby had it at 80 and the consumer at 70. After the failover, the consumer applies X's
-// 71 to 100 again from its topic (its own applications of them were lost too), by number. The
-// upstream applies again the records that emitted X's 81 to 100, now under fork Y (parent X, fork
-// seq 80): Y's 1 to 20 carry the same message ids. Meeting Y, the consumer reads X's 81 to 100
-// back, finds them applied, records their ids: Y's 1 to 20 are skipped by id. Without the read
-// back they would be applied twice by number; without the fork, numbered 81 to 100 again after
-// the consumer applied the first 81 to 100, a record the upstream dead-lettered the second time
-// would have let a new event take its number, and be skipped. TestStreamsDecideCopiesByNumber
-// and the chain's chaos run through failovers to an asynchronous standby witness it.
+// The consumer (package internal/streams decides, processor keeps the state per lineage in
+// idempotency_lineages) then reasons path by path:
 //
-// Not covered: a consumer that had not kept the parent's records in Kafka (retention deleted
-// them before it met the fork) cannot read them back, and applies their repeats again; events an
-// upstream emitted with an id of its own (Event.ID set), or through Outbox.Emit, or from a
-// database that cannot tell its identity (CheckStreams), are unnumbered: consumers keep their
-// ids, for IDEMPOTENCY_RETENTION.
+//   - Its partition's worker observes every numbered record, in offset order, in the transaction
+//     that moves its position past it, whatever becomes of the record (applied, a copy, held,
+//     sent to a retry tier, dead-lettered). Streams are registered in the order they first
+//     appear, and every record before the position was observed.
+//   - A newer stream may repeat, under its own numbers, the events of older streams that its own
+//     history does not keep: a fork's parent's past the fork seq (and its parent's past its own
+//     fork point), all of a sibling's or of a stream created again's. Both events of such a pair
+//     are decided by their key as well: the older's, because a newer stream may repeat it; the
+//     newer's, if it comes from a source offset at or below its horizon — the highest source
+//     offset among the older streams' events it may repeat that were observed (a repeat comes
+//     from a source record applied again). Keys are kept in the key ring, for
+//     IDEMPOTENCY_RETENTION.
+//   - An older event applied by number before the newer stream was met was not keyed: the newer
+//     stream's registration reads those events back from Kafka (a fork's parent's from the first
+//     record published at or after Since less five minutes, others' from where they were first
+//     observed) and records the keys of the ones applied, before any record of the lineage is
+//     decided again. An older event that comes after the newer stream's first record (a relay of
+//     the old database finishing a produce; a copy of the database restored after another
+//     publishing what it kept) raises the horizon, and the newer stream's events applied by
+//     number up to it are read back the same way. A read back runs with no transaction open and
+//     records what it found a chunk at a time, with its progress: it survives retries and
+//     restarts, holds no connection while it reads, and never takes a second one.
+//   - Records of other paths (retry tiers, held records, replays) were observed when the worker
+//     passed them; a record the worker never observed (a dead letter of a release before this
+//     protocol) is prepared first, as an older stream's event. A replay is decided by key as well
+//     as by number; so is every numbered record during a group's first IDEMPOTENCY_RETENTION
+//     under this protocol if it consumed before (a release before applied copies by key only),
+//     and every number below the first one observed of a stream.
+//   - A dead letter discarded marks its number done. Numbers stay missing only for records in
+//     the retry path or dead-lettered and not yet replayed or discarded, and for events Kafka
+//     refused upstream that nobody published again: state grows with those, not with events.
+//
+// TestProtocol (internal/streams) is the check of this argument: a state-machine property test
+// that drives the consumer's decisions through random histories of an upstream database losing
+// commits (same identity and new, with and without restarts), relays publishing late, twice, in
+// any order or never, every path, dead letters replayed and discarded, and a release before it,
+// and fails if an event is applied twice, or not at all when everything is done, or a number
+// published stays missing. It found four of the rules above missing while they were written (the
+// newer stream's read back, waiting for a read back on every path, a stream's keyed numbers
+// after its chain of parents grew, the horizon of what only other paths met): their shrunk
+// histories are the tests in internal/streams/regressions_test.go.
+//
+// Not covered: a consumer that had not kept the events it must read back in Kafka (retention
+// deleted them first) cannot record their keys, and applies their repeats again; a repeat that
+// comes more than IDEMPOTENCY_RETENTION after its twin's key was recorded is applied again (as any
+// copy decided by key); a database that loses commits without a new identity (synchronous_commit
+// off and a crash of a backend only); clocks more than five minutes apart between the emitting
+// database and the relays' Kafka timestamps. Events an upstream emitted with an id of its own
+// (Event.ID set), or through Outbox.Emit, or from a database that cannot tell its identity
+// (CheckStreams), are unnumbered: consumers keep their ids, for IDEMPOTENCY_RETENTION.
 //
 // # What it does not guarantee
 //

@@ -3,7 +3,9 @@ package sink
 import (
 	"context"
 	"crypto/sha1"
+	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
 	"fmt"
 	"hash/fnv"
 	"strconv"
@@ -17,17 +19,20 @@ import (
 
 // HeaderStream is the header of a numbered event (see "Streams" in the package documentation):
 //
-//	<stream> <seq> <root> <source offset>                                  a stream created afresh
-//	<stream> <seq> <root> <source offset> <parent> <fork seq> <fork at>    a fork
+//	<stream> <seq> <root> <source offset> <dest>                                a stream created afresh
+//	<stream> <seq> <root> <source offset> <dest> <parent> <fork seq> <since>    a fork
 //
 // stream is the stream's id (a UUID); seq the event's number in it (1, 2, 3, ... in the order the
 // emitting transactions committed); root the id its lineage shares (derived from the group, the
 // source partition and the destination partition: the first stream and every stream forked
 // after it, or created again for it); source offset the offset of the record whose handling
-// emitted the event; and, for a fork, the stream it replaces, the last number of that one the
-// database kept, and when that number was taken (Unix milliseconds). Like HeaderMessageID it is
-// part of the event's identity: it travels with the record through a consumer's retry tiers and
-// dead letters, and Emit replaces one a handler copied.
+// emitted the event; dest where the stream's events go, <partition>@<the first 8 hex digits of the
+// SHA-256 of the topic's name>, for a consumer to tell a header copied onto another record (Kafka
+// Streams forwards headers) from its own; and, for a fork, the stream it replaces, the last number
+// of that one the database kept, and a time before which no event of it that the database lost
+// was published (Unix milliseconds; see Stream.Since). Like HeaderMessageID it is part of the
+// event's identity: it travels with the record through a consumer's retry tiers and dead letters,
+// and Emit replaces one a handler copied.
 const HeaderStream = "message-stream"
 
 // Source is where an event a processor emits came from: the record it applied. See Event.Source.
@@ -39,13 +44,30 @@ type Source struct {
 
 // Stream is a numbered event's place in its stream, as its header says (ParseStream).
 type Stream struct {
-	ID           [16]byte
-	Seq          int64
-	Root         [16]byte
-	SourceOffset int64
-	Parent       [16]byte  // the stream this one replaces; zero for a stream created afresh
-	ForkSeq      int64     // the last number of Parent the database kept; 0 for a stream created afresh
-	ForkAt       time.Time // when that number was taken; zero for a stream created afresh
+	ID            [16]byte
+	Seq           int64
+	Root          [16]byte
+	SourceOffset  int64
+	DestPartition int32
+	DestTopic     [4]byte  // the first 4 bytes of the SHA-256 of the destination topic's name
+	Parent        [16]byte // the stream this one replaces; zero for a stream created afresh
+	ForkSeq       int64    // the last number of Parent the database kept; 0 for a stream created afresh
+	// Since, for a fork: no event of Parent that the fork's database lost was published before
+	// it (by the database's clock). It is the latest time a number was taken under Parent's
+	// database identity among the streams the database kept: the lost commits came after the
+	// copy or standby the database was restored from, and a relay publishes after a commit.
+	Since time.Time
+}
+
+// Fits reports whether s's stream goes to partition of topic: a header copied onto a record of
+// another topic or partition (another producer forwarding headers) does not.
+func (s Stream) Fits(topic string, partition int32) bool {
+	return s.DestPartition == partition && s.DestTopic == topicHash(topic)
+}
+
+func topicHash(topic string) [4]byte {
+	h := sha256.Sum256([]byte(topic))
+	return [4]byte(h[:4])
 }
 
 // IsRoot reports whether the stream was created afresh rather than forked from another.
@@ -61,7 +83,7 @@ func ParseStream(headers []kgo.RecordHeader) (s Stream, ok bool) {
 		}
 	}
 	f := strings.Fields(string(v))
-	if len(f) != 4 && len(f) != 7 {
+	if len(f) != 5 && len(f) != 8 {
 		return Stream{}, false
 	}
 	var err error
@@ -77,17 +99,24 @@ func ParseStream(headers []kgo.RecordHeader) (s Stream, ok bool) {
 	if s.SourceOffset, err = strconv.ParseInt(f[3], 10, 64); err != nil || s.SourceOffset < 0 {
 		return Stream{}, false
 	}
-	if len(f) == 4 {
+	part, topic, found := strings.Cut(f[4], "@")
+	p, err := strconv.ParseInt(part, 10, 32)
+	th, err1 := hex.DecodeString(topic)
+	if !found || err != nil || p < 0 || err1 != nil || len(th) != 4 || len(topic) != 8 || strings.ToLower(topic) != topic {
+		return Stream{}, false
+	}
+	s.DestPartition, s.DestTopic = int32(p), [4]byte(th)
+	if len(f) == 5 {
 		return s, true
 	}
-	if s.Parent, err = parseUUID(f[4]); err != nil {
+	if s.Parent, err = parseUUID(f[5]); err != nil {
 		return Stream{}, false
 	}
-	ms, err1 := strconv.ParseInt(f[6], 10, 64)
-	if s.ForkSeq, err = strconv.ParseInt(f[5], 10, 64); err != nil || err1 != nil || s.ForkSeq < 1 || ms < 1 {
+	ms, err1 := strconv.ParseInt(f[7], 10, 64)
+	if s.ForkSeq, err = strconv.ParseInt(f[6], 10, 64); err != nil || err1 != nil || s.ForkSeq < 1 || ms < 1 {
 		return Stream{}, false
 	}
-	s.ForkAt = time.UnixMilli(ms)
+	s.Since = time.UnixMilli(ms)
 	return s, true
 }
 
@@ -127,10 +156,13 @@ func rootID(group string, k streamKey) [16]byte {
 }
 
 // DatabaseIdentitySQL is the SQL expression of the database's identity as outbox_streams
-// records it: its system identifier and the timeline it writes WAL on. A failover to a standby
-// and a restore to a point in time start a new timeline; a restore into another cluster has
-// another system identifier.
-const DatabaseIdentitySQL = `((SELECT system_identifier::text FROM pg_control_system()) || '/' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))`
+// records it: its system identifier, the timeline it writes WAL on, and when the server started.
+// A failover to a standby and a restore to a point in time start a new timeline; a restore into
+// another cluster has another system identifier; a copy of the data directory started as it was
+// (commits lost, the same identifier and timeline) starts the server anew. So does a plain
+// restart, which loses nothing: its streams fork all the same, which costs a consumer nothing to
+// read back (nothing past a fork point was applied) and a few minutes of keys.
+const DatabaseIdentitySQL = `((SELECT system_identifier::text FROM pg_control_system()) || '/' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8) || '/' || (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::int8::text)`
 
 // CheckStreams reports whether this database lets an Outbox number events: it must be able to
 // read its own identity (DatabaseIdentitySQL; some managed services do not allow it). Without,
@@ -146,9 +178,11 @@ func CheckStreams(ctx context.Context, db interface {
 }
 
 // streamSQL takes the numbers of a transaction's events, n per stream, in one statement, and
-// forks the streams whose row was written under another database identity (or none).
+// forks the streams whose row was written under another database identity. A fork's fork_at is
+// its Since: the latest updated_at among the rows written under the forking row's identity (the
+// database kept them all from before it lost anything).
 func streamSQL(table string) string {
-	same := `s.database = EXCLUDED.database`
+	same := `s.database IS NOT DISTINCT FROM EXCLUDED.database`
 	return `INSERT INTO ` + table + ` AS s (consumer_group, topic, partition, dest_topic, dest_partition, stream, seq, database, parent, fork_seq, fork_at, updated_at)
 		SELECT $1, t, p, dt, dp, gen_random_uuid(), n, ` + DatabaseIdentitySQL + `, r, 0, NULL, now()
 		FROM unnest($2::text[], $3::int4[], $4::text[], $5::int4[], $6::int8[], $7::uuid[]) AS u(t, p, dt, dp, n, r)
@@ -157,7 +191,8 @@ func streamSQL(table string) string {
 			stream = CASE WHEN ` + same + ` THEN s.stream ELSE EXCLUDED.stream END,
 			parent = CASE WHEN ` + same + ` THEN s.parent ELSE s.stream END,
 			fork_seq = CASE WHEN ` + same + ` THEN s.fork_seq ELSE s.seq END,
-			fork_at = CASE WHEN ` + same + ` THEN s.fork_at ELSE s.updated_at END,
+			fork_at = CASE WHEN ` + same + ` THEN s.fork_at
+				ELSE (SELECT max(o.updated_at) FROM ` + table + ` o WHERE o.database IS NOT DISTINCT FROM s.database) END,
 			seq = CASE WHEN ` + same + ` THEN s.seq + EXCLUDED.seq ELSE EXCLUDED.seq END,
 			database = EXCLUDED.database,
 			updated_at = EXCLUDED.updated_at
@@ -202,10 +237,11 @@ func (o *Outbox) number(ctx context.Context, tx pgx.Tx, events []Event, streams 
 			return nil, fmt.Errorf("numbering returned a stream not asked for: %+v", k)
 		}
 		st.Root = rootID(o.group, k)
+		st.DestPartition, st.DestTopic = k.destPartition, topicHash(k.dest)
 		if st.IsRoot() {
 			st.Parent = [16]byte{}
 		} else if forkAt != nil {
-			st.ForkAt = *forkAt
+			st.Since = *forkAt
 		}
 		first := st.Seq - int64(len(s.events)) + 1
 		for j, i := range s.events {
@@ -233,9 +269,9 @@ func countEvents(streams []*numbered) int {
 
 // header is s's header on an event.
 func (s Stream) header() kgo.RecordHeader {
-	v := fmt.Sprintf("%s %d %s %d", formatUUID(s.ID), s.Seq, formatUUID(s.Root), s.SourceOffset)
+	v := fmt.Sprintf("%s %d %s %d %d@%x", formatUUID(s.ID), s.Seq, formatUUID(s.Root), s.SourceOffset, s.DestPartition, s.DestTopic)
 	if !s.IsRoot() {
-		v += fmt.Sprintf(" %s %d %d", formatUUID(s.Parent), s.ForkSeq, max(s.ForkAt.UnixMilli(), 1))
+		v += fmt.Sprintf(" %s %d %d", formatUUID(s.Parent), s.ForkSeq, max(s.Since.UnixMilli(), 1))
 	}
 	return kgo.RecordHeader{Key: HeaderStream, Value: []byte(v)}
 }
@@ -253,13 +289,4 @@ func partitionOf(key []byte, id string, n int) int32 {
 	h := fnv.New32a()
 	h.Write([]byte(id))
 	return int32(h.Sum32() % uint32(n))
-}
-
-// ForkStreamsSQL forks, at their next event, the streams of a source partition (the group,
-// topic and partition in $1, $2, $3) of the outbox_streams table of schema: a processor that
-// finds the partition's position gone back (the database lost commits without changing its
-// identity: a copy of its data directory started as it was) tells consumers that the events
-// numbered past what the database kept may come again.
-func ForkStreamsSQL(schema string) string {
-	return `UPDATE ` + pgx.Identifier{schema, "outbox_streams"}.Sanitize() + ` SET database = NULL WHERE consumer_group = $1 AND topic = $2 AND partition = $3`
 }

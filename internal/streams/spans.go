@@ -83,6 +83,16 @@ func (ss Spans) String() string {
 	return b.String()
 }
 
+// MarshalText writes ss as String does.
+func (ss Spans) MarshalText() ([]byte, error) { return []byte(ss.String()), nil }
+
+// UnmarshalText reads what MarshalText wrote.
+func (ss *Spans) UnmarshalText(b []byte) error {
+	v, err := ParseSpans(string(b))
+	*ss = v
+	return err
+}
+
 // ParseSpans reads an int8multirange as Postgres writes it (canonical: "[lo,hi)" ranges).
 func ParseSpans(text string) (Spans, error) {
 	body, ok := strings.CutPrefix(text, "{")

@@ -37,6 +37,8 @@ import (
 	"math"
 	"slices"
 	"time"
+
+	"github.com/google/uuid"
 )
 
 // Skew is the difference allowed between the clock of the database that numbers events and the
@@ -48,6 +50,18 @@ const NoneKeyed = math.MaxInt64
 
 // ID is a stream's (or a root's) UUID.
 type ID [16]byte
+
+// MarshalText writes id as a UUID.
+func (id ID) MarshalText() ([]byte, error) { return []byte(uuid.UUID(id).String()), nil }
+
+// UnmarshalText reads a UUID.
+func (id *ID) UnmarshalText(b []byte) error {
+	u, err := uuid.ParseBytes(b)
+	*id = ID(u)
+	return err
+}
+
+func (id ID) String() string { return uuid.UUID(id).String() }
 
 // Header is what an event's stream header says.
 type Header struct {
@@ -74,24 +88,26 @@ type Event struct {
 
 // Stream is what a consumer group keeps of one stream.
 type Stream struct {
-	ID, Parent ID
-	ForkSeq    int64
-	Since      time.Time
-	First      int64 // the offset it was first observed at
-	SeenHigh   int64 // the highest number observed
-	MaxSrc     int64 // the highest source offset observed; -1 before any
+	ID       ID        `json:"id"`
+	Parent   ID        `json:"parent"`
+	ForkSeq  int64     `json:"fork_seq"`
+	Since    time.Time `json:"since"`
+	First    int64     `json:"first"`     // the offset it was first observed at
+	SeenHigh int64     `json:"seen_high"` // the highest number observed
+	MaxSrc   int64     `json:"max_src"`   // the highest source offset observed; -1 before any
 	// The numbers applied: from Floor (the first number observed) to High, less Missing. Numbers
 	// below Floor are decided by key.
-	Floor, High int64
-	Missing     Spans
+	Floor   int64 `json:"floor"`
+	High    int64 `json:"high"`
+	Missing Spans `json:"missing"`
 	// KeyedAbove: every number above it that was applied here was keyed too (a read back
 	// recorded its key, or it was decided by key). NoneKeyed until a newer stream needs it; raised
 	// again by a number applied without its key above it (a stream registered later lengthened a
 	// chain of parents: what a newer stream keeps grew).
-	KeyedAbove int64
+	KeyedAbove int64 `json:"keyed_above"`
 	// Horizon: for a successor, the highest source offset among the observed events of older
 	// streams it may repeat; its records from source offsets up to it are decided by key too.
-	Horizon int64
+	Horizon int64 `json:"horizon"`
 }
 
 // Applied reports whether number n of s was applied (decided by number).
@@ -100,24 +116,27 @@ func (s *Stream) Applied(n int64) bool { return n >= s.Floor && n <= s.High && !
 // ReadBack is a lineage's pending read back: the records of the partition from From up to (not
 // including) To are to be given to ReadBackRecord; Cursor is how far it got.
 type ReadBack struct {
-	From, To, Cursor int64
-	Targets          []ID // the streams whose registration asked for it
+	From    int64 `json:"from"`
+	To      int64 `json:"to"`
+	Cursor  int64 `json:"cursor"`
+	Targets []ID  `json:"targets"` // the streams whose registration asked for it
 }
 
 // Lineage is what a consumer group keeps of one root's streams in one partition.
 type Lineage struct {
-	Root    ID
-	Streams []*Stream // oldest first: in the order they were observed
-	Pending *ReadBack
+	Root    ID        `json:"-"`
+	Streams []*Stream `json:"streams"` // oldest first: in the order they were observed
+	Pending *ReadBack `json:"pending,omitempty"`
 	// Unobserved: streams whose records another path met (a retry or a dead letter of a
 	// release before this protocol) that the partition's worker never observed.
-	Unobserved map[ID]*Unobserved
+	Unobserved map[ID]*Unobserved `json:"unobserved,omitempty"`
 }
 
 // Unobserved is what a lineage keeps of a stream the partition's worker never observed.
 type Unobserved struct {
-	SeenHigh, MaxSrc int64 // as a Stream's
-	Keyed            int64 // the highest number decided (by key); when the worker observes the stream, numbers up to it stay decided by key
+	SeenHigh int64 `json:"seen_high"` // as a Stream's
+	MaxSrc   int64 `json:"max_src"`
+	Keyed    int64 `json:"keyed"` // the highest number decided (by key); when the worker observes the stream, numbers up to it stay decided by key
 }
 
 // Stream returns the stream id of l, or nil.
@@ -379,15 +398,13 @@ func (v Verdict) String() string {
 // protocol runs (copies applied by the release before were keyed, not numbered).
 func (l *Lineage) Decide(e Event, keyAll bool) Verdict {
 	i := l.index(e.Stream)
-	if i < 0 {
-		return ByKey
-	}
-	s := l.Streams[i]
-	if s.Applied(e.Seq) {
+	switch {
+	case i >= 0 && l.Streams[i].Applied(e.Seq):
 		return Copy
-	}
-	if l.Pending != nil {
+	case l.Pending != nil:
 		return Wait
+	case i < 0:
+		return ByKey
 	}
 	if keyAll || l.tainted(i, e) {
 		return ByKey

@@ -165,7 +165,7 @@ func chainState(b *testing.B, k *testenv.Kafka, postings string, events int) (ha
 	ctx := context.Background()
 	size := func(pool *pgxpool.Pool) int64 {
 		var n int64
-		if err := pool.QueryRow(ctx, `SELECT pg_total_relation_size('kafkapg.idempotency_streams') + `+
+		if err := pool.QueryRow(ctx, `SELECT pg_total_relation_size('kafkapg.idempotency_lineages') + `+
 			overRing("pg_total_relation_size('kafkapg.%[1]s')")).Scan(&n); err != nil {
 			b.Fatal(err)
 		}
