@@ -177,27 +177,44 @@ func TestKeyRingTurnsPastLongBatches(t *testing.T) {
 }
 
 // TestKeyRingMoveWaitsForRecordersTwoEpochsBefore is the race the try-lock closes (the one the
-// old TestKeyRingTurnWaitsForRecorders tested against TRUNCATE). A records K and stays open. The
-// ring is due: it may stop looking up the oldest generation (one move), not go on to insert into
-// the new generation only while A is open: B, recording K there, would not see A's uncommitted
-// row, and K would be applied twice. With the try-lock, the ring waits in Retired, where B
-// inserts into A's generation, waits for A on K's primary key, and finds it.
+// old TestKeyRingTurnWaitsForRecorders tested against TRUNCATE). A records K in the retired state
+// (inserting into the current generation) and stays open. The ring may go one move on (its
+// oldest generation emptied), not two, to inserting into the new generation as well, while A is
+// open; and no TRUNCATE's lock stands in the way of those moves: only the try-lock on the epoch
+// two before. Past it, B, recording K in the new generation only, would not see A's uncommitted
+// row, and K would be applied twice. With the try-lock, the ring waits in Emptied, where B inserts
+// into A's generation, waits for A on K's primary key, and finds it.
 func TestKeyRingMoveWaitsForRecordersTwoEpochsBefore(t *testing.T) {
 	t.Parallel()
 	pool := testenv.Migrated(t)
 	ctx := context.Background()
 	k := New("kafkapg")
+	// A0, open in the steady state, keeps the ring in Retired (it looks up the oldest
+	// generation's runs, which the next move empties).
+	a0 := begin(t, pool)
+	if _, err := recordTx(a0, k, "x"); err != nil {
+		t.Fatal(err)
+	}
+	dueNow(t, pool)
+	if turned, err := k.Keep(ctx, pool, "g", threeDays, 300*time.Millisecond); !errors.Is(err, ErrBusy) {
+		t.Fatalf("keep while A0 is open = %+v, %v; want ErrBusy", turned, err)
+	}
+	if s := ringState(t, pool, k); s.Step != Retired {
+		t.Fatalf("the ring is at %s while A0, of the steady state, is open; want it retired, no further", s)
+	}
 	a := begin(t, pool)
 	if got, err := recordTx(a, k, "K"); err != nil || !got["K"] {
 		t.Fatalf("A: %v, %v; want K new", got, err)
 	}
-	dueNow(t, pool)
+	if err := a0.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
 	turned, err := k.Keep(ctx, pool, "g", threeDays, 300*time.Millisecond)
 	if !errors.Is(err, ErrBusy) {
 		t.Fatalf("keep while A is open = %+v, %v; want ErrBusy", turned, err)
 	}
-	if s := ringState(t, pool, k); s.Step != Retired {
-		t.Fatalf("the ring is at %s while A, of the epoch before, is open; want it retired, no further", s)
+	if s := ringState(t, pool, k); s.Step != Emptied {
+		t.Fatalf("the ring is at %s while A, of the retired state, is open; want it emptied, no further", s)
 	}
 	type result struct {
 		fresh map[string]bool
