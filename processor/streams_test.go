@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -332,4 +333,72 @@ func TestForkReadBackOutlivesTheIdleTimeout(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestDiscardedNumbersAreNotMissing (issue 39, case 9): a numbered event dead-lettered stays
+// missing in its stream (it may still be replayed); discarded, its number is done. Before, every
+// discarded dead letter left a range in the stream's missing numbers for ever, and every batch of
+// the stream read and wrote them all. A copy of a discarded event is skipped, as it was.
+func TestDiscardedNumbersAreNotMissing(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	ctx := context.Background()
+	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	cfg := h.Config(midRecorder{})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
+	h.Start(cfg)
+	var recs []*kgo.Record
+	for seq := 1; seq <= 40; seq++ {
+		value := "ok"
+		if seq%2 == 0 {
+			value = "fail"
+		}
+		recs = append(recs, streamRec(h.Topic, streamA, seq, rootR, 10*seq, "", "m"+strconv.Itoa(seq), value))
+	}
+	k.Produce(t, recs...)
+	missing := func() string {
+		var m string
+		if err := h.Pool.QueryRow(ctx, `SELECT x.s->>'missing' FROM kafkapg.idempotency_lineages l, jsonb_array_elements(l.state->'streams') AS x(s)
+			WHERE l.consumer_group = $1 AND x.s->>'id' = $2`, h.Group, streamA).Scan(&m); err != nil {
+			return err.Error()
+		}
+		return m
+	}
+	testenv.Eventually(t, 20*time.Second, func() error {
+		var dead int
+		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.dead_letters WHERE consumer_group = $1`, h.Group).Scan(&dead); err != nil || dead != 20 {
+			return fmt.Errorf("%d dead letters (%v), want 20", dead, err)
+		}
+		if m := missing(); strings.Count(m, "[") != 19 {
+			return fmt.Errorf("missing %s: want the 19 numbers dead-lettered below the highest applied", m)
+		}
+		return nil
+	})
+	o := ops.New(h.Pool, "kafkapg", h.Group)
+	task, err := o.StartTask(ctx, ops.Discard, ops.Filter{}, ops.Actor{Name: "tester", Reason: "test events"}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if task, err = o.RunTask(ctx, task.ID, "test", nil); err != nil || task.Done != 20 {
+		t.Fatalf("RunTask = %+v, %v; want the 20 dead letters discarded", task, err)
+	}
+	if m := missing(); m != "{}" {
+		t.Errorf("missing %s after the dead letters were discarded, want none", m)
+	}
+	// A copy of a discarded event comes: skipped like it.
+	k.Produce(t, streamRec(h.Topic, streamA, 2, rootR, 20, "", "m2", "ok"))
+	testenv.Eventually(t, 20*time.Second, func() error {
+		var next int64
+		if err := h.Pool.QueryRow(ctx, `SELECT coalesce(max(next_offset), 0) FROM kafkapg.offsets WHERE consumer_group = $1`, h.Group).Scan(&next); err != nil || next < 41 {
+			return fmt.Errorf("consumed %d (%v), want 41", next, err)
+		}
+		return nil
+	})
+	var n int
+	if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM got WHERE mid = 'm2'`).Scan(&n); err != nil || n != 0 {
+		t.Errorf("the copy of a discarded event applied %d times (%v), want 0", n, err)
+	}
 }

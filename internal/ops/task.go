@@ -347,6 +347,9 @@ func (o *Ops) runChunk(ctx context.Context, t Task, runner string, n int) (acted
 			done, err = o.store.Replay(ctx, tx, ids, t.ID)
 		} else {
 			done, err = o.store.Discard(ctx, tx, ids, t.ID)
+			if err == nil {
+				err = o.numbersDone(ctx, tx, done)
+			}
 		}
 		if err != nil {
 			return err
