@@ -3,6 +3,8 @@ package processor_test
 import (
 	"context"
 	"crypto/sha256"
+	encbinary "encoding/binary"
+
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -14,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/internal/keyring"
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/processor"
@@ -400,5 +403,169 @@ func TestDiscardedNumbersAreNotMissing(t *testing.T) {
 	var n int
 	if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM got WHERE mid = 'm2'`).Scan(&n); err != nil || n != 0 {
 		t.Errorf("the copy of a discarded event applied %d times (%v), want 0", n, err)
+	}
+}
+
+// ringKey records mid as applied by a release before streams, which kept a key per message id in
+// the key ring: the SHA-256 of the group, the topic and the key.
+func ringKey(t *testing.T, h *harness, mid string) {
+	t.Helper()
+	sum := sha256.New()
+	for _, s := range []string{h.Group, h.Topic} {
+		sum.Write(encbinary.AppendUvarint(nil, uint64(len(s))))
+		sum.Write([]byte(s))
+	}
+	sum.Write([]byte(mid))
+	err := pgx.BeginFunc(context.Background(), h.Pool, func(tx pgx.Tx) error {
+		_, err := keyring.New("kafkapg").Record(context.Background(), tx, [][32]byte{[32]byte(sum.Sum(nil))})
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// appliedMids counts the rows of table got per message id.
+func appliedMids(t *testing.T, h *harness) map[string]int {
+	t.Helper()
+	rows, _ := h.Pool.Query(context.Background(), `SELECT mid FROM got`)
+	mids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]int{}
+	for _, m := range mids {
+		out[m]++
+	}
+	return out
+}
+
+// TestReplayAfterTheUpgradeToStreams (issue 39, case 6): a release before streams applied a copy
+// of event m5 and kept its key; another copy of it, numbered, was dead-lettered. The stream is
+// observed from number 3 on, so 5 is missing, and a replay decided by number alone applied m5 a
+// second time. A replay is decided by key as well.
+func TestReplayAfterTheUpgradeToStreams(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	ctx := context.Background()
+	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	cfg := h.Config(midRecorder{})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
+	h.Start(cfg)
+	// What the release before did: m5 applied, its key kept.
+	ringKey(t, h, "m5")
+	if _, err := h.Pool.Exec(ctx, `INSERT INTO got VALUES ('m5')`); err != nil {
+		t.Fatal(err)
+	}
+	a := func(seq int, value string) *kgo.Record {
+		return streamRec(h.Topic, streamA, seq, rootR, 10*seq, "", "m"+strconv.Itoa(seq), value)
+	}
+	k.Produce(t, a(3, "ok"), a(5, "fail"), a(6, "ok"))
+	testenv.Eventually(t, 20*time.Second, func() error {
+		if got := appliedMids(t, h); fmt.Sprint(got) != "map[m3:1 m5:1 m6:1]" {
+			return fmt.Errorf("applied %v, want m3, m5 (the release before's) and m6 once", got)
+		}
+		var dead int
+		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.dead_letters WHERE consumer_group = $1`, h.Group).Scan(&dead); err != nil || dead != 1 {
+			return fmt.Errorf("%d dead letters (%v), want m5's", dead, err)
+		}
+		return nil
+	})
+	o := ops.New(h.Pool, "kafkapg", h.Group)
+	task, err := o.StartTask(ctx, ops.Replay, ops.Filter{}, ops.Actor{Name: "tester", Reason: "after the upgrade"}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if task, err = o.RunTask(ctx, task.ID, "test", nil); err != nil || task.Done != 1 {
+		t.Fatalf("RunTask = %+v, %v; want the dead letter queued", task, err)
+	}
+	testenv.Eventually(t, 20*time.Second, func() error {
+		var status string
+		if err := h.Pool.QueryRow(ctx, `SELECT status FROM kafkapg.dead_letters WHERE consumer_group = $1`, h.Group).Scan(&status); err != nil || status != "replayed" {
+			return fmt.Errorf("dead letter %s (%v), want replayed", status, err)
+		}
+		return nil
+	})
+	if got := appliedMids(t, h); fmt.Sprint(got) != "map[m3:1 m5:1 m6:1]" {
+		t.Errorf("applied %v after the replay, want m5 once: its other copy was applied by the release before", got)
+	}
+}
+
+// TestCopiedStreamHeaderIsNotAStream (issue 39, suspicion 5, confirmed): another producer that
+// forwards an event with its headers (Kafka Streams does by default) onto a record of its own, in
+// another topic or partition, carries the event's stream header. Decided by the copied number, the
+// record was skipped as a copy of the event (lost). The header names its stream's topic and
+// partition: one that does not fit where it is, is no stream, and the record is decided by its
+// own message id.
+func TestCopiedStreamHeaderIsNotAStream(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	ctx := context.Background()
+	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	cfg := h.Config(midRecorder{})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
+	h.Start(cfg)
+	k.Produce(t, streamRec(h.Topic, streamA, 1, rootR, 10, "", "m1", "ok"))
+	// The same event's header, as it reads in another topic, forwarded onto a record with its
+	// own message id.
+	forwarded := streamRec("orders.enriched", streamA, 1, rootR, 10, "", "f1", "ok")
+	forwarded.Topic = h.Topic
+	k.Produce(t, forwarded)
+	testenv.Eventually(t, 20*time.Second, func() error {
+		if got := appliedMids(t, h); fmt.Sprint(got) != "map[f1:1 m1:1]" {
+			return fmt.Errorf("applied %v, want m1 and the forwarded f1 once each", got)
+		}
+		return nil
+	})
+}
+
+// TestLateParentRaisesTheHorizon (issue 39, case 5): after a fork Z of A at 2, a relay of A's old
+// database publishes A's 3 late, after Z's first record; it is applied (decided by key, and
+// keyed). Then the upstream applies A's 3's source record again (it went round the tiers) and Z
+// repeats it: it must be skipped. Z's horizon did not move past what its read back found, and the
+// repeat was decided by number once Z was ten minutes old: applied twice. A's late 3 raises Z's
+// horizon, and Z's events applied by number up to it are read back for their keys.
+func TestLateParentRaisesTheHorizon(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	ctx := context.Background()
+	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	cfg := h.Config(midRecorder{})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
+	h.Start(cfg)
+	since := strconv.FormatInt(time.Now().Add(-time.Minute).UnixMilli(), 10)
+	a := func(seq int) *kgo.Record {
+		return streamRec(h.Topic, streamA, seq, rootR, 10*seq, "", "m"+strconv.Itoa(seq), "ok")
+	}
+	z := func(seq, src int, mid string) *kgo.Record {
+		return streamRec(h.Topic, streamZ, seq, rootR, src, " "+streamA+" 2 "+since, mid, "ok")
+	}
+	k.Produce(t, a(1), a(2), z(1, 25, "n25"), a(3), z(2, 40, "n40"))
+	testenv.Eventually(t, 20*time.Second, func() error {
+		if got := appliedMids(t, h); fmt.Sprint(got) != "map[m1:1 m2:1 m3:1 n25:1 n40:1]" {
+			return fmt.Errorf("applied %v", got)
+		}
+		return nil
+	})
+	// Z's 3 repeats A's 3 (the same source record, the same event).
+	k.Produce(t, z(3, 30, "m3"))
+	testenv.Eventually(t, 20*time.Second, func() error {
+		var next int64
+		if err := h.Pool.QueryRow(ctx, `SELECT coalesce(max(next_offset), 0) FROM kafkapg.offsets WHERE consumer_group = $1`, h.Group).Scan(&next); err != nil || next < 6 {
+			return fmt.Errorf("consumed %d (%v), want 6", next, err)
+		}
+		return nil
+	})
+	if got := appliedMids(t, h); fmt.Sprint(got) != "map[m1:1 m2:1 m3:1 n25:1 n40:1]" {
+		t.Errorf("applied %v: Z's repeat of A's 3 applied again", got)
 	}
 }
