@@ -29,6 +29,15 @@ demo: build ## Run the ledger demo: dev broker, throwaway Postgres, processor, r
 test: ## Unit and integration tests (real Postgres; kfake, plus real Kafka if KAFKA_BROKERS is set)
 	scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test $(TESTFLAGS) $(PKGS)
 
+# PROTOCOL_CHECKS histories of about PROTOCOL_STEPS steps each (make test runs 10,000 of 100).
+PROTOCOL_CHECKS ?= 300000
+PROTOCOL_STEPS  ?= 300
+
+.PHONY: protocol
+protocol: ## The deduplication protocol's and the key ring's property tests over far more histories (PROTOCOL_CHECKS: 300,000 of 300 steps, about 15 min)
+	$(GO) test -count=1 -timeout 6h -run 'TestProtocol$$' ./internal/streams/ -rapid.checks=$(PROTOCOL_CHECKS) -rapid.steps=$(PROTOCOL_STEPS)
+	$(GO) test -count=1 -timeout 6h -run 'TestRingProtocol$$' ./internal/keyring/ -rapid.checks=$(PROTOCOL_CHECKS)
+
 .PHONY: deploy-check
 deploy-check: ## Validate deploy/: kustomize build, Kubernetes schemas, alert rules, dashboard PromQL
 	cd deploy/validate && $(GO) test -count=1 ./...

@@ -262,6 +262,16 @@ func (p *Processor) Run(ctx context.Context) error {
 	go p.heldApplier.run()
 	if p.keysOn() {
 		go p.keepKeys(statsCtx)
+	} else {
+		// A group without keys says so (a retention of 0): the table of keys of the layout before
+		// migration 8 is emptied only once every group of the schema has said how long it keeps
+		// its keys (keyring.Ring.Keep). Tried once; a group that could not say holds it back, and
+		// the keep loop of a group with keys logs which.
+		go func() {
+			if err := p.keys.Register(statsCtx, p.pool, p.cfg.Group); err != nil && statsCtx.Err() == nil {
+				p.log.Warn("cannot register the group with the idempotency key ring (it holds the table of keys before migration 8 back until it does)", "err", err)
+			}
+		}()
 	}
 
 	if p.cfg.GroupProtocol != GroupProtocolClassic {
