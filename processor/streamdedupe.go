@@ -446,7 +446,11 @@ func (p *Processor) streamsPrepare(ctx context.Context, w *streamsWork) ([]strea
 }
 
 // readBackChunk is how many records a read back reads and records the keys of per transaction.
-const readBackChunk = 5000
+var readBackChunk int64 = 5000
+
+// readBackChunkDone, if set (tests), is told of each chunk of a read back once its transaction
+// committed; an error it returns ends the read back there, as a failure would.
+var readBackChunkDone func(from, to int64) error
 
 // readBackPause slows the read back down by that much a record, for a test of a read back that
 // outlives a transaction's idle timeout; 0 otherwise.
@@ -535,6 +539,11 @@ func (p *Processor) readBack(ctx context.Context, source string, partition int32
 		})
 		if err != nil {
 			return own(fmt.Errorf("streams: record what the read back of %s/%d from %d to %d found: %w", source, partition, from, to, err))
+		}
+		if readBackChunkDone != nil {
+			if err := readBackChunkDone(from, to); err != nil {
+				return err
+			}
 		}
 	}
 }

@@ -10,10 +10,12 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/keyring"
@@ -567,5 +569,157 @@ func TestLateParentRaisesTheHorizon(t *testing.T) {
 	})
 	if got := appliedMids(t, h); fmt.Sprint(got) != "map[m1:1 m2:1 m3:1 n25:1 n40:1]" {
 		t.Errorf("applied %v: Z's repeat of A's 3 applied again", got)
+	}
+}
+
+// TestForksMetTogetherInASmallPool (issue 39, case 3): an upstream failover forks every stream at
+// once, and a consumer meets the forks of all its partitions together. Each read back recorded
+// the keys it found on a second connection while its batch transaction held the first: with as
+// many partitions as connections, each held one and waited for another, for ever (and the relay
+// starved). A read back now runs with no transaction open and records its keys, a chunk at a
+// time, in a transaction of one connection. 8 partitions, a pool of 3.
+func TestForksMetTogetherInASmallPool(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 8)
+	ctx := context.Background()
+	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	pc, err := pgxpool.ParseConfig(h.DBURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc.MaxConns = 3
+	small, err := pgxpool.NewWithConfig(ctx, pc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer small.Close()
+	cfg := h.Config(midRecorder{})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
+	p, err := processor.New(small, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- p.Run(runCtx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+	th := sha256.Sum256([]byte(h.Topic))
+	rec := func(part int32, stream string, seq int, src int, fork, mid string) *kgo.Record {
+		root := fmt.Sprintf("0a000000-0000-5000-8000-%012x", part)
+		return &kgo.Record{Topic: h.Topic, Partition: part, Key: []byte(mid), Value: []byte("ok"), Headers: []kgo.RecordHeader{
+			{Key: sink.HeaderMessageID, Value: []byte(mid)},
+			{Key: sink.HeaderStream, Value: fmt.Appendf(nil, "%s %d %s %d %d@%x%s", stream, seq, root, src, part, th[:4], fork)},
+		}}
+	}
+	a := func(part int32) string { return fmt.Sprintf("0a000000-0000-4000-8000-%012x", 16*part+1) }
+	z := func(part int32) string { return fmt.Sprintf("0a000000-0000-4000-8000-%012x", 16*part+2) }
+	mid := func(part int32, n int) string { return fmt.Sprintf("p%d-m%d", part, n) }
+	cl := k.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	produce := func(recs []*kgo.Record) {
+		t.Helper()
+		if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var first []*kgo.Record
+	for part := range int32(8) {
+		for n := 1; n <= 3; n++ {
+			first = append(first, rec(part, a(part), n, 10*n, "", mid(part, n)))
+		}
+	}
+	produce(first)
+	want := func(n int) {
+		t.Helper()
+		testenv.Eventually(t, 60*time.Second, func() error {
+			got := appliedMids(t, h)
+			if len(got) != n {
+				return fmt.Errorf("%d events applied, want %d", len(got), n)
+			}
+			for m, c := range got {
+				if c != 1 {
+					return fmt.Errorf("%s applied %d times", m, c)
+				}
+			}
+			return nil
+		})
+	}
+	want(24)
+	// Every stream forks at 1 (the database kept A's 1): its 1 and 2 repeat A's 2 and 3, its 3 is
+	// new.
+	since := fmt.Sprintf(" %%s 1 %d", time.Now().Add(-time.Minute).UnixMilli())
+	var forks []*kgo.Record
+	for part := range int32(8) {
+		f := fmt.Sprintf(since, a(part))
+		forks = append(forks, rec(part, z(part), 1, 20, f, mid(part, 2)), rec(part, z(part), 2, 30, f, mid(part, 3)), rec(part, z(part), 3, 40, f, mid(part, 4)))
+	}
+	produce(forks)
+	want(32)
+}
+
+// TestReadBackResumesWhereItStopped (issue 39, case 4): a read back ran inside the batch
+// transaction, from the parent's fork point less five minutes, and was cut at two minutes; the
+// failure was retried in place, reading again from the start: a read back longer than two
+// minutes never finished, and the partition stayed at the fork's first record for ever. It now
+// reads a chunk at a time, each chunk's keys recorded with its cursor: one that fails after a
+// chunk goes on from that chunk's end.
+func TestReadBackResumesWhereItStopped(t *testing.T) {
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	ctx := context.Background()
+	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	cfg := h.Config(midRecorder{})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
+	h.Start(cfg)
+	var recs []*kgo.Record
+	for seq := 1; seq <= 10; seq++ {
+		recs = append(recs, streamRec(h.Topic, streamA, seq, rootR, 10*seq, "", "m"+strconv.Itoa(seq), "ok"))
+	}
+	k.Produce(t, recs...)
+	testenv.Eventually(t, 20*time.Second, func() error {
+		if n := len(appliedMids(t, h)); n != 10 {
+			return fmt.Errorf("%d applied, want 10", n)
+		}
+		return nil
+	})
+	var mu sync.Mutex
+	var chunks [][2]int64
+	failed := false
+	defer processor.SetReadBackChunks(3, func(from, to int64) error {
+		mu.Lock()
+		defer mu.Unlock()
+		chunks = append(chunks, [2]int64{from, to})
+		if !failed {
+			failed = true
+			return errors.New("the read back fails after its first chunk")
+		}
+		return nil
+	})()
+	// Z forks A at 2: A's 3 to 10, applied, are read back; Z's 1 repeats A's 3.
+	since := strconv.FormatInt(time.Now().Add(-time.Minute).UnixMilli(), 10)
+	k.Produce(t, streamRec(h.Topic, streamZ, 1, rootR, 30, " "+streamA+" 2 "+since, "m3", "ok"),
+		streamRec(h.Topic, streamZ, 2, rootR, 110, " "+streamA+" 2 "+since, "m11", "ok"))
+	testenv.Eventually(t, 20*time.Second, func() error {
+		if got := appliedMids(t, h); len(got) != 11 || got["m3"] != 1 || got["m11"] != 1 {
+			return fmt.Errorf("applied %v, want m1 to m11 once each", got)
+		}
+		return nil
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	// The read back covers offsets 0 to 10 (the records before Z's first), 3 a chunk: it failed
+	// after [0, 3), and went on from 3.
+	want := [][2]int64{{0, 3}, {3, 6}, {6, 9}, {9, 10}}
+	if fmt.Sprint(chunks) != fmt.Sprint(want) {
+		t.Errorf("read back chunks %v, want %v: after the failure it goes on from the last chunk's end", chunks, want)
 	}
 }
