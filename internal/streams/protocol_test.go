@@ -115,11 +115,19 @@ type downDB struct {
 	retry, dlq  []int // log offsets
 	keyAllUntil time.Time
 	oldRelease  bool
+	// What the checks need of this database's history (restored with it).
+	decided map[ID]map[int64]bool // numbers decided under this protocol (by any verdict)
+	firstIn map[msgID]ID          // the stream an event was first applied in (by number or key)
+	firstAt map[msgID]time.Time   // and when
 }
 
 func (d *downDB) clone() *downDB {
 	c := &downDB{pos: d.pos, keys: maps.Clone(d.keys), applied: maps.Clone(d.applied), retry: slices.Clone(d.retry),
-		dlq: slices.Clone(d.dlq), keyAllUntil: d.keyAllUntil, oldRelease: d.oldRelease, lineages: map[ID]*Lineage{}}
+		dlq: slices.Clone(d.dlq), keyAllUntil: d.keyAllUntil, oldRelease: d.oldRelease, lineages: map[ID]*Lineage{},
+		firstIn: maps.Clone(d.firstIn), firstAt: maps.Clone(d.firstAt), decided: map[ID]map[int64]bool{}}
+	for k, v := range d.decided {
+		c.decided[k] = maps.Clone(v)
+	}
 	for k, l := range d.lineages {
 		c.lineages[k] = cloneLineage(l)
 	}
@@ -165,15 +173,14 @@ type world struct {
 	oldApplied map[msgID]bool // applied by the release that kept keys only
 	excused    map[msgID]bool // applied again after the first retention under this protocol, its other copy by the release before
 	discarded  map[msgID]bool
-	decided    map[ID]map[int64]bool // numbers decided under this protocol (by any verdict)
 	history    []string
 }
 
 func newWorld(t *rapid.T) *world {
-	w := &world{t: t, now: time.UnixMilli(1_700_000_000_000), oldApplied: map[msgID]bool{}, excused: map[msgID]bool{}, discarded: map[msgID]bool{},
-		decided: map[ID]map[int64]bool{}}
+	w := &world{t: t, now: time.UnixMilli(1_700_000_000_000), oldApplied: map[msgID]bool{}, excused: map[msgID]bool{}, discarded: map[msgID]bool{}}
 	w.up = &upDB{ident: w.newIdent()}
-	w.down = &downDB{lineages: map[ID]*Lineage{}, keys: map[msgID]bool{}, applied: map[msgID]int{}}
+	w.down = &downDB{lineages: map[ID]*Lineage{}, keys: map[msgID]bool{}, applied: map[msgID]int{},
+		decided: map[ID]map[int64]bool{}, firstIn: map[msgID]ID{}, firstAt: map[msgID]time.Time{}}
 	w.down.oldRelease = rapid.IntRange(0, 4).Draw(t, "old release first") == 0
 	return w
 }
@@ -423,8 +430,29 @@ func (w *world) applied(m msgID, how string) {
 	}
 	w.note("down: applied %v (%s)", m, how)
 	if d.applied[m] > 1 && !w.excused[m] {
-		w.t.Fatalf("event %v applied %d times\nhistory:\n  %s", m, d.applied[m], joinLines(w.history))
+		w.t.Fatalf("event %v applied %d times (first in %x at %s, now %s)\nhistory:\n  %s\n%s", m, d.applied[m],
+			d.firstIn[m][1], d.firstAt[m].Format(time.DateTime), w.now.Format(time.DateTime), joinLines(w.history), w.dump())
 	}
+}
+
+// dump is the log and the consumer's lineages, for a failure's message.
+func (w *world) dump() string {
+	out := "log:\n"
+	for i, r := range w.log {
+		if r.h == (Header{}) {
+			continue
+		}
+		out += fmt.Sprintf("  %d: stream %x seq %d src %d parent %x fork %d %v ts %s\n", i, r.h.Stream[1], r.h.Seq, r.h.Src, r.h.Parent[1], r.h.ForkSeq, r.msg, r.ts.Format(time.TimeOnly))
+	}
+	out += fmt.Sprintf("consumer at %d, retry %v, dlq %v\n", w.down.pos, w.down.retry, w.down.dlq)
+	for root, l := range w.down.lineages {
+		out += fmt.Sprintf("lineage %x: pending %+v unobserved %d\n", root[1], l.Pending, len(l.Unobserved))
+		for _, s := range l.Streams {
+			out += fmt.Sprintf("  stream %x parent %x fork %d first %d seen %d maxsrc %d floor %d high %d missing %s keyed>%d horizon %d\n",
+				s.ID[1], s.Parent[1], s.ForkSeq, s.First, s.SeenHigh, s.MaxSrc, s.Floor, s.High, s.Missing, s.KeyedAbove, s.Horizon)
+		}
+	}
+	return out
 }
 
 func joinLines(h []string) string {
@@ -466,15 +494,20 @@ func (w *world) decide(off int, keyAll, main bool) bool {
 	}
 	v := l.Decide(e, keyAll || w.now.Before(w.down.keyAllUntil))
 	if v != Wait {
-		if w.decided[e.Stream] == nil {
-			w.decided[e.Stream] = map[int64]bool{}
+	}
+	if v != Wait && l.Stream(e.Stream) != nil { // decided by its number state
+		if w.down.decided[e.Stream] == nil {
+			w.down.decided[e.Stream] = map[int64]bool{}
 		}
-		w.decided[e.Stream][e.Seq] = true
+		w.down.decided[e.Stream][e.Seq] = true
 	}
 	switch v {
 	case Wait:
 		return false
 	case Apply:
+		if w.down.applied[r.msg] == 0 {
+			w.down.firstIn[r.msg], w.down.firstAt[r.msg] = e.Stream, w.now
+		}
 		w.applied(r.msg, fmt.Sprintf("%x %d by number", r.h.Stream[1], r.h.Seq))
 		l.Done(e, false)
 	case Copy:
@@ -483,6 +516,9 @@ func (w *world) decide(off int, keyAll, main bool) bool {
 		if w.byKey(r.msg) {
 			w.note("down: %v skipped by key", r.msg)
 		} else {
+			if w.down.applied[r.msg] == 0 {
+				w.down.firstIn[r.msg], w.down.firstAt[r.msg] = e.Stream, w.now
+			}
 			w.applied(r.msg, fmt.Sprintf("%x %d by key", r.h.Stream[1], r.h.Seq))
 		}
 		l.Done(e, true)
@@ -546,7 +582,11 @@ func (w *world) mainBatch(fates []int) {
 				if r := w.log[pos+k]; r.h != (Header{}) {
 					l := w.lineage(r.h.Root)
 					e := w.event(pos + k)
+					known := l.Stream(e.Stream) != nil
 					l.Prepare(e, int64(pos), w.sinceOffset(e.Since.Add(-Skew)), true)
+					if !known && l.Stream(e.Stream) != nil {
+						delete(w.down.decided, e.Stream) // registered (again): its numbers start afresh
+					}
 					w.note("down: prepared %x %d at %d (parent %x at %d); pending %v", e.Stream[1], e.Seq, pos+k, e.Parent[1], e.ForkSeq, l.Pending != nil)
 				}
 			}
@@ -752,7 +792,7 @@ func (w *world) checkEnd() {
 		for _, s := range l.Streams {
 			for _, sp := range s.Missing {
 				for q := sp.Lo; q < sp.Hi; q++ {
-					if w.decided[s.ID][q] {
+					if w.down.decided[s.ID][q] {
 						w.t.Fatalf("stream %x keeps %d missing, published and decided\nhistory:\n  %s", s.ID[1], q, joinLines(w.history))
 					}
 				}
