@@ -387,7 +387,7 @@ func (p *Processor) streamsPrepare(ctx context.Context, w *streamsWork) ([]strea
 		}
 		cl := p.client.Load()
 		if cl == nil {
-			return nil, errors.New("streams: a fork to prepare, and no kafka client yet")
+			return nil, Infrastructure(errors.New("streams: a fork to prepare, and no kafka client yet"))
 		}
 		lctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		at, err := kadm.NewClient(cl).ListOffsetsAfterMilli(lctx, e.Since.Add(-streams.Skew).UnixMilli(), w.source)
@@ -395,8 +395,8 @@ func (p *Processor) streamsPrepare(ctx context.Context, w *streamsWork) ([]strea
 		if err == nil {
 			err = at.Error()
 		}
-		if err != nil {
-			return nil, fmt.Errorf("streams: find the first record of %s/%d published after %s: %w", w.source, w.partition, e.Since.Add(-streams.Skew).UTC().Format(time.RFC3339), err)
+		if err != nil { // Kafka's: waited out in place, as an outage
+			return nil, Infrastructure(fmt.Errorf("streams: find the first record of %s/%d published after %s: %w", w.source, w.partition, e.Since.Add(-streams.Skew).UTC().Format(time.RFC3339), err))
 		}
 		since[e.Since] = 0
 		if o, ok := at.Lookup(w.source, w.partition); ok {
@@ -503,8 +503,8 @@ func (p *Processor) readBack(ctx context.Context, source string, partition int32
 			}
 			got = append(got, read{e, p.keyHash(source, id)})
 		})
-		if err != nil {
-			return fmt.Errorf("streams: read back %s/%d from %d to %d: %w", source, partition, from, to, err)
+		if err != nil { // Kafka's: waited out in place, as an outage; the cursor keeps what was done
+			return Infrastructure(fmt.Errorf("streams: read back %s/%d from %d to %d: %w", source, partition, from, to, err))
 		}
 		records += n
 		err = pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {

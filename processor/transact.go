@@ -3,6 +3,7 @@ package processor
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"time"
 
@@ -63,6 +64,10 @@ func (w *worker) transact(recs []*Record, msgs []sink.Message, apply func(contex
 	})
 }
 
+// workInARow is how many pieces of streams' work (streamsWork) one transaction may ask for in a
+// row before inPlace backs off between them.
+const workInARow = 100
+
 // inPlace runs tx until it succeeds, retrying in place with backoff while the failure is not the
 // record's, until ctx is done or stopping is closed (then it returns errStopped). It returns at
 // once an error wrapping offsets.ErrFenced, offsets.ErrMoved, offsets.ErrKeysChanged or retrytopics.ErrStale, and, if blame names a source
@@ -87,16 +92,24 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 		}
 		// Numbered records to prepare, or a read back, before the transaction can decide them:
 		// done here, with no transaction open, and tried again. Each piece of work moves the
-		// lineages on (a stream registered, a horizon raised, a read back's cursor); one that
-		// keeps coming back is a bug, retried with backoff below and counted.
+		// lineages on (a stream registered, a horizon raised, a read back's cursor), so the work
+		// is always done; but more than workInARow pieces in a row for one transaction is not
+		// progress any more (a bug, or paths that keep widening a read back): from then on each
+		// is followed by the backoff, logged and counted, never a tight loop.
 		var sw *streamsWork
-		if errors.As(err, &sw) && work < 100 {
+		if errors.As(err, &sw) {
 			work++
-			if err = p.doStreams(ctx, sw); err == nil {
-				continue
-			}
+			werr := p.doStreams(ctx, sw)
 			if ctx.Err() != nil {
 				return errStopped
+			}
+			if werr == nil && work <= workInARow {
+				continue
+			}
+			if werr != nil {
+				err = werr
+			} else {
+				err = fmt.Errorf("%d pieces of streams' work in a row for one transaction: %w", work, err)
 			}
 		}
 		if errors.Is(err, offsets.ErrFenced) || errors.Is(err, offsets.ErrMoved) || errors.Is(err, offsets.ErrKeysChanged) || errors.Is(err, retrytopics.ErrStale) {
