@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -192,15 +193,10 @@ func (protocolRecorder) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Re
 
 func runThroughProcessor(t *testing.T, rt *rapid.T, log []upEvent) {
 	k := testenv.NewKfake(t)
-	h := newHarness(t, k, 1)
+	h, cfg := midHarness(t, k, 1, protocolRecorder{})
 	ctx := context.Background()
-	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	cfg := h.Config(protocolRecorder{})
 	cfg.LocalAttempts = 1
 	cfg.RetryTiers = []time.Duration{50 * time.Millisecond}
-	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
 	r := h.Start(cfg)
 	defer r.Stop(t)
 	th := sha256.Sum256([]byte(h.Topic))
@@ -269,17 +265,6 @@ func runThroughProcessor(t *testing.T, rt *rapid.T, log []upEvent) {
 		for i, e := range log {
 			hist = append(hist, fmt.Sprintf("%d: %s seq %d src %d (fork of %s at %d) %s %s", i, e.stream.String()[:8], e.seq, e.src, e.parent.String()[:8], e.forkSeq, e.mid, e.fate))
 		}
-		rt.Fatalf("events applied other than once: %v (of %d events)\npublished:\n  %s", wrong, len(want), joinHist(hist))
+		rt.Fatalf("events applied other than once: %v (of %d events)\npublished:\n  %s", wrong, len(want), strings.Join(hist, "\n  "))
 	}
-}
-
-func joinHist(h []string) string {
-	out := ""
-	for i, l := range h {
-		if i > 0 {
-			out += "\n  "
-		}
-		out += l
-	}
-	return out
 }

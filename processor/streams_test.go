@@ -44,6 +44,32 @@ func (midRecorder) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record)
 	return err
 }
 
+// midHarness is a harness with a table got (no unique constraint: an event applied twice is two
+// rows) and the config of a processor whose topic is deduplicated on the message id (numbered
+// events by their streams), handled by handler.
+func midHarness(t *testing.T, k *testenv.Kafka, partitions int32, handler processor.Handler) (*harness, *processor.Config) {
+	t.Helper()
+	h := newHarness(t, k, partitions)
+	if _, err := h.Pool.Exec(context.Background(), `CREATE TABLE got (mid text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	cfg := h.Config(handler)
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
+	return h, cfg
+}
+
+// waitConsumed waits until h's group has consumed n records of its partition 0.
+func waitConsumed(t *testing.T, h *harness, n int64) {
+	t.Helper()
+	testenv.Eventually(t, 20*time.Second, func() error {
+		var next int64
+		if err := h.Pool.QueryRow(context.Background(), `SELECT coalesce(max(next_offset), 0) FROM kafkapg.offsets WHERE consumer_group = $1`, h.Group).Scan(&next); err != nil || next < n {
+			return fmt.Errorf("consumed %d (%v), want %d", next, err, n)
+		}
+		return nil
+	})
+}
+
 // streamRec is a record as a kafkapg service's relay publishes a numbered event to partition 0 of
 // topic: number seq of stream, in root's lineage, emitted by the source record at offset (fork:
 // " <parent> <fork_seq> <since ms>" for a fork, "" for a stream created afresh).
@@ -75,13 +101,8 @@ const (
 func TestStreamsDecideCopiesByNumber(t *testing.T) {
 	t.Parallel()
 	k := testenv.NewKfake(t)
-	h := newHarness(t, k, 1)
+	h, cfg := midHarness(t, k, 1, midRecorder{})
 	ctx := context.Background()
-	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	cfg := h.Config(midRecorder{})
-	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
 	r := h.Start(cfg)
 	// A's number n is emitted by the source record at offset 10n.
 	a := func(seq int, value string) *kgo.Record {
@@ -296,13 +317,8 @@ func mustAtoi(t *testing.T, s string) int {
 // with no transaction open, and records what it found in short transactions of its own.
 func TestForkReadBackOutlivesTheIdleTimeout(t *testing.T) {
 	k := testenv.NewKfake(t)
-	h := newHarness(t, k, 1)
+	h, cfg := midHarness(t, k, 1, midRecorder{})
 	ctx := context.Background()
-	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	cfg := h.Config(midRecorder{})
-	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
 	cfg.TxIdleTimeout = 400 * time.Millisecond
 	h.Start(cfg)
 	a := func(seq int) *kgo.Record {
@@ -347,13 +363,8 @@ func TestForkReadBackOutlivesTheIdleTimeout(t *testing.T) {
 func TestDiscardedNumbersAreNotMissing(t *testing.T) {
 	t.Parallel()
 	k := testenv.NewKfake(t)
-	h := newHarness(t, k, 1)
+	h, cfg := midHarness(t, k, 1, midRecorder{})
 	ctx := context.Background()
-	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	cfg := h.Config(midRecorder{})
-	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
 	h.Start(cfg)
 	var recs []*kgo.Record
 	for seq := 1; seq <= 40; seq++ {
@@ -395,13 +406,7 @@ func TestDiscardedNumbersAreNotMissing(t *testing.T) {
 	}
 	// A copy of a discarded event comes: skipped like it.
 	k.Produce(t, streamRec(h.Topic, streamA, 2, rootR, 20, "", "m2", "ok"))
-	testenv.Eventually(t, 20*time.Second, func() error {
-		var next int64
-		if err := h.Pool.QueryRow(ctx, `SELECT coalesce(max(next_offset), 0) FROM kafkapg.offsets WHERE consumer_group = $1`, h.Group).Scan(&next); err != nil || next < 41 {
-			return fmt.Errorf("consumed %d (%v), want 41", next, err)
-		}
-		return nil
-	})
+	waitConsumed(t, h, 41)
 	var n int
 	if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM got WHERE mid = 'm2'`).Scan(&n); err != nil || n != 0 {
 		t.Errorf("the copy of a discarded event applied %d times (%v), want 0", n, err)
@@ -449,13 +454,8 @@ func appliedMids(t *testing.T, h *harness) map[string]int {
 func TestReplayAfterTheUpgradeToStreams(t *testing.T) {
 	t.Parallel()
 	k := testenv.NewKfake(t)
-	h := newHarness(t, k, 1)
+	h, cfg := midHarness(t, k, 1, midRecorder{})
 	ctx := context.Background()
-	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	cfg := h.Config(midRecorder{})
-	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
 	h.Start(cfg)
 	// What the release before did: m5 applied, its key kept.
 	ringKey(t, h, "m5")
@@ -505,13 +505,7 @@ func TestReplayAfterTheUpgradeToStreams(t *testing.T) {
 func TestCopiedStreamHeaderIsNotAStream(t *testing.T) {
 	t.Parallel()
 	k := testenv.NewKfake(t)
-	h := newHarness(t, k, 1)
-	ctx := context.Background()
-	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	cfg := h.Config(midRecorder{})
-	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
+	h, cfg := midHarness(t, k, 1, midRecorder{})
 	h.Start(cfg)
 	k.Produce(t, streamRec(h.Topic, streamA, 1, rootR, 10, "", "m1", "ok"))
 	// The same event's header, as it reads in another topic, forwarded onto a record with its
@@ -536,13 +530,7 @@ func TestCopiedStreamHeaderIsNotAStream(t *testing.T) {
 func TestLateParentRaisesTheHorizon(t *testing.T) {
 	t.Parallel()
 	k := testenv.NewKfake(t)
-	h := newHarness(t, k, 1)
-	ctx := context.Background()
-	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	cfg := h.Config(midRecorder{})
-	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
+	h, cfg := midHarness(t, k, 1, midRecorder{})
 	h.Start(cfg)
 	since := strconv.FormatInt(time.Now().Add(-time.Minute).UnixMilli(), 10)
 	a := func(seq int) *kgo.Record {
@@ -560,13 +548,7 @@ func TestLateParentRaisesTheHorizon(t *testing.T) {
 	})
 	// Z's 3 repeats A's 3 (the same source record, the same event).
 	k.Produce(t, z(3, 30, "m3"))
-	testenv.Eventually(t, 20*time.Second, func() error {
-		var next int64
-		if err := h.Pool.QueryRow(ctx, `SELECT coalesce(max(next_offset), 0) FROM kafkapg.offsets WHERE consumer_group = $1`, h.Group).Scan(&next); err != nil || next < 6 {
-			return fmt.Errorf("consumed %d (%v), want 6", next, err)
-		}
-		return nil
-	})
+	waitConsumed(t, h, 6)
 	if got := appliedMids(t, h); fmt.Sprint(got) != "map[m1:1 m2:1 m3:1 n25:1 n40:1]" {
 		t.Errorf("applied %v: Z's repeat of A's 3 applied again", got)
 	}
@@ -581,11 +563,8 @@ func TestLateParentRaisesTheHorizon(t *testing.T) {
 func TestForksMetTogetherInASmallPool(t *testing.T) {
 	t.Parallel()
 	k := testenv.NewKfake(t)
-	h := newHarness(t, k, 8)
+	h, cfg := midHarness(t, k, 8, midRecorder{})
 	ctx := context.Background()
-	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
 	pc, err := pgxpool.ParseConfig(h.DBURL)
 	if err != nil {
 		t.Fatal(err)
@@ -596,8 +575,6 @@ func TestForksMetTogetherInASmallPool(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer small.Close()
-	cfg := h.Config(midRecorder{})
-	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
 	p, err := processor.New(small, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -672,13 +649,7 @@ func TestForksMetTogetherInASmallPool(t *testing.T) {
 // chunk goes on from that chunk's end.
 func TestReadBackResumesWhereItStopped(t *testing.T) {
 	k := testenv.NewKfake(t)
-	h := newHarness(t, k, 1)
-	ctx := context.Background()
-	if _, err := h.Pool.Exec(ctx, `CREATE TABLE got (mid text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	cfg := h.Config(midRecorder{})
-	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader(sink.HeaderMessageID)}}
+	h, cfg := midHarness(t, k, 1, midRecorder{})
 	h.Start(cfg)
 	var recs []*kgo.Record
 	for seq := 1; seq <= 10; seq++ {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -457,16 +458,9 @@ func (w *world) dump() string {
 
 func joinLines(h []string) string {
 	if len(h) > 400 {
-		h = h[len(h)-400:]
+		h = h[len(h)-400:] // the end of a long history: where it failed
 	}
-	out := ""
-	for i, l := range h {
-		if i > 0 {
-			out += "\n  "
-		}
-		out += l
-	}
-	return out
+	return strings.Join(h, "\n  ")
 }
 
 // decide carries out the core's verdict on the record at off, as the transaction that applies it
