@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"reflect"
 	"slices"
 	"sync/atomic"
@@ -65,24 +66,17 @@ func streamEvent(r *Record) (streams.Event, bool) {
 	}, Offset: r.Offset}, true
 }
 
-// streamSQL is the statements of the consuming side, for a schema.
+// streamSQL is the statements of the consuming side, for a schema, beside its lineages' Store.
 type streamSQL struct {
-	ensure, lock, read, write, position, groupWindow string
+	store                       *streams.Store
+	read, position, groupWindow string
 }
 
 func newStreamSQL(schema string) streamSQL {
 	t := pgx.Identifier{schema, "idempotency_lineages"}.Sanitize()
 	return streamSQL{
-		// A row for every lineage of the transaction, so that its lock covers a lineage met for
-		// the first time too: a second transaction inserting the same row waits for the first.
-		ensure: `INSERT INTO ` + t + ` (consumer_group, root, topic, partition, state, updated_at)
-			SELECT $1, r, $2, $3, '{"streams":[]}', now() FROM unnest($4::uuid[]) AS u(r) ORDER BY r
-			ON CONFLICT DO NOTHING`,
-		// In a later statement than ensure: its snapshot sees every row ensure waited for.
-		lock: `SELECT root, state FROM ` + t + ` WHERE consumer_group = $1 AND root = ANY($2) ORDER BY root FOR UPDATE`,
-		read: `SELECT state FROM ` + t + ` WHERE consumer_group = $1 AND root = $2`,
-		write: `UPDATE ` + t + ` AS l SET state = u.state, updated_at = now()
-			FROM unnest($2::uuid[], $3::jsonb[]) AS u(root, state) WHERE l.consumer_group = $1 AND l.root = u.root`,
+		store: streams.NewStore(schema),
+		read:  `SELECT state FROM ` + t + ` WHERE consumer_group = $1 AND root = $2`,
 		position: `SELECT coalesce(next_offset, 0) FROM ` + pgx.Identifier{schema, "offsets"}.Sanitize() + `
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
 		// A group that consumed before this release decides by key as well for its first retention.
@@ -155,55 +149,17 @@ func (ls *lineages) load(ctx context.Context, p *Processor, tx pgx.Tx, source st
 		ls.byRoot, ls.dirty = map[streams.ID]*streams.Lineage{}, map[streams.ID]bool{}
 		ls.source, ls.partition = source, partition
 	}
-	var want [][16]byte
+	var want []streams.ID
 	for _, r := range roots {
-		if _, ok := ls.byRoot[r]; !ok && !slices.Contains(want, [16]byte(r)) {
-			want = append(want, [16]byte(r))
+		if _, ok := ls.byRoot[r]; !ok {
+			want = append(want, r)
 		}
 	}
-	if len(want) == 0 {
-		return nil
-	}
-	slices.SortFunc(want, func(a, b [16]byte) int { return bytes.Compare(a[:], b[:]) })
-	b := &pgx.Batch{}
-	b.Queue(p.streamSQL.ensure, p.cfg.Group, source, partition, want)
-	b.Queue(p.streamSQL.lock, p.cfg.Group, want)
-	br := tx.SendBatch(ctx, b)
-	if _, err := br.Exec(); err != nil {
-		br.Close()
-		return err
-	}
-	rows, err := br.Query()
+	got, err := p.streamSQL.store.Lock(ctx, tx, p.cfg.Group, want, true, source, partition)
 	if err != nil {
-		br.Close()
 		return err
 	}
-	for rows.Next() {
-		var root [16]byte
-		var state []byte
-		if err := rows.Scan(&root, &state); err != nil {
-			rows.Close()
-			br.Close()
-			return err
-		}
-		l := &streams.Lineage{}
-		if err := json.Unmarshal(state, l); err != nil {
-			rows.Close()
-			br.Close()
-			return fmt.Errorf("lineage %s: %w", streams.ID(root), err)
-		}
-		l.Root = streams.ID(root)
-		ls.byRoot[l.Root] = l
-	}
-	rows.Close()
-	if err := errors.Join(rows.Err(), br.Close()); err != nil {
-		return err
-	}
-	for _, r := range want {
-		if ls.byRoot[streams.ID(r)] == nil {
-			return fmt.Errorf("lineage %s: no row after it was ensured", streams.ID(r))
-		}
-	}
+	maps.Copy(ls.byRoot, got)
 	return nil
 }
 
@@ -212,18 +168,12 @@ func (ls *lineages) flush(ctx context.Context, p *Processor, tx pgx.Tx) error {
 	if ls == nil || len(ls.dirty) == 0 {
 		return nil
 	}
-	var roots [][16]byte
-	var states [][]byte
+	var changed []*streams.Lineage
 	for r := range ls.dirty {
-		b, err := json.Marshal(ls.byRoot[r])
-		if err != nil {
-			return err
-		}
-		roots, states = append(roots, [16]byte(r)), append(states, b)
+		changed = append(changed, ls.byRoot[r])
 	}
 	clear(ls.dirty)
-	_, err := tx.Exec(ctx, p.streamSQL.write, p.cfg.Group, roots, states)
-	return err
+	return p.streamSQL.store.Save(ctx, tx, p.cfg.Group, changed)
 }
 
 // streamsWork is what a transaction needs done before it can decide its numbered records: it

@@ -1,9 +1,7 @@
 package ops
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"slices"
 
@@ -29,7 +27,7 @@ func (o *Ops) numbersDone(ctx context.Context, tx pgx.Tx, ids []int64) error {
 		return fmt.Errorf("read the discarded dead letters' headers: %w", err)
 	}
 	var evs []streams.Event
-	var roots [][16]byte
+	var roots []streams.ID
 	for rows.Next() {
 		var topic string
 		var partition int32
@@ -49,9 +47,7 @@ func (o *Ops) numbersDone(ctx context.Context, tx pgx.Tx, ids []int64) error {
 		}
 		evs = append(evs, streams.Event{Header: streams.Header{Stream: st.ID, Seq: st.Seq, Root: st.Root, Src: st.SourceOffset,
 			Parent: st.Parent, ForkSeq: st.ForkSeq, Since: st.Since}, Offset: offset})
-		if !slices.Contains(roots, [16]byte(st.Root)) {
-			roots = append(roots, [16]byte(st.Root))
-		}
+		roots = append(roots, st.Root)
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
@@ -60,51 +56,19 @@ func (o *Ops) numbersDone(ctx context.Context, tx pgx.Tx, ids []int64) error {
 	if len(evs) == 0 {
 		return nil
 	}
-	slices.SortFunc(roots, func(a, b [16]byte) int { return bytes.Compare(a[:], b[:]) })
-	lrows, err := tx.Query(ctx, `SELECT root, state FROM `+o.table("idempotency_lineages")+`
-		WHERE consumer_group = $1 AND root = ANY($2) ORDER BY root FOR UPDATE`, o.group, roots)
+	store := streams.NewStore(o.schema)
+	lins, err := store.Lock(ctx, tx, o.group, roots, false, "", 0)
 	if err != nil {
 		return fmt.Errorf("lock the discarded dead letters' lineages: %w", err)
 	}
-	lins := map[streams.ID]*streams.Lineage{}
-	for lrows.Next() {
-		var root [16]byte
-		var state []byte
-		if err := lrows.Scan(&root, &state); err != nil {
-			lrows.Close()
-			return err
-		}
-		l := &streams.Lineage{Root: root}
-		if err := json.Unmarshal(state, l); err != nil {
-			lrows.Close()
-			return fmt.Errorf("lineage %s: %w", streams.ID(root), err)
-		}
-		lins[l.Root] = l
-	}
-	lrows.Close()
-	if err := lrows.Err(); err != nil {
-		return err
-	}
-	changed := map[streams.ID]bool{}
+	var changed []*streams.Lineage
 	for _, e := range evs {
 		if l := lins[e.Root]; l != nil {
 			l.Done(e, false)
-			changed[e.Root] = true
+			if !slices.Contains(changed, l) {
+				changed = append(changed, l)
+			}
 		}
 	}
-	var uroots [][16]byte
-	var states [][]byte
-	for r := range changed {
-		b, err := json.Marshal(lins[r])
-		if err != nil {
-			return err
-		}
-		uroots, states = append(uroots, [16]byte(r)), append(states, b)
-	}
-	if len(uroots) == 0 {
-		return nil
-	}
-	_, err = tx.Exec(ctx, `UPDATE `+o.table("idempotency_lineages")+` AS l SET state = u.state, updated_at = now()
-		FROM unnest($2::uuid[], $3::jsonb[]) AS u(root, state) WHERE l.consumer_group = $1 AND l.root = u.root`, o.group, uroots, states)
-	return err
+	return store.Save(ctx, tx, o.group, changed)
 }
