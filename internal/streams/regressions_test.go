@@ -121,3 +121,28 @@ func TestRegressionUnobservedCountsInANewStreamsHorizon(t *testing.T) {
 	observe(t, l, again, 0)
 	mustDecide(t, l, again, false, ByKey)
 }
+
+// TestRegressionLateParentKeysItsFork: Y, a fork of X at 4, is observed first (X's numbers were
+// all still in the restored outbox, or in a late relay's hands) and applies its 5 by number; then
+// X's 5, lost by Y's database, is X's first record observed: the same source record. Registering
+// X after its fork must raise Y's horizon and read Y's 5 back for its key before X's 5 is decided
+// by key; it registered X and decided X's 5 by key against no recorded key: applied twice. Found
+// reading the rules for the pruning of idle streams (a pruned parent is registered again the same
+// way), not by TestProtocol, whose upstream rarely publishes a whole parent after its fork.
+func TestRegressionLateParentKeysItsFork(t *testing.T) {
+	l := &Lineage{Root: ID{0xee}}
+	y5 := ev(2, 5, 10, 0, 1, 4)
+	observe(t, l, y5, 0)
+	mustDecide(t, l, y5, false, Apply)
+	l.Done(y5, false)
+	x5 := ev(1, 5, 10, 1, 0, 0)
+	if !observe(t, l, x5, 0) {
+		t.Fatal("X registered after Y with no read back of Y's 5, applied by number from the same source offset")
+	}
+	mustDecide(t, l, x5, false, Wait)
+	if !l.ReadBackRecord(y5) {
+		t.Fatal("the read back does not ask for Y's 5")
+	}
+	l.ReadBackDone()
+	mustDecide(t, l, x5, false, ByKey)
+}

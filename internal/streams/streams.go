@@ -25,9 +25,9 @@
 //     such a pair are decided by key as well (tainted): an older stream's event that a newer
 //     stream may repeat; a newer stream's event from a source offset at or below its horizon
 //     (the highest source offset among the older streams' events it may repeat that were
-//     observed) or younger than Youth (an event of an older stream published late may still
-//     come after it); and a number below the first one observed (Floor: events applied by a
-//     release before this protocol, by key).
+//     observed, raised by each one observed later: a late publish, or a parent registered after
+//     its fork); and a number below the first one observed (Floor: events applied by a release
+//     before this protocol, by key).
 //   - An event decided by number before a newer stream could repeat it was not keyed: the
 //     newer stream's registration reads those events back from Kafka (ReadBack) and records the
 //     keys of the ones applied, before any of its records is decided.
@@ -246,7 +246,7 @@ func (l *Lineage) Prepare(e Event, pos, sinceOffset int64, observing bool) (read
 	case i < 0 && observing:
 		l.register(e, pos, sinceOffset)
 		l.Observe(e)
-		return l.Pending != nil
+		i = l.index(e.Stream) // a parent registered after its fork: the newer streams may repeat e
 	case i < 0:
 		if l.Unobserved == nil {
 			l.Unobserved = map[ID]*Unobserved{}
