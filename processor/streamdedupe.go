@@ -169,8 +169,16 @@ func (ls *lineages) flush(ctx context.Context, p *Processor, tx pgx.Tx) error {
 		return nil
 	}
 	var changed []*streams.Lineage
+	now := time.Now()
 	for r := range ls.dirty {
-		changed = append(changed, ls.byRoot[r])
+		l := ls.byRoot[r]
+		// What it keeps of streams no record of which was met for the retention of keys goes,
+		// as keys do: a stream per upstream start would be kept for ever otherwise.
+		if n := l.Forget(now, p.cfg.IdempotencyRetention); n > 0 {
+			p.log.Debug("streams forgotten: no record of them met for the retention of idempotency keys",
+				"topic", ls.source, "partition", ls.partition, "root", r.String(), "streams", n, "idempotency_retention", p.cfg.IdempotencyRetention.String())
+		}
+		changed = append(changed, l)
 	}
 	clear(ls.dirty)
 	return p.streamSQL.store.Save(ctx, tx, p.cfg.Group, changed)

@@ -694,3 +694,58 @@ func TestReadBackResumesWhereItStopped(t *testing.T) {
 		t.Errorf("read back chunks %v, want %v: after the failure it goes on from the last chunk's end", chunks, want)
 	}
 }
+
+// TestReplacedStreamsAreForgotten (issue 39: state bounded): every start of an upstream database
+// forks its streams, and the consumer kept every stream of a lineage for ever: one more per
+// upstream restart, read and written with the lineage by every batch. A stream no record of which
+// was met for the retention of keys is forgotten, as keys are: A, replaced by its fork Z, goes
+// once Z's records have been met for a retention without one of A's; Z stays, and copies of its
+// events are still skipped by number.
+func TestReplacedStreamsAreForgotten(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h, cfg := midHarness(t, k, 1, midRecorder{})
+	cfg.IdempotencyRetention = 3 * time.Second
+	h.Start(cfg)
+	ctx := context.Background()
+	since := strconv.FormatInt(time.Now().Add(-time.Minute).UnixMilli(), 10)
+	a := func(seq int) *kgo.Record {
+		return streamRec(h.Topic, streamA, seq, rootR, 10*seq, "", "m"+strconv.Itoa(seq), "ok")
+	}
+	z := func(seq int) *kgo.Record { // Z keeps all of A's: its events are new ones
+		return streamRec(h.Topic, streamZ, seq, rootR, 100+seq, " "+streamA+" 2 "+since, "z"+strconv.Itoa(seq), "ok")
+	}
+	kept := func() []string {
+		var ids []string
+		if err := h.Pool.QueryRow(ctx, `SELECT coalesce(array_agg(x.s->>'id' ORDER BY x.n), '{}') FROM kafkapg.idempotency_lineages l,
+			jsonb_array_elements(l.state->'streams') WITH ORDINALITY AS x(s, n) WHERE l.consumer_group = $1 AND l.root = $2`, h.Group, rootR).Scan(&ids); err != nil {
+			t.Fatal(err)
+		}
+		return ids
+	}
+	k.Produce(t, a(1), a(2), z(1))
+	waitConsumed(t, h, 3)
+	if got := kept(); fmt.Sprint(got) != fmt.Sprint([]string{streamA, streamZ}) {
+		t.Fatalf("the lineage keeps %v after Z forked A, want A and Z", got)
+	}
+	// Z's records keep coming; A's do not.
+	n := 3
+	for seq := 2; ; seq++ {
+		k.Produce(t, z(seq))
+		n++
+		waitConsumed(t, h, int64(n))
+		if got := kept(); fmt.Sprint(got) == fmt.Sprint([]string{streamZ}) {
+			break
+		} else if seq > 12 { // a record every half second: 5 s past the retention
+			t.Fatalf("the lineage keeps %v after Z's records were met for %d s without one of A's (retention %v)", got, seq/2, cfg.IdempotencyRetention)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	k.Produce(t, z(2), z(3)) // a relay publishes Z's again: copies, by number
+	waitConsumed(t, h, int64(n+2))
+	for mid, c := range appliedMids(t, h) {
+		if c != 1 {
+			t.Errorf("event %s applied %d times", mid, c)
+		}
+	}
+}

@@ -140,21 +140,35 @@
 //   - A dead letter discarded marks its number done. Numbers stay missing only for records in
 //     the retry path or dead-lettered and not yet replayed or discarded, and for events Kafka
 //     refused upstream that nobody published again: state grows with those, not with events.
+//   - A stream no record of which was met for IDEMPOTENCY_RETENTION is forgotten (Lineage.Forget),
+//     as keys are: every event of it was applied more than the retention ago. A record of it met
+//     later is of a stream new here: the worker registers it again (before a fork of it the
+//     lineage keeps), numbers below the first one observed and records from offsets before it are
+//     decided by key, and a copy of an event applied before it was forgotten may be applied again
+//     — a copy more than the retention after its twin, as with keys. A newer stream whose chain of
+//     parents passes through a stream forgotten counts the streams past it as not kept: more is
+//     decided by key, never less; and nothing is forgotten while a read back is pending. So a
+//     lineage holds the streams met within the retention, however often the upstream starts.
 //
 // TestProtocol (internal/streams) is the check of this argument: a state-machine property test
 // that drives the consumer's decisions through random histories of an upstream database losing
 // commits (same identity and new, with and without restarts), relays publishing late, twice, in
 // any order or never, every path, dead letters replayed and discarded, and a release before it,
-// and fails if an event is applied twice, or not at all when everything is done, or a number
-// published stays missing. It found four of the rules above missing while they were written (the
-// newer stream's read back, waiting for a read back on every path, a stream's keyed numbers
-// after its chain of parents grew, the horizon of what only other paths met): their shrunk
-// histories are the tests in internal/streams/regressions_test.go.
+// and streams forgotten, and fails if an event is applied twice (in histories that forget: twice
+// within the retention), or not at all when everything is done, or a number published stays
+// missing, or a lineage keeps anything a retention after its last record. It found six of the
+// rules above missing while they were written (the newer stream's read back, waiting for a read
+// back on every path, a stream's keyed numbers after its chain of parents grew, the horizon of
+// what only other paths met, what other paths met of a stream counting as seen once it is
+// registered or before its first offset, records before a stream's first offset decided by
+// key), and reading the rules for forgetting found a seventh (a parent registered after its fork
+// raises the fork's horizon): the shrunk histories are the tests in
+// internal/streams/regressions_test.go.
 //
 // Not covered: a consumer that had not kept the events it must read back in Kafka (retention
 // deleted them first) cannot record their keys, and applies their repeats again; a repeat that
-// comes more than IDEMPOTENCY_RETENTION after its twin's key was recorded is applied again (as any
-// copy decided by key); a database that loses commits without a new identity (synchronous_commit
+// comes more than IDEMPOTENCY_RETENTION after its twin's key was recorded, or a copy of an event
+// of a stream forgotten, is applied again (as any copy decided by key); a database that loses commits without a new identity (synchronous_commit
 // off and a crash of a backend only); clocks more than five minutes apart between the emitting
 // database and the relays' Kafka timestamps. Events an upstream emitted with an id of its own
 // (Event.ID set), or through Outbox.Emit, or from a database that cannot tell its identity

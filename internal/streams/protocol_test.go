@@ -40,6 +40,7 @@ const (
 	model_W     = 2 * time.Minute // how late a relay of a database that is gone may still publish
 	model_skew  = time.Minute     // relays' clocks against the database's
 	keyAllSpan  = 6 * time.Hour   // the consumer's first retention under this protocol, after a release that kept keys
+	model_keep  = 24 * time.Hour  // the retention after which Forget drops an idle stream, in histories that forget
 	readBackMax = 3               // records a read back step reads
 )
 
@@ -55,6 +56,7 @@ func TestProtocol(t *testing.T) {
 		rt.Repeat(w.actions())
 		w.quiesce()
 		w.checkEnd()
+		w.checkForgets()
 	})
 }
 
@@ -120,12 +122,13 @@ type downDB struct {
 	decided map[ID]map[int64]bool // numbers decided under this protocol (by any verdict)
 	firstIn map[msgID]ID          // the stream an event was first applied in (by number or key)
 	firstAt map[msgID]time.Time   // and when
+	lastAt  map[msgID]time.Time   // when it was last applied
 }
 
 func (d *downDB) clone() *downDB {
 	c := &downDB{pos: d.pos, keys: maps.Clone(d.keys), applied: maps.Clone(d.applied), retry: slices.Clone(d.retry),
 		dlq: slices.Clone(d.dlq), keyAllUntil: d.keyAllUntil, oldRelease: d.oldRelease, lineages: map[ID]*Lineage{},
-		firstIn: maps.Clone(d.firstIn), firstAt: maps.Clone(d.firstAt), decided: map[ID]map[int64]bool{}}
+		firstIn: maps.Clone(d.firstIn), firstAt: maps.Clone(d.firstAt), lastAt: maps.Clone(d.lastAt), decided: map[ID]map[int64]bool{}}
 	for k, v := range d.decided {
 		c.decided[k] = maps.Clone(v)
 	}
@@ -172,7 +175,8 @@ type world struct {
 	dnSnaps []*downDB
 	// What the checks need, outside any database.
 	oldApplied map[msgID]bool // applied by the release that kept keys only
-	excused    map[msgID]bool // applied again after the first retention under this protocol, its other copy by the release before
+	excused    map[msgID]bool // applied again after the first retention under this protocol, its other copy by the release before; or, forgetting, more than model_keep after its other copy
+	keep       time.Duration  // Forget's retention: 0 in histories that never forget (no double excused for it)
 	discarded  map[msgID]bool
 	history    []string
 }
@@ -181,8 +185,11 @@ func newWorld(t *rapid.T) *world {
 	w := &world{t: t, now: time.UnixMilli(1_700_000_000_000), oldApplied: map[msgID]bool{}, excused: map[msgID]bool{}, discarded: map[msgID]bool{}}
 	w.up = &upDB{ident: w.newIdent()}
 	w.down = &downDB{lineages: map[ID]*Lineage{}, keys: map[msgID]bool{}, applied: map[msgID]int{},
-		decided: map[ID]map[int64]bool{}, firstIn: map[msgID]ID{}, firstAt: map[msgID]time.Time{}}
+		decided: map[ID]map[int64]bool{}, firstIn: map[msgID]ID{}, firstAt: map[msgID]time.Time{}, lastAt: map[msgID]time.Time{}}
 	w.down.oldRelease = rapid.IntRange(0, 4).Draw(t, "old release first") == 0
+	if rapid.Bool().Draw(t, "forget") {
+		w.keep = model_keep
+	}
 	return w
 }
 
@@ -200,6 +207,9 @@ func (w *world) note(format string, args ...any) {
 }
 
 func (w *world) actions() map[string]func(*rapid.T) {
+	consumer := func(f func(*rapid.T)) func(*rapid.T) {
+		return func(t *rapid.T) { f(t); w.forget() }
+	}
 	return map[string]func(*rapid.T){
 		"":              func(t *rapid.T) {}, // rapid's invariant hook slot: nothing
 		"produce":       w.produce,
@@ -212,11 +222,11 @@ func (w *world) actions() map[string]func(*rapid.T) {
 		"upRestore":     w.upRestore,
 		"upRestart":     w.upRestart,
 		"tick":          w.tick,
-		"downMain":      w.downMain,
-		"downRetry":     w.downRetry,
-		"downReplay":    w.downReplay,
-		"downDiscard":   w.downDiscard,
-		"downReadBack":  w.downReadBack,
+		"downMain":      consumer(w.downMain),
+		"downRetry":     consumer(w.downRetry),
+		"downReplay":    consumer(w.downReplay),
+		"downDiscard":   consumer(w.downDiscard),
+		"downReadBack":  consumer(w.downReadBack),
 		"downSnapshot":  w.downSnapshot,
 		"downRestore":   w.downRestore,
 		"upgrade":       w.upgrade,
@@ -304,6 +314,9 @@ func (w *world) relay(t *rapid.T) {
 		t.Skip("outbox empty")
 	}
 	i := rapid.IntRange(0, len(w.up.outbox)-1).Draw(t, "row") // lanes: any order across keys
+	if rapid.IntRange(0, 2).Draw(t, "newest") == 0 {
+		i = len(w.up.outbox) - 1 // often the newest first: a fork's records before its parent's
+	}
 	row := w.up.outbox[i]
 	w.publish(row, w.skew)
 	if rapid.IntRange(0, 6).Draw(t, "keep") > 0 { // else the relay died before its delete: published again later
@@ -375,6 +388,7 @@ func (w *world) upRestart(t *rapid.T) {
 }
 
 func (w *world) tick(t *rapid.T) {
+	defer func() { w.note("tick: %s", w.now.Format(time.DateTime)) }()
 	switch rapid.IntRange(0, 9).Draw(t, "how long") {
 	case 0:
 		w.now = w.now.Add(time.Duration(rapid.IntRange(1, 48).Draw(t, "hours")) * time.Hour)
@@ -429,6 +443,10 @@ func (w *world) applied(m msgID, how string) {
 	if d.applied[m] > 1 && w.oldApplied[m] && !w.now.Before(d.keyAllUntil) && !d.oldRelease {
 		w.excused[m] = true
 	}
+	if d.applied[m] > 1 && w.keep > 0 && w.now.Sub(d.lastAt[m]) >= w.keep {
+		w.excused[m] = true // its stream forgotten: the promise of keys, kept for the retention
+	}
+	d.lastAt[m] = w.now
 	w.note("down: applied %v (%s)", m, how)
 	if d.applied[m] > 1 && !w.excused[m] {
 		w.t.Fatalf("event %v applied %d times (first in %x at %s, now %s)\nhistory:\n  %s\n%s", m, d.applied[m],
@@ -791,6 +809,31 @@ func (w *world) checkEnd() {
 					}
 				}
 			}
+		}
+	}
+}
+
+// forget is every transaction's write of its lineages (Forget before the write).
+func (w *world) forget() {
+	for _, l := range w.down.lineages {
+		if n := l.Forget(w.now, w.keep); n > 0 {
+			w.note("down: forgot %d streams of lineage %x", n, l.Root[1])
+		}
+	}
+}
+
+// checkForgets: once nothing was met for the retention, a lineage keeps nothing (the state of
+// streams replaced is bounded by what the retention meets).
+func (w *world) checkForgets() {
+	if w.keep == 0 {
+		return
+	}
+	w.forget()
+	w.now = w.now.Add(w.keep)
+	w.forget()
+	for _, l := range w.down.lineages {
+		if !l.Empty() {
+			w.t.Fatalf("lineage %x keeps %d streams, %d unobserved, pending %v after a retention without a record", l.Root[1], len(l.Streams), len(l.Unobserved), l.Pending)
 		}
 	}
 }

@@ -146,3 +146,103 @@ func TestRegressionLateParentKeysItsFork(t *testing.T) {
 	l.ReadBackDone()
 	mustDecide(t, l, x5, false, ByKey)
 }
+
+// TestRegressionRegisteredUnobservedKeepsWhatWasSeen: X's 4 (source offset 2), never observed
+// (a dead letter of a release before, or a retry of a stream forgotten), is decided by key; then
+// the worker observes X's 2 and registers X. A stream created again after it that repeats X's
+// events must count X's 4 in its horizon: registering X dropped what the other path had seen of
+// it, and the repeat of source offset 2 was applied by number, a second time.
+func TestRegressionRegisteredUnobservedKeepsWhatWasSeen(t *testing.T) {
+	l := &Lineage{Root: ID{0xee}}
+	x4 := ev(1, 4, 2, 0, 0, 0)
+	if !l.NeedsPrepare(x4, false) {
+		t.Fatal("an unobserved stream's record needs no preparing")
+	}
+	l.Prepare(x4, 1, 0, false)
+	mustDecide(t, l, x4, false, ByKey)
+	l.Done(x4, true)
+	x2 := ev(1, 2, 1, 3, 0, 0)
+	observe(t, l, x2, 0)
+	again := ev(2, 3, 2, 5, 0, 0) // created again: X's source offset 2 once more
+	observe(t, l, again, 0)
+	mustDecide(t, l, again, false, ByKey)
+}
+
+// TestRegressionForgottenStreamBeforeItsFirst: X's 2 went to a retry tier; X was forgotten (a
+// retention without a record of it met) and registered again from X's 1, published late at a
+// later offset. The retry of X's 2 comes from before X's first offset now: no read back covers
+// it, so it is decided by key (it was applied by number: a newer stream's read back, from X's
+// first offset, missed it and its repeat was applied too).
+func TestRegressionForgottenStreamBeforeItsFirst(t *testing.T) {
+	l := &Lineage{Root: ID{0xee}}
+	now := time.Unix(1_700_000_000, 0)
+	x2 := ev(1, 2, 1, 0, 0, 0)
+	observe(t, l, x2, 0) // then to a retry tier
+	l.Forget(now, 24*time.Hour)
+	if n := l.Forget(now.Add(25*time.Hour), 24*time.Hour); n != 1 || !l.Empty() {
+		t.Fatalf("Forget dropped %d streams after a retention without a record; the lineage keeps %d", n, len(l.Streams))
+	}
+	observe(t, l, ev(1, 1, 0, 5, 0, 0), 0)
+	mustDecide(t, l, x2, false, ByKey)
+}
+
+// TestForget: a stream met is stamped and kept; one not met for the retention is dropped (its
+// fork still knows from its own header what it keeps of it); nothing is
+// dropped while a read back is pending, nor with no retention; a row from before Touched counts
+// from its first Forget.
+func TestForget(t *testing.T) {
+	day := 24 * time.Hour
+	now := time.Unix(1_700_000_000, 0)
+	l := &Lineage{Root: ID{0xee}}
+	x1 := ev(1, 1, 10, 0, 0, 0)
+	observe(t, l, x1, 0)
+	l.Done(x1, false)
+	l.Streams[0].Touched = 0 // written before Touched
+	l.Forget(now, day)
+	if got := l.Streams[0].Touched; got != now.Unix() {
+		t.Fatalf("a stream without Touched was stamped %d, want %d", got, now.Unix())
+	}
+	y1 := ev(2, 1, 20, 1, 1, 1)
+	observe(t, l, y1, 0)
+	l.Done(y1, false)
+	l.Forget(now.Add(12*time.Hour), day) // Y met: stamped half a day later
+	if n := l.Forget(now.Add(day), 0); n != 0 {
+		t.Fatalf("Forget with no retention dropped %d", n)
+	}
+	l.Pending = &ReadBack{From: 0, To: 1}
+	if n := l.Forget(now.Add(day), day); n != 0 {
+		t.Fatalf("Forget dropped %d streams while a read back was pending", n)
+	}
+	l.Pending = nil
+	if n := l.Forget(now.Add(day), day); n != 1 || l.Stream(x1.Stream) != nil || l.Stream(y1.Stream) == nil {
+		t.Fatalf("Forget a day later dropped %d; X kept %v, Y kept %v (want X dropped, Y kept)", n, l.Stream(x1.Stream) != nil, l.Stream(y1.Stream) != nil)
+	}
+	if b := l.keptBound(l.Stream(y1.Stream), x1.Stream); b != 1 {
+		t.Fatalf("Y keeps up to %d of X, forgotten; want 1, what its own header says", b)
+	}
+	if n := l.Forget(now.Add(36*time.Hour), day); n != 1 || !l.Empty() {
+		t.Fatalf("Forget a day after Y was met dropped %d; empty %v", n, l.Empty())
+	}
+}
+
+// TestRegressionRecordBeforeTheFirstCountsAsSeen: X is registered from its 1 at offset 5 (forgotten
+// and met again, or first met after an upgrade); a retry of X's 3 (source offset 2), from offset
+// 1, is decided by key. A stream created again after that which repeats source offset 2 must
+// count it in its horizon: the record, before X's first offset, was never observed, and what it
+// carried was not counted as seen; the repeat was applied by number.
+func TestRegressionRecordBeforeTheFirstCountsAsSeen(t *testing.T) {
+	l := &Lineage{Root: ID{0xee}}
+	observe(t, l, ev(1, 1, 0, 5, 0, 0), 0)
+	x3 := ev(1, 3, 2, 1, 0, 0)
+	if !l.NeedsPrepare(x3, false) {
+		t.Fatal("a record from before its stream's first offset, carrying more than was seen, needs no preparing")
+	}
+	l.Prepare(x3, 6, 0, false)
+	mustDecide(t, l, x3, false, ByKey)
+	l.Done(x3, true)
+	again := ev(2, 1, 2, 6, 0, 0)
+	if observe(t, l, again, 0) { // from X's first offset: X's 1, not applied
+		l.ReadBackDone()
+	}
+	mustDecide(t, l, again, false, ByKey)
+}

@@ -108,6 +108,9 @@ type Stream struct {
 	// Horizon: for a successor, the highest source offset among the observed events of older
 	// streams it may repeat; its records from source offsets up to it are decided by key too.
 	Horizon int64 `json:"horizon"`
+	// Touched is when a record of it was last met (observed, prepared, applied, decided by key),
+	// in Unix seconds; Forget drops a stream not met for the retention.
+	Touched int64 `json:"touched,omitempty"`
 }
 
 // Applied reports whether number n of s was applied (decided by number).
@@ -130,13 +133,16 @@ type Lineage struct {
 	// Unobserved: streams whose records another path met (a retry or a dead letter of a
 	// release before this protocol) that the partition's worker never observed.
 	Unobserved map[ID]*Unobserved `json:"unobserved,omitempty"`
+
+	met map[ID]bool // the streams met since Forget last stamped them
 }
 
 // Unobserved is what a lineage keeps of a stream the partition's worker never observed.
 type Unobserved struct {
 	SeenHigh int64 `json:"seen_high"` // as a Stream's
 	MaxSrc   int64 `json:"max_src"`
-	Keyed    int64 `json:"keyed"` // the highest number decided (by key); when the worker observes the stream, numbers up to it stay decided by key
+	Keyed    int64 `json:"keyed"`             // the highest number decided (by key); when the worker observes the stream, numbers up to it stay decided by key
+	Touched  int64 `json:"touched,omitempty"` // as a Stream's
 }
 
 // Stream returns the stream id of l, or nil.
@@ -201,8 +207,14 @@ func (l *Lineage) NeedsPrepare(e Event, observing bool) bool {
 		u := l.Unobserved[e.Stream]
 		return observing || u == nil || e.Seq > u.SeenHigh || e.Src > u.MaxSrc || l.raises(-1, e)
 	}
-	if !observing && e.Offset >= l.Streams[i].First {
-		return false // observed: it raised what it raises then
+	s := l.Streams[i]
+	if !observing {
+		if e.Offset >= s.First {
+			return false // observed: it raised what it raises then
+		}
+		if e.Seq > s.SeenHigh || e.Src > s.MaxSrc { // before its first offset: never observed
+			return true // counts in what a stream registered later may repeat
+		}
 	}
 	return l.raises(i, e)
 }
@@ -241,6 +253,7 @@ func (l *Lineage) raises(i int, e Event) bool {
 // from l.Pending.Cursor up to l.Pending.To, recording the keys it asks for; then ReadBackDone)
 // before records of the lineage are decided (Decide says Wait).
 func (l *Lineage) Prepare(e Event, pos, sinceOffset int64, observing bool) (readBack bool) {
+	l.meet(e.Stream)
 	i := l.index(e.Stream)
 	switch {
 	case i < 0 && observing:
@@ -276,14 +289,14 @@ func (l *Lineage) Prepare(e Event, pos, sinceOffset int64, observing bool) (read
 }
 
 func (l *Lineage) register(e Event, pos, sinceOffset int64) {
-	floor := e.Seq
-	if u := l.Unobserved[e.Stream]; u != nil {
-		floor = max(floor, u.Keyed+1)
+	floor, seen, maxSrc := e.Seq, int64(0), int64(-1)
+	if u := l.Unobserved[e.Stream]; u != nil { // what other paths met of it counts as seen
+		floor, seen, maxSrc = max(floor, u.Keyed+1), u.SeenHigh, u.MaxSrc
 		delete(l.Unobserved, e.Stream)
 	}
 	z := &Stream{
 		ID: e.Stream, Parent: e.Parent, ForkSeq: e.ForkSeq, Since: e.Since,
-		First: e.Offset, SeenHigh: 0, MaxSrc: -1,
+		First: e.Offset, SeenHigh: seen, MaxSrc: maxSrc,
 		Floor: floor, High: floor - 1, KeyedAbove: NoneKeyed, Horizon: -1,
 	}
 	if !e.IsFork() {
@@ -363,6 +376,7 @@ func (l *Lineage) keyedAbove(z *Stream) {
 // Observe is the partition's worker passing e, in offset order, in the transaction that moves
 // the position past it (after NeedsPrepare said no, or Prepare).
 func (l *Lineage) Observe(e Event) {
+	l.meet(e.Stream)
 	s := l.Stream(e.Stream)
 	if s == nil {
 		return
@@ -406,8 +420,8 @@ func (l *Lineage) Decide(e Event, keyAll bool) Verdict {
 	case i < 0:
 		return ByKey
 	}
-	if keyAll || l.tainted(i, e) {
-		return ByKey
+	if keyAll || e.Offset < l.Streams[i].First || l.tainted(i, e) {
+		return ByKey // before its first record observed (a stream forgotten and registered again): no read back covers it
 	}
 	return Apply
 }
@@ -430,6 +444,7 @@ func (l *Lineage) tainted(i int, e Event) bool {
 // Done marks e's number done: applied (keyed: by key, its key recorded), or a copy found by its
 // key, or a dead letter discarded.
 func (l *Lineage) Done(e Event, keyed bool) {
+	l.meet(e.Stream)
 	s := l.Stream(e.Stream)
 	if s == nil {
 		if u := l.Unobserved[e.Stream]; u != nil {
@@ -472,4 +487,62 @@ func (l *Lineage) ReadBackDone() {
 		}
 	}
 	l.Pending = nil
+}
+
+func (l *Lineage) meet(id ID) {
+	if l.met == nil {
+		l.met = map[ID]bool{}
+	}
+	l.met[id] = true
+}
+
+// Forget stamps the streams met since it last ran (Observe, Prepare, Done) as touched at now, and
+// drops what the lineage keeps of every stream (and unobserved stream) not touched for keep (the
+// group's retention of keys; 0 drops nothing), unless a read back is pending. It returns how many
+// it dropped. Called before the lineage is written back.
+//
+// A stream dropped is one no record of which was met for keep: every event of it was applied
+// more than keep ago. A record of it met later is of a stream new here, as if the group never
+// saw it: the worker registers it again (in its place, before a fork of it the lineage keeps),
+// numbers below the one observed decided by key, and a copy of an event applied before it was
+// dropped may be applied again — a copy more than keep after its original, as with keys, whose
+// ring keeps them for the same time. A newer stream's chain of parents through a stream dropped
+// ends there: the streams past it count as not kept by the newer one, which decides more of their
+// events by key, never fewer; what a read back recorded stays true, as no stream is dropped while
+// one is pending.
+func (l *Lineage) Forget(now time.Time, keep time.Duration) (dropped int) {
+	at := now.Unix()
+	for _, s := range l.Streams {
+		if l.met[s.ID] || s.Touched == 0 { // a row written before Touched began counts from now
+			s.Touched = at
+		}
+	}
+	for id, u := range l.Unobserved {
+		if l.met[id] || u.Touched == 0 {
+			u.Touched = at
+		}
+	}
+	l.met = nil
+	if keep <= 0 || l.Pending != nil {
+		return 0
+	}
+	cut := now.Add(-keep).Unix()
+	n := len(l.Streams)
+	l.Streams = slices.DeleteFunc(l.Streams, func(s *Stream) bool { return s.Touched <= cut })
+	dropped = n - len(l.Streams)
+	for id, u := range l.Unobserved {
+		if u.Touched <= cut {
+			delete(l.Unobserved, id)
+			dropped++
+		}
+	}
+	if len(l.Unobserved) == 0 {
+		l.Unobserved = nil
+	}
+	return dropped
+}
+
+// Empty reports whether l keeps nothing.
+func (l *Lineage) Empty() bool {
+	return len(l.Streams) == 0 && len(l.Unobserved) == 0 && l.Pending == nil
 }
