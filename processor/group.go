@@ -634,6 +634,12 @@ func (p *Processor) resolveStarts(ctx context.Context, cl *kgo.Client, assigned 
 			"(restored from a backup, or failed over to a standby that had not received it); starting again where it was first started, "+
 			"to apply again what the database lost", "topic", pos.Topic, "partition", pos.Partition, "kafka_committed", c,
 			"first_started_at", fmtStart(firstStart, known), "log_start", logStart.Offset, "from_offset", from)
+		if isConsumerMemberID(meta) {
+			p.log.Warn("the commit's metadata is a bare consumer-protocol member id: kafkapg's release before this one committed so, and so does "+
+				"any other franz-go consumer under the consumer protocol; taken for kafkapg's, so the partition starts again at the start of the log. "+
+				"If the group was migrated to kafkapg from another franz-go service, the records from from_offset to kafka_committed, which that service consumed, are applied again",
+				"topic", pos.Topic, "partition", pos.Partition, "metadata", meta, "kafka_committed", c, "from_offset", from)
+		}
 		if known && firstStart < logStart.Offset {
 			p.log.Error("records the database forgot were deleted by retention before they could be applied again: they are lost",
 				"topic", pos.Topic, "partition", pos.Partition, "first_started_at", firstStart, "log_start", logStart.Offset, "lost_records", logStart.Offset-firstStart)
