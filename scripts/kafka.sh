@@ -53,6 +53,11 @@
 #                          it advertises KAFKA_CHAOS_ADVERTISED (default 127.0.0.1:19094), where
 #                          the chaos suite puts a fault-injecting proxy in front of it
 #   KAFKA_START_TIMEOUT    seconds to wait for a broker, node or cluster to serve (default 120)
+#   KAFKA_STOCK_GROUP_SETTINGS  1: `start` leaves the group settings at Apache Kafka's defaults
+#                          (consumer protocol: session timeout 45 s within 45-60 s, heartbeat
+#                          5 s within 5-15 s; classic: minimum session 6 s, first join delayed
+#                          3 s) instead of lowering them for fast rebalances; for the tests of
+#                          what a stock broker accepts (processor/stockbroker_test.go)
 #   KAFKA_CLUSTER_DIR      cluster data, logs, pid files (default /tmp/kafkapg-kafka-cluster;
 #                          wiped by `cluster start`)
 #   KAFKA_CLUSTER_PORT_BASE        cluster PLAINTEXT listeners: node N on base+N-1 (default 9192)
@@ -87,6 +92,11 @@ CHAOS_PORT="${KAFKA_CHAOS_PORT:-9094}"
 CHAOS_ADVERTISED="${KAFKA_CHAOS_ADVERTISED:-127.0.0.1:19094}"
 START_TIMEOUT="${KAFKA_START_TIMEOUT:-120}"
 HEAP_OPTS="${KAFKA_HEAP_OPTS:--Xms256m -Xmx512m}"
+STOCK_GROUP_SETTINGS="${KAFKA_STOCK_GROUP_SETTINGS:-0}"
+[[ "$STOCK_GROUP_SETTINGS" =~ ^[01]$ ]] || {
+	printf 'kafka.sh: ERROR: KAFKA_STOCK_GROUP_SETTINGS=%s: want 1 or 0\n' "$STOCK_GROUP_SETTINGS" >&2
+	exit 2
+}
 
 # Absolute and without symlinks: a node's JVM is recognised by its server.properties path.
 CLUSTER_DIR="$(realpath -m -- "${KAFKA_CLUSTER_DIR:-/tmp/kafkapg-kafka-cluster}")"
@@ -232,6 +242,12 @@ transaction.state.log.min.isr=1
 transaction.state.log.num.partitions=3
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
+EOF
+	if [[ "$STOCK_GROUP_SETTINGS" == 1 ]]; then
+		printf '\n%s\n' "# Group settings: Apache Kafka's defaults (KAFKA_STOCK_GROUP_SETTINGS=1)." >>"$STATE_DIR/server.properties"
+		return
+	fi
+	cat >>"$STATE_DIR/server.properties" <<EOF
 
 # Fast group rebalances in tests (classic and KIP-848 consumer groups).
 group.initial.rebalance.delay.ms=0
@@ -305,7 +321,7 @@ cmd_start() {
 		cmd_stop || true
 		die "the Kafka broker did not serve requests within ${START_TIMEOUT}s; see $LOG_FILE"
 	fi
-	echo "kafka ready at 127.0.0.1:$PORT (pid $pid, took $((SECONDS - t0))s: jars $((t_fetched - t0))s, broker $((SECONDS - t_launched))s)"
+	echo "kafka ready at 127.0.0.1:$PORT$([[ "$STOCK_GROUP_SETTINGS" == 0 ]] || echo ' with stock group settings') (pid $pid, took $((SECONDS - t0))s: jars $((t_fetched - t0))s, broker $((SECONDS - t_launched))s)"
 }
 
 cmd_stop() {
