@@ -183,10 +183,14 @@ type Config struct {
 	// SessionTimeout is the Kafka group session timeout: how long a silent member keeps its
 	// partitions. The heartbeat interval is min(500ms, SessionTimeout/3): 500ms at the default.
 	// Under the classic protocol members heartbeat that often. Under the consumer protocol both
-	// are the group's, kept by the broker: the processor asks the broker to set them for the
-	// group, and logs a warning if the broker refuses (its limits, missing permission), in which
-	// case the broker's own apply. A broker with default settings refuses: its
-	// group.consumer.min.heartbeat.interval.ms is 5s. Defaults to 45s.
+	// are the group's, kept by the broker within its group.consumer.min/max.session.timeout.ms
+	// and group.consumer.min/max.heartbeat.interval.ms (45s to 60s and 5s to 15s by default):
+	// the processor reads those limits from the brokers' configs and asks the broker to set
+	// both for the group, moved into them, with a warning when the session timeout that applies
+	// is not SessionTimeout. On a broker with default settings a SessionTimeout below 45s gets
+	// 45s, and the heartbeat interval is 5s. Without permission to read the limits it asks for
+	// SessionTimeout and its heartbeat interval as they are, with a warning; a broker that
+	// refuses keeps its own, with a warning. Defaults to 45s.
 	SessionTimeout time.Duration
 	// RebalanceTimeout is how long the group waits for members to rejoin during a rebalance.
 	// A member that died mid-rebalance holds up the whole group until it passes, so it is kept

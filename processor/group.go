@@ -57,10 +57,33 @@ func (p *Processor) leaveByHand(ctx context.Context, cl *kgo.Client) {
 // setGroupTimeouts asks the broker to give this group, under the consumer protocol, the session
 // timeout and heartbeat interval the classic protocol would have: there they are the group's,
 // kept by the broker (group.consumer.session.timeout.ms and .heartbeat.interval.ms, 45 s and 5 s
-// by default, bounded by the broker's group.consumer.min/max settings), not the client's. A broker
-// that refuses keeps its own; the warning says which.
+// by default), not the client's. The broker refuses values outside its
+// group.consumer.min/max.session.timeout.ms and .heartbeat.interval.ms (45-60 s and 5-15 s by
+// default), and refuses the request whole: so the limits are read first and what is asked is
+// moved into them (groupTimeouts), with a warning when the session timeout is not
+// SessionTimeout. Without the limits (no permission to describe the brokers' configs) the
+// values are asked as they are. A broker that refuses keeps its own; the warning says which.
 func (p *Processor) setGroupTimeouts(ctx context.Context, cl *kgo.Client) {
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
 	session, heartbeat := p.cfg.SessionTimeout, p.heartbeatInterval()
+	lim, limErr := brokerGroupLimits(rctx, kadm.NewClient(cl))
+	fits := true
+	if limErr != nil {
+		p.log.Warn("cannot read the brokers' limits on a group's session timeout and heartbeat interval (consumer protocol; "+
+			"describing the brokers' configs needs DESCRIBE_CONFIGS on the cluster): asking for SessionTimeout and its heartbeat interval "+
+			"as they are, which a broker refuses outside its group.consumer.min/max.session.timeout.ms and "+
+			"group.consumer.min/max.heartbeat.interval.ms (45-60s and 5-15s unless configured)",
+			"wanted_session_timeout", session, "wanted_heartbeat_interval", heartbeat, "err", limErr)
+	} else {
+		session, heartbeat, fits = groupTimeouts(p.cfg.SessionTimeout, lim)
+		if !fits {
+			p.log.Warn("no session timeout and heartbeat interval fit the brokers' limits (consumer protocol; a heartbeat interval "+
+				"must be below the session timeout): its own group.consumer.session.timeout.ms and group.consumer.heartbeat.interval.ms apply, "+
+				"not SessionTimeout", "session_timeout", p.cfg.SessionTimeout, "limits", lim.String())
+			return
+		}
+	}
 	// Both in one request, which the broker takes whole or not at all: a session timeout set alone
 	// could fall below the broker's heartbeat interval.
 	res := kmsg.NewIncrementalAlterConfigsRequestResource()
@@ -73,8 +96,6 @@ func (p *Processor) setGroupTimeouts(ctx context.Context, cl *kgo.Client) {
 	}
 	req := kmsg.NewPtrIncrementalAlterConfigsRequest()
 	req.Resources = append(req.Resources, res)
-	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
 	resp, err := req.RequestWith(rctx, cl)
 	if err == nil && len(resp.Resources) > 0 {
 		if err = kerr.ErrorForCode(resp.Resources[0].ErrorCode); err != nil && resp.Resources[0].ErrorMessage != nil {
@@ -85,12 +106,139 @@ func (p *Processor) setGroupTimeouts(ctx context.Context, cl *kgo.Client) {
 		p.log.Warn("the broker refused this group's session timeout and heartbeat interval (consumer protocol): its own group.consumer.session.timeout.ms "+
 			"and group.consumer.heartbeat.interval.ms apply (45s and 5s unless configured), not SessionTimeout",
 			"wanted_session_timeout", session, "wanted_heartbeat_interval", heartbeat, "err", err)
+		return
 	}
+	if limErr != nil {
+		return
+	}
+	switch {
+	case session > p.cfg.SessionTimeout && p.cfg.SessionTimeout < lim.minSession:
+		p.log.Warn("SessionTimeout is below the brokers' minimum for a group (consumer protocol): a silent member keeps its partitions "+
+			"for the session timeout that applies; to apply SessionTimeout, lower group.consumer.min.session.timeout.ms on the brokers",
+			"session_timeout", p.cfg.SessionTimeout, "broker_allows", lim.sessionRange(), "applied_session_timeout", session, "applied_heartbeat_interval", heartbeat)
+	case session > p.cfg.SessionTimeout:
+		p.log.Warn("SessionTimeout is less than three of the brokers' shortest heartbeat intervals for a group (consumer protocol): "+
+			"a silent member keeps its partitions for the session timeout that applies; to apply SessionTimeout, lower "+
+			"group.consumer.min.heartbeat.interval.ms on the brokers",
+			"session_timeout", p.cfg.SessionTimeout, "broker_allows", lim.String(), "applied_session_timeout", session, "applied_heartbeat_interval", heartbeat)
+	case session < p.cfg.SessionTimeout:
+		p.log.Warn("SessionTimeout is above the brokers' maximum for a group (consumer protocol); to apply it, raise "+
+			"group.consumer.max.session.timeout.ms on the brokers",
+			"session_timeout", p.cfg.SessionTimeout, "broker_allows", lim.sessionRange(), "applied_session_timeout", session, "applied_heartbeat_interval", heartbeat)
+	}
+	if want := min(500*time.Millisecond, session/3); heartbeat != want {
+		p.log.Info("the group's heartbeat interval is held to the brokers' limits (consumer protocol): members learn that the group changed "+
+			"(a member died, partitions moved) within it; group.consumer.min.heartbeat.interval.ms on the brokers lowers it",
+			"wanted_heartbeat_interval", want, "broker_allows", lim.heartbeatRange(), "applied_heartbeat_interval", heartbeat)
+	}
+}
+
+// groupLimits are the brokers' bounds on a consumer-protocol group's session timeout and
+// heartbeat interval: group.consumer.min/max.session.timeout.ms and
+// group.consumer.min/max.heartbeat.interval.ms, the strictest over the brokers. Zero is a bound
+// the brokers did not state (kfake states none).
+type groupLimits struct {
+	minSession, maxSession, minHeartbeat, maxHeartbeat time.Duration
+}
+
+// groupLimitConfigs names the broker configs of groupLimits, and says which field each fills
+// and whether it is a minimum.
+var groupLimitConfigs = map[string]struct {
+	field func(*groupLimits) *time.Duration
+	isMin bool
+}{
+	"group.consumer.min.session.timeout.ms":    {func(l *groupLimits) *time.Duration { return &l.minSession }, true},
+	"group.consumer.max.session.timeout.ms":    {func(l *groupLimits) *time.Duration { return &l.maxSession }, false},
+	"group.consumer.min.heartbeat.interval.ms": {func(l *groupLimits) *time.Duration { return &l.minHeartbeat }, true},
+	"group.consumer.max.heartbeat.interval.ms": {func(l *groupLimits) *time.Duration { return &l.maxHeartbeat }, false},
+}
+
+// brokerGroupLimits reads groupLimits from every broker's configs. Each broker is asked, not the
+// cluster's dynamic defaults (the empty resource name), which leave out server.properties.
+func brokerGroupLimits(ctx context.Context, adm *kadm.Client) (groupLimits, error) {
+	var lim groupLimits
+	md, err := adm.BrokerMetadata(ctx)
+	if err != nil {
+		return lim, fmt.Errorf("list brokers: %w", err)
+	}
+	ids := md.Brokers.NodeIDs()
+	if len(ids) == 0 {
+		return lim, errors.New("list brokers: none")
+	}
+	rcs, err := adm.DescribeBrokerConfigs(ctx, ids...)
+	if err != nil {
+		return lim, fmt.Errorf("describe broker configs: %w", err)
+	}
+	for _, rc := range rcs {
+		if rc.Err != nil {
+			return lim, fmt.Errorf("describe broker %s's configs: %w %s", rc.Name, rc.Err, rc.ErrMessage)
+		}
+		for _, c := range rc.Configs {
+			lc, ok := groupLimitConfigs[c.Key]
+			if !ok || c.Value == nil {
+				continue
+			}
+			ms, err := strconv.ParseInt(*c.Value, 10, 32)
+			if err != nil || ms <= 0 {
+				return lim, fmt.Errorf("broker %s's %s = %q: not a positive number of milliseconds", rc.Name, c.Key, *c.Value)
+			}
+			d, f := time.Duration(ms)*time.Millisecond, lc.field(&lim)
+			if *f == 0 || (lc.isMin && d > *f) || (!lc.isMin && d < *f) {
+				*f = d
+			}
+		}
+	}
+	return lim, nil
+}
+
+func (l groupLimits) String() string {
+	return "session timeout " + l.sessionRange() + ", heartbeat interval " + l.heartbeatRange()
+}
+
+func (l groupLimits) sessionRange() string   { return fmtRange(l.minSession, l.maxSession) }
+func (l groupLimits) heartbeatRange() string { return fmtRange(l.minHeartbeat, l.maxHeartbeat) }
+
+func fmtRange(lo, hi time.Duration) string {
+	s := func(d time.Duration) string {
+		if d == 0 {
+			return "?"
+		}
+		return d.String()
+	}
+	return s(lo) + " to " + s(hi)
+}
+
+// groupTimeouts is the session timeout and heartbeat interval to ask the brokers for a group
+// wanting session, within lim: the session timeout moved into its bounds, and the heartbeat
+// interval min(500ms, a third of that session timeout) moved into its own. Where the heartbeat's
+// minimum is a third of the session timeout or more, the session timeout is raised to three
+// heartbeats (within its maximum), never left at or below one, which the brokers refuse: a member
+// would be fenced for a heartbeat a little late. fits is false when no pair is within lim.
+func groupTimeouts(session time.Duration, lim groupLimits) (s, heartbeat time.Duration, fits bool) {
+	within := func(d, lo, hi time.Duration) time.Duration {
+		if lo > 0 {
+			d = max(d, lo)
+		}
+		if hi > 0 {
+			d = min(d, hi)
+		}
+		return d
+	}
+	s = within(session, lim.minSession, lim.maxSession)
+	heartbeat = within(min(500*time.Millisecond, s/3), lim.minHeartbeat, lim.maxHeartbeat)
+	if heartbeat > s/3 {
+		s = within(3*heartbeat, lim.minSession, lim.maxSession)
+	}
+	fits = heartbeat < s && (lim.minHeartbeat == 0 || heartbeat >= lim.minHeartbeat) &&
+		(lim.maxSession == 0 || s <= lim.maxSession) && (lim.minSession == 0 || s >= lim.minSession)
+	return s, heartbeat, fits
 }
 
 // heartbeatInterval is how often members heartbeat: how soon they learn that the group changed
 // (a member died, partitions moved), which adds to a dead member's session timeout before its
-// partitions flow elsewhere.
+// partitions flow elsewhere. Under the classic protocol the client is given it as it is; under
+// the consumer protocol it is the group's, asked of the broker within its limits
+// (setGroupTimeouts).
 func (p *Processor) heartbeatInterval() time.Duration {
 	return min(500*time.Millisecond, p.cfg.SessionTimeout/3)
 }
