@@ -55,6 +55,7 @@ import (
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/pooler"
 	"github.com/kafkapg/kafkapg/internal/safetext"
+	"github.com/kafkapg/kafkapg/internal/schema"
 	"github.com/kafkapg/kafkapg/internal/tracing"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"
@@ -266,10 +267,33 @@ func migrateOnly(ctx context.Context, stderr io.Writer) error {
 	if err := adapt(ctx, log); err != nil {
 		return fmt.Errorf("database: %w", err)
 	}
-	if err := processor.Migrate(ctx, pool, env.DBSchema); err != nil {
+	return migrateLogged(ctx, pool, env.DBSchema, log)
+}
+
+// migrateLogged migrates schemaName and logs what it did: each migration applied, and the
+// upgrade window (schema.Migrate) if it is open.
+func migrateLogged(ctx context.Context, pool *pgxpool.Pool, schemaName string, log *slog.Logger) error {
+	r, err := schema.MigrateReport(ctx, pool, schemaName)
+	if err != nil {
 		return err
 	}
-	log.Info("schema is up to date", "schema", env.DBSchema)
+	if len(r.Converted) > 0 {
+		log.Info("migrations a build before recorded as final are pending now: the upgrade window is open (see docs/upgrading.md)",
+			"schema", schemaName, "versions", r.Converted)
+	}
+	for _, m := range r.Applied {
+		log.Info("migration applied", "schema", schemaName, "version", m.Version, "name", m.Name, "pending", m.Version > r.Finalized)
+	}
+	switch {
+	case r.Open():
+		log.Info("the upgrade window is open: processes of the release before may run beside this one, and a rollback to it works; "+
+			"finalize once none runs (`upgrade finalize`, docs/upgrading.md)",
+			"schema", schemaName, "finalized_version", r.Finalized, "pending_versions", r.Pending, "release_before_schema", schema.PreviousSchema)
+	case len(r.Applied) == 0:
+		log.Info("schema is up to date", "schema", schemaName, "version", r.Finalized)
+	default:
+		log.Info("schema migrated", "schema", schemaName, "version", r.Finalized)
+	}
 	return nil
 }
 
@@ -486,7 +510,7 @@ func prepareDatabase(ctx context.Context, pool *pgxpool.Pool, adapt func(context
 			adapted = err == nil
 		}
 		if err == nil && !migrated {
-			if err = processor.Migrate(ctx, pool, schema); err != nil {
+			if err = migrateLogged(ctx, pool, schema, log); err != nil {
 				err = fmt.Errorf("migrate schema %s: %w", schema, err)
 			}
 			migrated = err == nil

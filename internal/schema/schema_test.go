@@ -2,6 +2,7 @@ package schema_test
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"testing"
 
@@ -69,5 +70,121 @@ func TestMigrateRefusesNewerSchema(t *testing.T) {
 	}
 	if _, err := schema.Migrate(ctx, pool, "kp"); err == nil {
 		t.Fatal("Migrate accepted a schema newer than the binary")
+	}
+}
+
+// releaseBefore is the check the release before (f433fb8) makes before it runs: it refuses a
+// schema whose schema_migrations holds a version newer than it knows (PreviousSchema).
+func releaseBeforeRuns(t *testing.T, pool schema.Querier) bool {
+	t.Helper()
+	var v int
+	if err := pool.QueryRow(context.Background(), `SELECT coalesce(max(version), 0) FROM kp.schema_migrations`).Scan(&v); err != nil {
+		t.Fatal(err)
+	}
+	return v <= schema.PreviousSchema
+}
+
+// TestWindowKeepsTheReleaseBeforeRunning (issue 40): upgrading a schema of the release before
+// records the migrations it does not know as pending, so it still runs on the schema (beside
+// this release, or after a rollback) until the upgrade is finalized; it refused at once before.
+func TestWindowKeepsTheReleaseBeforeRunning(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Postgres(t)
+	ctx := context.Background()
+	ms, err := schema.Migrations()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := schema.MigrateTo(ctx, pool, "kp", schema.PreviousSchema); err != nil {
+		t.Fatal(err)
+	}
+	r, err := schema.MigrateReport(ctx, pool, "kp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.Applied) != len(ms)-schema.PreviousSchema || !r.Open() || r.Finalized != schema.PreviousSchema || len(r.Pending) != len(ms)-schema.PreviousSchema {
+		t.Fatalf("the upgrade applied %d migrations, finalized %d, pending %v; want %d applied, all pending past %d",
+			len(r.Applied), r.Finalized, r.Pending, len(ms)-schema.PreviousSchema, schema.PreviousSchema)
+	}
+	if !releaseBeforeRuns(t, pool) {
+		t.Fatal("the release before refuses the schema while the window is open")
+	}
+	if again, err := schema.Migrate(ctx, pool, "kp"); err != nil || len(again) != 0 {
+		t.Fatalf("Migrate again = %v, %v; want nothing applied", again, err)
+	}
+	moved, err := schema.Finalize(ctx, pool, "kp")
+	if err != nil || len(moved) != len(ms)-schema.PreviousSchema {
+		t.Fatalf("Finalize = %v, %v; want the %d pending migrations finalized", moved, err, len(ms)-schema.PreviousSchema)
+	}
+	if releaseBeforeRuns(t, pool) {
+		t.Fatal("the release before still runs on a finalized schema")
+	}
+	if fin, pending, err := schema.Window(ctx, pool, "kp"); err != nil || fin != len(ms) || len(pending) != 0 {
+		t.Fatalf("Window after Finalize = %d, %v, %v; want %d, none", fin, pending, err, len(ms))
+	}
+	if again, err := schema.Finalize(ctx, pool, "kp"); err != nil || len(again) != 0 {
+		t.Fatalf("Finalize again = %v, %v; want nothing", again, err)
+	}
+}
+
+// TestWindowOpensForABuildBefore: a schema a build before the window migrated (every version in
+// schema_migrations, no pending table) has its versions past PreviousSchema recorded as pending
+// by this release's first migration: no release finalized them, and the release before runs
+// again.
+func TestWindowOpensForABuildBefore(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Postgres(t)
+	ctx := context.Background()
+	if _, err := schema.MigrateTo(ctx, pool, "kp", schema.PreviousSchema); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := schema.Finalize(ctx, pool, "kp"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := schema.Migrate(ctx, pool, "kp"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := schema.Finalize(ctx, pool, "kp"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `DROP TABLE kp.schema_migrations_pending`); err != nil { // as a build before left it
+		t.Fatal(err)
+	}
+	r, err := schema.MigrateReport(ctx, pool, "kp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.Converted) == 0 || r.Converted[0] != schema.PreviousSchema+1 || !r.Open() || len(r.Applied) != 0 {
+		t.Fatalf("a build before's schema: converted %v, pending %v, applied %d; want the versions past %d pending, none applied", r.Converted, r.Pending, len(r.Applied), schema.PreviousSchema)
+	}
+	if !releaseBeforeRuns(t, pool) {
+		t.Fatal("the release before refuses a schema a build before migrated")
+	}
+}
+
+// TestWindowOfANewerRelease: this release runs on a schema with a newer release's migration
+// pending (it is the release before, in that one's window), and does not finalize it; it
+// refuses one finalized.
+func TestWindowOfANewerRelease(t *testing.T) {
+	t.Parallel()
+	pool, _ := testenv.Postgres(t)
+	ctx := context.Background()
+	if _, err := schema.Migrate(ctx, pool, "kp"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO kp.schema_migrations_pending (version, name) VALUES (9999, 'a newer release''s')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := schema.Migrate(ctx, pool, "kp"); err != nil {
+		t.Fatalf("this release refuses a schema with a newer release's migration pending: %v", err)
+	}
+	if _, err := schema.Finalize(ctx, pool, "kp"); err == nil || !strings.Contains(err.Error(), "finalize with the release that applied it") {
+		t.Fatalf("Finalize of a newer release's migration: %v", err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO kp.schema_migrations SELECT * FROM kp.schema_migrations_pending; DELETE FROM kp.schema_migrations_pending`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := schema.Migrate(ctx, pool, "kp"); err == nil || !strings.Contains(err.Error(), "finalized for a newer release") {
+		t.Fatalf("Migrate on a schema finalized for a newer release: %v", err)
 	}
 }
