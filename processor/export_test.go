@@ -16,3 +16,11 @@ func SetReadBackChunks(n int64, done func(from, to int64) error) (restore func()
 	readBackChunk, readBackChunkDone = n, done
 	return func() { readBackChunk, readBackChunkDone = was, nil }
 }
+
+// SetWindowEvery makes processors read the upgrade window every d, until the function it returns
+// is called.
+func SetWindowEvery(d time.Duration) (restore func()) {
+	was := windowEvery
+	windowEvery = d
+	return func() { windowEvery = was }
+}

@@ -21,6 +21,7 @@ type metrics struct {
 	infraRetries    prometheus.Counter
 	fenced          prometheus.Counter
 	forgotten       prometheus.Counter
+	windowOpen      prometheus.Gauge
 	txDuration      prometheus.Histogram
 	batchRecords    prometheus.Histogram
 	assigned        prometheus.Gauge
@@ -135,6 +136,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		fenced: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "fenced_transactions_total",
 			Help: "Transactions rolled back because another owner had claimed the partition.",
+		}),
+		windowOpen: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "upgrade_window_open",
+			Help: "1 while the schema's upgrade window is open (migrations the release before does not know are not finalized: it may run beside this release, which writes keys for it too), 0 once finalized.",
 		}),
 		forgotten: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: ns, Name: "forgotten_partitions_total",
@@ -273,7 +278,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"topic", "partition"}),
 	}
 	for _, c := range []prometheus.Collector{m.breakerOpen, m.breakerOpened, m.breakerWaiting, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
-		m.fenced, m.forgotten, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
+		m.fenced, m.forgotten, m.windowOpen, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.recordsHeld, m.duplicates, m.replayed, m.deadLetters, m.tasks, m.interrupted, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.oldestNew, m.stalled, m.internalErrors, m.stuckKeys,
 		m.outboxWaiting, m.outboxAside, m.outboxOldest, m.publishWait, m.dupKeys, m.keysPruned, m.keyRows, m.keyBytes,

@@ -67,6 +67,8 @@ type Processor struct {
 	// keysAllUntil: until then (Unix milliseconds), numbered records are decided by key as well
 	// (streamsGroupWindow).
 	keysAllUntil atomic.Int64
+	// window: the schema's upgrade window is open (window.go); windowRead: it was read once.
+	window, windowRead atomic.Bool
 	// pooled says that the pool reaches Postgres through a pooler in transaction mode (see
 	// checkPooler): the relay polls instead of LISTENing.
 	pooled  atomic.Bool
@@ -214,6 +216,13 @@ func (p *Processor) Run(ctx context.Context) error {
 			return err
 		}
 	}
+	if err := p.inPlace(ctx, nil, p.log, "", nil, func() error { return p.readWindow(ctx) }); err != nil {
+		cl.Close()
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
 
 	if err := p.ensureTopics(ctx, kadm.NewClient(cl)); err != nil {
 		cl.Close() // not in a group yet: nothing to wait for
@@ -252,6 +261,7 @@ func (p *Processor) Run(ctx context.Context) error {
 	statsCtx, stopStats := context.WithCancel(ctx)
 	defer stopStats()
 	go p.refreshStats(statsCtx)
+	go p.watchWindow(statsCtx)
 	if p.cfg.RelayOnly {
 		p.joined.Store(true) // there is no group to join: ready once the relay runs
 		p.log.Info("outbox relay started (relay only: nothing is consumed)", "instance", p.cfg.InstanceName)

@@ -237,9 +237,10 @@ func (p *Processor) observeStreams(ctx context.Context, tx pgx.Tx, source string
 }
 
 // keyAll reports whether r, numbered, is decided by key as well whatever its stream says: a
-// replay, or the group's first retention under streams.
+// replay, the group's first retention under streams, or the upgrade window (the release before
+// applies numbered events by key only).
 func (p *Processor) keyAll(r *Record) bool {
-	return r.deadLetter != 0 || time.Now().UnixMilli() < p.keysAllUntil.Load()
+	return r.deadLetter != 0 || p.window.Load() || time.Now().UnixMilli() < p.keysAllUntil.Load()
 }
 
 // dedupeStreams decides, in tx, the numbered records nums of recs (all of source's partition)

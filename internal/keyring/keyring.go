@@ -56,6 +56,7 @@ type Ring struct {
 	retention  string
 	deadLetter string
 	offsets    string
+	pending    string // schema_migrations_pending: while the upgrade window is open, the legacy table stays
 	enterSQL   string
 	ns         int32 // the namespace of the ring's advisory locks
 
@@ -64,8 +65,21 @@ type Ring struct {
 	// first, see Record), so that ErrMoved stays a rare race.
 	grace time.Duration
 
-	seen atomic.Pointer[seenState] // the last state this process read
-	sqls sync.Map                  // View -> its record statement
+	seen   atomic.Pointer[seenState] // the last state this process read
+	sqls   sync.Map                  // View -> its record statement
+	window atomic.Pointer[string]    // the group whose keys go into the legacy table too, while the upgrade window is open
+}
+
+// SetWindow says whether the upgrade window of the schema is open (see package schema): while it
+// is, the keys group records go into the table of the release before (idempotency_keys) as well
+// as into the ring, so that its processors, which look only there, find them; and a key counts as
+// recorded before if either has it.
+func (k *Ring) SetWindow(group string, open bool) {
+	if open {
+		k.window.Store(&group)
+	} else {
+		k.window.Store(nil)
+	}
 }
 
 // seenState is a state read, and when (before the statement that read it was sent).
@@ -83,6 +97,7 @@ func New(schema string) *Ring {
 		retention:  pgx.Identifier{schema, "idempotency_retention"}.Sanitize(),
 		deadLetter: pgx.Identifier{schema, "dead_letters"}.Sanitize(),
 		offsets:    pgx.Identifier{schema, "offsets"}.Sanitize(),
+		pending:    pgx.Identifier{schema, "schema_migrations_pending"}.Sanitize(),
 		grace:      250 * time.Millisecond,
 	}
 	k.enterSQL = `SELECT epoch, gen, step, legacy FROM ` + pgx.Identifier{schema, "idempotency_ring_enter"}.Sanitize() + `($1, $2)`
@@ -137,6 +152,15 @@ func (k *Ring) recordSQL(v View) string {
 	}
 	s.WriteString(")")
 	var ins []string
+	if v.Legacy && v.LegacyInsert {
+		// The release before's row: it prunes by group and applied_at, and reads nothing else.
+		// A key it inserts at the same time makes this insert wait and find it (and the other
+		// way round): a key is fresh only if both inserts took it.
+		s.WriteString(",\n\til AS (INSERT INTO " + k.legacy + ` (key_hash, consumer_group, topic, partition, "offset")
+		SELECT k.h, $3, '', -1, -1 FROM unnest($1::uuid[], $2::bytea[]) AS k(u, h) WHERE k.u IN (SELECT u FROM fresh)
+		ORDER BY k.h ON CONFLICT DO NOTHING RETURNING encode(substring(key_hash FROM 1 FOR 16), 'hex')::uuid AS key_hash)`)
+		ins = append(ins, "il")
+	}
 	for g := range Generations {
 		if v.Insert&bit(g) != 0 {
 			name := "i" + strconv.Itoa(g)
@@ -201,6 +225,10 @@ func (k *Ring) Record(ctx context.Context, tx pgx.Tx, keys [][32]byte) (map[[16]
 	args := []any{short}
 	if view.Legacy {
 		args = append(args, full)
+		if g := k.window.Load(); g != nil {
+			view.LegacyInsert = true
+			args = append(args, *g)
+		}
 	}
 	at := time.Now()
 	b := &pgx.Batch{}
@@ -495,12 +523,14 @@ func popcount(m uint8) int {
 // which group holds it back if one does. The legacy table is due only when every group with
 // positions in the schema (offsets) has a retention row (it runs this release: its keys are in
 // the ring), and its newest key is older than the longest retention of them all: a group's keys
-// are never removed at another group's retention.
+// are never removed at another group's retention. Never while the upgrade window is open (the
+// release before looks only there).
 func (k *Ring) due(ctx context.Context, tx pgx.Tx) (due, legacyDue bool, heldBy string, err error) {
 	var held *string
 	err = tx.QueryRow(ctx, `WITH longest AS (SELECT coalesce(max(retention), interval '0') AS r FROM `+k.retention+` WHERE seen_at + retention > now())
 		SELECT g.rotated_at <= now() - (SELECT r FROM longest) / 3 AND (SELECT r FROM longest) > interval '0',
-			g.legacy = 0 AND coalesce((SELECT max(applied_at) FROM `+k.legacy+`) <= now() - (SELECT max(retention) FROM `+k.retention+`), false),
+			g.legacy = 0 AND coalesce((SELECT max(applied_at) FROM `+k.legacy+`) <= now() - (SELECT max(retention) FROM `+k.retention+`), false)
+				AND NOT EXISTS (SELECT 1 FROM `+k.pending+`),
 			CASE WHEN g.legacy = 0 THEN (SELECT o.consumer_group FROM (SELECT DISTINCT consumer_group FROM `+k.offsets+`) o
 				WHERE NOT EXISTS (SELECT 1 FROM `+k.retention+` r WHERE r.consumer_group = o.consumer_group) ORDER BY 1 LIMIT 1) END
 		FROM `+k.ring+` g WHERE g.id = 0`).Scan(&due, &legacyDue, &held)

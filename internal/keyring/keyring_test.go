@@ -108,8 +108,8 @@ func TestKeyRingKeepsKeysForTheRetention(t *testing.T) {
 }
 
 // TestKeyRingLooksInTheTableBefore: keys recorded before migration 8 (in idempotency_keys) are
-// still found after it, until the newest of them is older than the retention; then that table is
-// emptied, except for a key a dead letter that may still be replayed shares, which moves into
+// still found after it, until the newest of them is older than the retention and the upgrade
+// window is finalized; then that table is emptied, except for a key a dead letter that may still be replayed shares, which moves into
 // the ring.
 func TestKeyRingLooksInTheTableBefore(t *testing.T) {
 	t.Parallel()
@@ -139,7 +139,14 @@ func TestKeyRingLooksInTheTableBefore(t *testing.T) {
 	if done, err := k.Keep(ctx, pool, "g", 3*time.Hour, 5*time.Second); err != nil || done.Legacy {
 		t.Fatalf("keep = %+v, %v; want the table before kept", done, err)
 	}
-	// One of an hour: it is emptied, dead's key carried into the ring.
+	// One of an hour, but the upgrade window open (the release before looks only there): kept.
+	if done, err := k.Keep(ctx, pool, "g", time.Hour, 5*time.Second); err != nil || done.Legacy {
+		t.Fatalf("keep with the upgrade window open = %+v, %v; want the table before kept", done, err)
+	}
+	// The window finalized: it is emptied, dead's key carried into the ring.
+	if _, err := schema.Finalize(ctx, pool, "kafkapg"); err != nil {
+		t.Fatal(err)
+	}
 	done, err := k.Keep(ctx, pool, "g", time.Hour, 5*time.Second)
 	if err != nil || !done.Legacy {
 		t.Fatalf("keep = %+v, %v; want the table before emptied", done, err)

@@ -89,6 +89,9 @@ type View struct {
 	Keys   uint8 // tables of keys looked up
 	Runs   uint8 // runs (compacted generations) looked up
 	Legacy bool  // the table before migration 8 looked up
+	// LegacyInsert: the keys recorded go into the table before migration 8 as well, for the
+	// release before to find (the upgrade window is open: Ring.SetWindow). Only with Legacy.
+	LegacyInsert bool
 }
 
 const allGens = 1<<Generations - 1

@@ -1,0 +1,71 @@
+package processor
+
+import (
+	"context"
+	"time"
+
+	"github.com/kafkapg/kafkapg/internal/schema"
+)
+
+// The upgrade window (package schema): while the schema has migrations the release before does
+// not know pending, its processors may run beside this release's in a group, or again after a
+// rollback. They look idempotency keys up in idempotency_keys only and know nothing of streams.
+// So while the window is open this release's processors record every key in that table as well
+// (keyring.Ring.SetWindow) and decide every numbered record by key as well (keyAll); once it is
+// finalized, numbered records stay decided by key for a retention more (schema.Finalize extends
+// the groups' windows of keys), as the release before's copies may still come.
+
+// windowEvery is how often a processor reads the window again: how long, at most, it writes
+// for the release before after the window closed.
+var windowEvery = 30 * time.Second
+
+// readWindow reads the upgrade window and, with streams, the group's window of keys, and sets
+// what they decide.
+func (p *Processor) readWindow(ctx context.Context) error {
+	_, pending, err := schema.Window(ctx, p.pool, p.cfg.Schema)
+	if err != nil {
+		return err
+	}
+	open := len(pending) > 0
+	if was := p.window.Swap(open); was != open || !p.windowRead.Swap(true) {
+		p.keys.SetWindow(p.cfg.Group, open)
+		p.metrics.windowOpen.Set(b2f(open))
+		if open {
+			p.log.Info("the upgrade window is open: keys are recorded for the release before as well, and numbered events decided by key as well, until it is finalized (docs/upgrading.md)",
+				"pending_migrations", pending)
+		} else if was {
+			p.log.Info("the upgrade window was finalized: keys are recorded in the key ring only")
+		}
+	}
+	if p.streamsOn() {
+		var until time.Time
+		if err := p.pool.QueryRow(ctx, p.streamSQL.groupWindow, p.cfg.Group, p.cfg.IdempotencyRetention).Scan(&until); err != nil {
+			return err
+		}
+		p.keysAllUntil.Store(until.UnixMilli())
+	}
+	return nil
+}
+
+// watchWindow reads the upgrade window every windowEvery until ctx is done.
+func (p *Processor) watchWindow(ctx context.Context) {
+	t := time.NewTicker(windowEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if err := p.readWindow(ctx); err != nil && ctx.Err() == nil {
+			p.log.Warn("cannot read the upgrade window; will try again", "err", err, "every", windowEvery.String())
+		}
+	}
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
