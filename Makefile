@@ -77,6 +77,16 @@ chaos-restore: build ## make chaos with Postgres restored from a copy of its dat
 	$(GO) build -o $(BIN)/ ./internal/rig/chaos
 	$(BIN)/chaos -postgres same-identity-restore $(CHAOS_FLAGS)
 
+# RELEASE_BEFORE is the release that chaos-upgrade upgrades from and rolls back to (internal/schema's
+# PreviousSchema names it); scripts/build-release.sh builds it from this clone's history.
+RELEASE_BEFORE ?= f433fb8
+
+.PHONY: chaos-upgrade
+chaos-upgrade: build ## make chaos through a rolling upgrade from RELEASE_BEFORE (f433fb8), a rollback mid-rollout, forward again, finalize; Postgres failed over meanwhile
+	scripts/build-release.sh $(RELEASE_BEFORE) $(BIN)/processor-$(RELEASE_BEFORE)
+	$(GO) build -o $(BIN)/ ./internal/rig/chaos
+	$(BIN)/chaos -upgrade-from $(BIN)/processor-$(RELEASE_BEFORE) -handler ledger-forward -postgres async-standby -duration 2m $(CHAOS_FLAGS)
+
 .PHONY: chaos-pgbouncer
 chaos-pgbouncer: build ## make chaos with the processors behind PgBouncer (Debian's) in transaction mode
 	$(GO) build -o $(BIN)/ ./internal/rig/chaos

@@ -15,6 +15,12 @@
 // stage 1's relays publish postings again, and every applied event must then have been posted
 // exactly once, each account's postings in order.
 //
+// With -upgrade-from <binary> (make chaos-upgrade) the processes start on the release before (a
+// binary scripts/build-release.sh builds from this repository's history) and go through a
+// rolling upgrade to bin/processor, a rollback in the middle of it, the upgrade again and the
+// upgrade window's finalize, all under the faults (upgrade.go); neither release may refuse the
+// schema before the finalize, and the release before must refuse it after.
+//
 // It needs DATABASE_URL (make chaos starts a throwaway Postgres) and the processor and devbroker
 // binaries next to it (make build). With KAFKA_BROKERS set it uses that broker instead of starting
 // the dev broker; broker cuts then need the broker's second listener for the suite
@@ -58,6 +64,8 @@ func main() {
 	flag.StringVar(&c.protocol, "group-protocol", "auto", "the processors' KAFKA_GROUP_PROTOCOL: auto (the consumer protocol where the broker offers it) or classic")
 	flag.IntVar(&c.concurrency, "concurrency", 0, "with -handler ledger-careless: the processors run HANDLER=ledger-careless-slow (a Prepare that waits 0-5 ms) with CONCURRENCY at this,"+
 		" and no two prepares of a key may overlap")
+	flag.StringVar(&c.upgradeFrom, "upgrade-from", "", "the release before's processor binary (scripts/build-release.sh): a rolling upgrade from it to bin/processor, a rollback mid-rollout,"+
+		" forward again and the window finalized, under the faults (upgrade.go; `make chaos-upgrade`)")
 	flag.BoolVar(&c.trace, "trace", false, "the processors export OpenTelemetry traces to a receiver of the suite's, and every record's trace must go on through every hop")
 	flag.Parse()
 	if c.handler != "ledger" && c.handler != "ledger-careless" && c.handler != chainHandler {
@@ -71,6 +79,17 @@ func main() {
 	if c.protocol != "auto" && c.protocol != "classic" {
 		fmt.Fprintf(os.Stderr, "chaos: -group-protocol must be auto or classic, got %q\n", c.protocol)
 		os.Exit(2)
+	}
+	if c.upgradeFrom != "" {
+		abs, err := filepath.Abs(c.upgradeFrom)
+		if err == nil {
+			err = checkOldBinary(abs)
+		}
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "chaos: %v\n", err)
+			os.Exit(2)
+		}
+		c.upgradeFrom = abs
 	}
 	if c.seed == 0 {
 		c.seed = rand.Uint64()
@@ -98,7 +117,8 @@ type config struct {
 	kafkaCluster string
 	postProcs    int // stage 2's, in a chain
 	trace        bool
-	concurrency  int // CONCURRENCY, with HANDLER=ledger-careless-slow; 0: off
+	concurrency  int    // CONCURRENCY, with HANDLER=ledger-careless-slow; 0: off
+	upgradeFrom  string // the release before's binary: the upgrade mode (upgrade.go); "": off
 }
 
 // stageHandler is stage 1's HANDLER.
@@ -143,6 +163,13 @@ func run(ctx context.Context, c config) (err error) {
 		return err
 	}
 	s := &suite{cfg: c, rng: rand.New(rand.NewPCG(c.seed, c.seed^0x5851f42d4c957f2d)), bin: bin, work: work, stats: stats{brokerFaults: map[string]int{}}}
+	if c.upgradeFrom != "" {
+		post := 0
+		if c.chain() {
+			post = c.postProcs
+		}
+		s.up = newUpgrade(c.upgradeFrom, c.procs, post)
+	}
 	defer func() {
 		if err != nil {
 			s.cfg.keep = true // the logs of a failed run, whatever failed
@@ -241,10 +268,14 @@ func run(ctx context.Context, c config) (err error) {
 			err = terr
 		}
 	}
+	s.checkUpgradeLogs()
 	if verr := s.violations(); err == nil {
 		err = verr
 	}
 	fmt.Println(s.summary(rep, err))
+	if s.up != nil {
+		fmt.Println(s.describeUpgrade())
+	}
 	if err != nil {
 		s.cfg.keep = true
 		return err
@@ -254,7 +285,10 @@ func run(ctx context.Context, c config) (err error) {
 
 // command returns a command running one of the sibling binaries with its output in a log file.
 func (s *suite) command(name, logName string, env []string, args ...string) (*exec.Cmd, error) {
-	cmd := exec.Command(filepath.Join(s.bin, name), args...)
+	if !filepath.IsAbs(name) {
+		name = filepath.Join(s.bin, name)
+	}
+	cmd := exec.Command(name, args...)
 	cmd.Env = append(os.Environ(), env...)
 	f, err := os.OpenFile(filepath.Join(s.work, logName), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {

@@ -62,6 +62,7 @@ type suite struct {
 	traced traceReport // what the trace check found
 
 	replayed *replayReport  // the replay phase's, once it ran
+	up       *upgrade       // -upgrade-from: the rollout (upgrade.go), or nil
 	bg       sync.WaitGroup // recovery measurements in flight
 }
 
@@ -221,7 +222,7 @@ func (s *suite) startProc(st *stage, idx int) (*proc, error) {
 	if err != nil {
 		return nil, err
 	}
-	cmd, err := s.command("processor", fmt.Sprintf("processor-%d.log", idx), s.procEnv(st, addr, idx))
+	cmd, err := s.command(s.processorBinary(idx), fmt.Sprintf("processor-%d.log", idx), s.procEnv(st, addr, idx))
 	if err != nil {
 		return nil, err
 	}
@@ -383,12 +384,18 @@ func (s *suite) inject(ctx context.Context) error {
 	if s.db.restores != nil {
 		s.planRestores(began)
 	}
+	if s.up != nil {
+		s.planUpgrade(began)
+	}
 	for time.Now().Before(end) {
 		if err := sleep(ctx, time.Duration(300+s.rng.IntN(1200))*time.Millisecond); err != nil {
 			return err
 		}
 		if err := s.restoreDue(ctx); err != nil {
 			return fmt.Errorf("same-identity restore: %w", err)
+		}
+		if err := s.upgradeDue(ctx); err != nil {
+			return fmt.Errorf("upgrade: %w", err)
 		}
 		n := s.rng.IntN(total)
 		for _, f := range faults {
@@ -402,6 +409,9 @@ func (s *suite) inject(ctx context.Context) error {
 	}
 	if err := s.finishRestores(ctx); err != nil {
 		return fmt.Errorf("same-identity restore: %w", err)
+	}
+	if err := s.finishUpgrade(ctx); err != nil {
+		return fmt.Errorf("upgrade: %w", err)
 	}
 	return nil
 }

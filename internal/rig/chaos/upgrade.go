@@ -1,0 +1,315 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	kschema "github.com/kafkapg/kafkapg/internal/schema"
+)
+
+// The upgrade mode (-upgrade-from <binary>) runs the suite through a rolling upgrade from the
+// release before (schema.PreviousSchema) to this build, a rollback in the middle of it, and the
+// upgrade again to its end, while events flow and the usual faults hit every process:
+//
+//  1. every processor runs the release before (the old binary) and creates the schema it knows;
+//     the suite's recovery measurements run against them;
+//  2. forward: half the processes, one at a time, are replaced by this build (SIGTERM, start,
+//     wait until ready, as a rolling update does); the first one migrates the schema, which
+//     opens the upgrade window (the migrations the release before does not know are pending);
+//  3. rollback mid-rollout: those processes are replaced by the release before again, which must
+//     start and run on the migrated schema;
+//  4. forward again: every process is replaced by this build;
+//  5. the window is finalized (schema.Finalize, the operator's step once no process of the
+//     release before runs), after which the release before must refuse the schema, naming it.
+//
+// The steps are spread over the fault period, with the suite's random faults (kills, freezes,
+// Postgres cuts and, with -postgres async-standby, failovers that lose commits) between them;
+// a fault restarts a process with the release it runs at that moment. Beside the usual checks
+// (every event exactly once, in per-account order; dead letters; a chain's postings exactly
+// once), no process may exit on its own or with a non-zero status after SIGTERM, and no log may
+// show a release refusing the other's schema.
+
+// Which binary a process runs.
+const (
+	releaseOld = "old" // the release before (-upgrade-from)
+	releaseNew = "new" // this build (bin/processor)
+)
+
+// upgrade is the upgrade mode's plan and what it saw.
+type upgrade struct {
+	oldBin string
+	// release is what each process index runs now (releaseOld, releaseNew).
+	release map[int]string
+	plan    []upgradeStep
+	due     []time.Time // when each step of plan is due
+	done    int         // steps done
+
+	// What it saw, for the summary.
+	starts        map[string]int // processes started, by release
+	replaced      []string       // "i:old->new" per replacement, in order
+	window        []int          // the pending migrations the first process of this build opened the window with
+	finalized     []int          // what Finalize moved
+	refusedAfter  string         // the release before's refusal of the finalized schema (its first line)
+	readyOld      []time.Duration
+	readyNew      []time.Duration
+	phases        []string
+	windowOpenFor time.Duration
+	opened        time.Time
+}
+
+// upgradeStep is one step of the rollout: replace process idx by release, or finalize (idx -1).
+type upgradeStep struct {
+	phase   string
+	idx     int
+	release string
+}
+
+// newUpgrade returns the plan for procs processes of stage 1 and post of stage 2: the processes
+// are replaced in an order that alternates the stages, the first half forward, back, then all
+// forward, then the window is finalized.
+func newUpgrade(oldBin string, procs, post int) *upgrade {
+	var order []int
+	for i := 0; i < max(procs, post); i++ {
+		if i < procs {
+			order = append(order, i)
+		}
+		if i < post {
+			order = append(order, procs+i)
+		}
+	}
+	u := &upgrade{oldBin: oldBin, release: map[int]string{}, starts: map[string]int{}}
+	for i := range procs + post {
+		u.release[i] = releaseOld
+	}
+	half := order[:(len(order)+1)/2]
+	for _, i := range half {
+		u.plan = append(u.plan, upgradeStep{"forward", i, releaseNew})
+	}
+	for _, i := range slices.Backward(half) {
+		u.plan = append(u.plan, upgradeStep{"rollback", i, releaseOld})
+	}
+	for _, i := range order {
+		u.plan = append(u.plan, upgradeStep{"forward again", i, releaseNew})
+	}
+	u.plan = append(u.plan, upgradeStep{"finalize", -1, ""})
+	return u
+}
+
+// processorBinary is the binary process idx runs (its release in the upgrade mode), and in the
+// upgrade mode notes in the process's log which release starts.
+func (s *suite) processorBinary(idx int) string {
+	if s.up == nil {
+		return "processor"
+	}
+	rel := s.up.release[idx]
+	bin := filepath.Join(s.bin, "processor")
+	if rel == releaseOld {
+		bin = s.up.oldBin
+	}
+	s.count(func(*stats) { s.up.starts[rel]++ })
+	s.appendLog(fmt.Sprintf("processor-%d.log", idx), fmt.Appendf(nil, "==== chaos -upgrade-from: %s starts the %s release (%s)\n",
+		time.Now().UTC().Format(logTime), rel, bin))
+	return bin
+}
+
+// planUpgrade spreads the rollout's steps over the fault period that starts at start, leaving a
+// slot after the finalize.
+func (s *suite) planUpgrade(start time.Time) {
+	u := s.up
+	slot := s.cfg.duration / time.Duration(len(u.plan)+1)
+	u.due = nil
+	for i := range u.plan {
+		u.due = append(u.due, start.Add(time.Duration(i+1)*slot))
+	}
+}
+
+// upgradeDue runs the rollout's next step if it is due.
+func (s *suite) upgradeDue(ctx context.Context) error {
+	u := s.up
+	if u == nil || u.done >= len(u.plan) || time.Now().Before(u.due[u.done]) {
+		return nil
+	}
+	step := u.plan[u.done]
+	u.done++
+	if len(u.phases) == 0 || u.phases[len(u.phases)-1] != step.phase {
+		u.phases = append(u.phases, step.phase)
+		fmt.Printf("chaos: upgrade: %s (%s)\n", step.phase, time.Now().Format(time.TimeOnly))
+	}
+	if step.idx < 0 {
+		return s.finalize(ctx)
+	}
+	return s.replace(ctx, step.idx, step.release)
+}
+
+// finishUpgrade runs the steps not done yet (the fault period ended first).
+func (s *suite) finishUpgrade(ctx context.Context) error {
+	for s.up != nil && s.up.done < len(s.up.plan) {
+		s.up.due[s.up.done] = time.Now()
+		if err := s.upgradeDue(ctx); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// replace replaces process idx by one of release, as a rolling update does: SIGTERM (it must
+// exit 0 within 20 s), start, and wait until it is ready (in the group, Postgres reached). The
+// first process of this build migrates the schema: the window must then be open, with the
+// release before's version final.
+func (s *suite) replace(ctx context.Context, idx int, release string) error {
+	u := s.up
+	p := s.procs[idx]
+	from := u.release[idx]
+	p.cmd.Process.Signal(syscall.SIGCONT) // a frozen process would not see SIGTERM before the freeze ends
+	s.terminate(p)
+	u.release[idx] = release
+	np, err := s.startProc(p.stage, idx)
+	if err != nil {
+		return err
+	}
+	s.procs[idx] = np
+	started := time.Now()
+	if err := np.waitReady(ctx, 90*time.Second); err != nil {
+		return fmt.Errorf("process %d of the %s release did not become ready (see processor-%d.log): %w", idx, release, idx, err)
+	}
+	ready := time.Since(started)
+	s.count(func(*stats) {
+		u.replaced = append(u.replaced, fmt.Sprintf("%d:%s->%s", idx, from, release))
+		if release == releaseOld {
+			u.readyOld = append(u.readyOld, ready)
+		} else {
+			u.readyNew = append(u.readyNew, ready)
+		}
+	})
+	if release == releaseNew && u.window == nil {
+		finalized, pending, err := kschema.Window(ctx, s.pool, schema)
+		if err != nil {
+			return fmt.Errorf("read the upgrade window: %w", err)
+		}
+		if finalized != kschema.PreviousSchema || len(pending) == 0 {
+			s.violate(fmt.Sprintf("after the first process of this build migrated the schema, schema_migrations says %d and schema_migrations_pending %v: want %d and the versions after it pending (the window open)",
+				finalized, pending, kschema.PreviousSchema))
+		}
+		u.window = pending
+		if u.window == nil {
+			u.window = []int{}
+		}
+		u.opened = time.Now()
+	}
+	return nil
+}
+
+// finalize closes the window (the operator's step: every process runs this build) and checks
+// that the release before now refuses the schema, naming it: its `migrate` command must exit
+// non-zero and say so (it is not started as a processor: one that ran would apply events
+// beside this build, which records keys for it no more).
+func (s *suite) finalize(ctx context.Context) error {
+	u := s.up
+	for i, rel := range u.release {
+		if rel != releaseNew {
+			return fmt.Errorf("finalize with process %d still on the %s release", i, rel)
+		}
+	}
+	moved, err := kschema.Finalize(ctx, s.pool, schema)
+	if err != nil {
+		return err
+	}
+	u.finalized = moved
+	u.windowOpenFor = time.Since(u.opened)
+	if !slices.Equal(moved, u.window) {
+		s.violate(fmt.Sprintf("schema.Finalize moved %v to schema_migrations, but the window opened with %v pending", moved, u.window))
+	}
+	if finalized, pending, err := kschema.Window(ctx, s.pool, schema); err != nil {
+		return err
+	} else if len(pending) > 0 || len(moved) > 0 && finalized != moved[len(moved)-1] {
+		s.violate(fmt.Sprintf("after Finalize, schema_migrations says %d and schema_migrations_pending %v", finalized, pending))
+	}
+
+	pctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(pctx, u.oldBin, "migrate")
+	cmd.Env = append(os.Environ(), s.procEnv(s.stages[0], "127.0.0.1:0", 0)...)
+	out, err := cmd.CombinedOutput()
+	s.appendLog("finalized-probe.log", out)
+	var exit *exec.ExitError
+	switch {
+	case errors.As(err, &exit) && bytes.Contains(out, []byte("newer than this binary knows")):
+		u.refusedAfter = firstLine(out)
+	case err == nil:
+		s.violate("the release before's migrate ran on the finalized schema (exit 0): it must refuse it (finalized-probe.log)")
+	default:
+		s.violate(fmt.Sprintf("the release before's migrate on the finalized schema: %v, without naming the schema as newer (finalized-probe.log)", err))
+	}
+	return nil
+}
+
+func firstLine(b []byte) string {
+	line, _, _ := strings.Cut(strings.TrimSpace(string(b)), "\n")
+	return line
+}
+
+func (s *suite) violate(v string) {
+	s.count(func(st *stats) { st.violations = append(st.violations, v) })
+}
+
+// refusals are what either release logs when it refuses the schema as too new for it.
+var refusals = []string{"newer than this binary knows", "finalized for a newer release"}
+
+// checkUpgradeLogs adds a violation per processor log line in which a release refused the
+// schema: during the window neither may.
+func (s *suite) checkUpgradeLogs() {
+	if s.up == nil {
+		return
+	}
+	logs, _ := filepath.Glob(filepath.Join(s.work, "processor-*.log"))
+	for _, name := range logs {
+		b, err := os.ReadFile(name)
+		if err != nil {
+			s.violate(fmt.Sprintf("read %s: %v", name, err))
+			continue
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			for _, r := range refusals {
+				if strings.Contains(line, r) {
+					s.violate(fmt.Sprintf("%s: a release refused the schema during the window: %s", filepath.Base(name), line))
+				}
+			}
+		}
+	}
+}
+
+// describeUpgrade is the upgrade mode's part of the summary.
+func (s *suite) describeUpgrade() string {
+	u := s.up
+	if u == nil {
+		return ""
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	refused := "the release before's refusal not seen"
+	if u.refusedAfter != "" {
+		refused = "then the release before's migrate refused it"
+	}
+	return fmt.Sprintf("upgrade from %s: %s; %d replacements (%s); the window opened with %v pending, finalized %v after %s, %s;"+
+		" %d processes of the release before started and %d of this build (restarts by faults included); ready after a replacement: release before median %s max %s, this build median %s max %s",
+		filepath.Base(u.oldBin), strings.Join(u.phases, " -> "), len(u.replaced), strings.Join(u.replaced, " "), u.window, u.finalized,
+		u.windowOpenFor.Round(time.Second), refused, u.starts[releaseOld], u.starts[releaseNew],
+		medianDuration(u.readyOld), maxDuration(u.readyOld), medianDuration(u.readyNew), maxDuration(u.readyNew))
+}
+
+// checkOldBinary checks -upgrade-from's binary before the run.
+func checkOldBinary(path string) error {
+	if _, err := os.Stat(path); err != nil {
+		return fmt.Errorf("-upgrade-from: %w (build it with scripts/build-release.sh <commit> <out>, or run `make chaos-upgrade`)", err)
+	}
+	return nil
+}
