@@ -4,6 +4,8 @@ import (
 	"context"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/kafkapg/kafkapg/internal/schema"
 )
 
@@ -14,6 +16,9 @@ import (
 // (keyring.Ring.SetWindow) and decide every numbered record by key as well (keyAll); once it is
 // finalized, numbered records stay decided by key for a retention more (schema.Finalize extends
 // the groups' windows of keys), as the release before's copies may still come.
+
+// Release is this release's name, as group_members and the changelog (CHANGELOG.md) say it.
+const Release = "v0.2.0"
 
 // windowEvery is how often a processor reads the window again: how long, at most, it writes
 // for the release before after the window closed.
@@ -60,7 +65,31 @@ func (p *Processor) watchWindow(ctx context.Context) {
 		if err := p.readWindow(ctx); err != nil && ctx.Err() == nil {
 			p.log.Warn("cannot read the upgrade window; will try again", "err", err, "every", windowEvery.String())
 		}
+		if err := p.registerMember(ctx); err != nil && ctx.Err() == nil {
+			p.log.Warn("cannot say which release this member runs (group_members); will try again", "err", err, "every", windowEvery.String())
+		}
 	}
+}
+
+// registerMember says, in group_members, that this process's member of the group runs this
+// release: `upgrade finalize` takes a member the broker knows and this table does not for one of
+// the release before. Rows not seen for a day go.
+func (p *Processor) registerMember(ctx context.Context) error {
+	cl := p.client.Load()
+	if cl == nil {
+		return nil
+	}
+	member, _ := cl.GroupMetadata()
+	if member == "" {
+		return nil // not in the group (yet)
+	}
+	t := pgx.Identifier{p.cfg.Schema, "group_members"}.Sanitize()
+	_, err := p.pool.Exec(ctx, `WITH gone AS (DELETE FROM `+t+` WHERE seen_at < now() - interval '1 day')
+		INSERT INTO `+t+` (consumer_group, member_id, release, schema_version, instance, seen_at) VALUES ($1, $2, $3, $4, $5, now())
+		ON CONFLICT (consumer_group, member_id) DO UPDATE SET release = excluded.release, schema_version = excluded.schema_version,
+			instance = excluded.instance, seen_at = excluded.seen_at`,
+		p.cfg.Group, member, Release, schema.Version(), p.cfg.InstanceName)
+	return err
 }
 
 func b2f(b bool) float64 {

@@ -92,6 +92,13 @@ func TestUpgradeWindowSharesKeysWithTheReleaseBefore(t *testing.T) {
 	if got := appliedMids(t, h); got["old1"] != 0 || got["new1"] != 1 || got["num1"] != 1 {
 		t.Errorf("applied %v: a copy of what the release before applied was applied here", got)
 	}
+	testenv.Eventually(t, 10*time.Second, func() error { // the member says its release, for `upgrade finalize`
+		var rel string
+		if err := h.Pool.QueryRow(ctx, `SELECT release FROM kafkapg.group_members WHERE consumer_group = $1`, h.Group).Scan(&rel); err != nil || rel != processor.Release {
+			return fmt.Errorf("group_members says %q (%v), want %s", rel, err, processor.Release)
+		}
+		return nil
+	})
 	if _, err := schema.Finalize(ctx, h.Pool, "kafkapg"); err != nil {
 		t.Fatal(err)
 	}

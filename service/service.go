@@ -16,6 +16,7 @@
 //
 //	run      consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
 //	migrate  create or upgrade kafkapg's tables in DB_SCHEMA, then exit
+//	upgrade  the upgrade window (docs/upgrading.md): status, finalize
 //
 // cmd/processor is this package with the built-in ledger handler.
 package service
@@ -164,11 +165,12 @@ func progName() string {
 	return filepath.Base(os.Args[0])
 }
 
-const usage = `usage: %[1]s [run|config|migrate|dlq|keys|trace|help]
+const usage = `usage: %[1]s [run|config|migrate|upgrade|dlq|keys|trace|help]
 
   run      consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
   config   print the configuration in force (secrets redacted), then exit
   migrate  create or upgrade kafkapg's tables in DB_SCHEMA, then exit
+  upgrade  the upgrade window: status, and finalize it once the release before no longer runs
   dlq      list, show, replay, discard and purge dead letters; list and cancel tasks
   keys     list held and blocked keys; release one
   trace    where a record is now, and how it got there
@@ -207,7 +209,7 @@ func run(args []string, stdout, stderr io.Writer, handlers ...Handler) int {
 	if len(args) > 0 {
 		cmd = args[0]
 	}
-	withArgs := cmd == "dlq" || cmd == "keys" || cmd == "trace" || cmd == "config"
+	withArgs := cmd == "dlq" || cmd == "keys" || cmd == "trace" || cmd == "config" || cmd == "upgrade"
 	if len(args) > 1 && !withArgs {
 		help()
 		return 2
@@ -221,6 +223,8 @@ func run(args []string, stdout, stderr io.Writer, handlers ...Handler) int {
 		return 0
 	case "migrate":
 		err = migrateOnly(ctx, stderr)
+	case "upgrade":
+		err = upgradeCmd(ctx, args[1:], stdout, stderr)
 	case "config":
 		err = configCmd(args[1:], hs, safetext.TerminalWriter(stdout), stderr)
 	case "dlq", "keys", "trace":

@@ -83,6 +83,15 @@ type Beginner interface {
 // processors run beside this release's on one schema while the window is open).
 const PreviousSchema = 5
 
+// Version is the newest schema version this binary knows.
+func Version() int {
+	ms, err := Migrations()
+	if err != nil {
+		return 0
+	}
+	return len(ms)
+}
+
 // Report is what Migrate did and found.
 type Report struct {
 	Applied   []Migration // applied now, in order
