@@ -60,3 +60,38 @@ func TestHeartbeatInterval(t *testing.T) {
 		}
 	}
 }
+
+// TestGroupTimeoutsWithinTheBrokersLimits: the session timeout and heartbeat interval asked of the
+// brokers under the consumer protocol are within their group.consumer.min/max limits, the
+// heartbeat below a third of the session where the limits allow, and never at or above it.
+func TestGroupTimeoutsWithinTheBrokersLimits(t *testing.T) {
+	t.Parallel()
+	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
+	stock := groupLimits{minSession: ms(45000), maxSession: ms(60000), minHeartbeat: ms(5000), maxHeartbeat: ms(15000)}
+	lowered := groupLimits{minSession: ms(1000), maxSession: ms(60000), minHeartbeat: ms(100), maxHeartbeat: ms(15000)}
+	for _, tt := range []struct {
+		name          string
+		session       time.Duration
+		lim           groupLimits
+		wantS, wantHB time.Duration
+		fits          bool
+	}{
+		{"stock broker, the default 45 s", ms(45000), stock, ms(45000), ms(5000), true},
+		{"stock broker, 10 s asked: its minimum applies", ms(10000), stock, ms(45000), ms(5000), true},
+		{"stock broker, 90 s asked: its maximum applies", ms(90000), stock, ms(60000), ms(5000), true},
+		{"lowered minimums, 45 s", ms(45000), lowered, ms(45000), ms(500), true},
+		{"lowered minimums, 1.2 s: heartbeat a third", ms(1200), lowered, ms(1200), ms(400), true},
+		{"no limits known (kfake)", ms(45000), groupLimits{}, ms(45000), ms(500), true},
+		{"heartbeat minimum above a third: session raised to three", ms(6000), groupLimits{minHeartbeat: ms(5000)}, ms(15000), ms(5000), true},
+		{"no pair fits: heartbeat minimum above the session maximum", ms(6000), groupLimits{minHeartbeat: ms(5000), maxSession: ms(4000)}, ms(4000), ms(5000), false},
+	} {
+		s, hb, fits := groupTimeouts(tt.session, tt.lim)
+		if s != tt.wantS || hb != tt.wantHB || fits != tt.fits {
+			t.Errorf("%s: groupTimeouts(%v, %s) = %v, %v, %v; want %v, %v, %v", tt.name, tt.session, tt.lim, s, hb, fits, tt.wantS, tt.wantHB, tt.fits)
+		}
+		if fits && (hb >= s || (tt.lim.minSession > 0 && s < tt.lim.minSession) || (tt.lim.maxSession > 0 && s > tt.lim.maxSession) ||
+			(tt.lim.minHeartbeat > 0 && hb < tt.lim.minHeartbeat) || (tt.lim.maxHeartbeat > 0 && hb > tt.lim.maxHeartbeat)) {
+			t.Errorf("%s: %v, %v said to fit %s", tt.name, s, hb, tt.lim)
+		}
+	}
+}
