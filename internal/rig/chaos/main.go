@@ -168,7 +168,7 @@ func run(ctx context.Context, c config) (err error) {
 		if c.chain() {
 			post = c.postProcs
 		}
-		s.up = newUpgrade(c.upgradeFrom, c.procs, post)
+		s.up = newUpgrade(c.upgradeFrom, c.procs, post, c.postgres == pgSyncHA || c.postgres == pgAsyncHA)
 	}
 	defer func() {
 		if err != nil {

@@ -64,19 +64,32 @@ type upgrade struct {
 	phases        []string
 	windowOpenFor time.Duration
 	opened        time.Time
+	// Postgres failovers: planned steps, and all of them by the releases that ran: only the release
+	// before, before the window or (rolled back) in it; both; only this build, in the window; after it.
+	planned, failovers                                                              int
+	failoversBefore, failoversOldOpen, failoversMixed, failoversNew, failoversAfter int
 }
 
-// upgradeStep is one step of the rollout: replace process idx by release, or finalize (idx -1).
+// upgradeStep is one step of the rollout: replace process idx by release, or (idx < 0) finalize
+// or fail Postgres over.
 type upgradeStep struct {
 	phase   string
 	idx     int
 	release string
 }
 
+// The steps that replace no process.
+const (
+	stepFinalize = -1
+	stepFailover = -2
+)
+
 // newUpgrade returns the plan for procs processes of stage 1 and post of stage 2: the processes
 // are replaced in an order that alternates the stages, the first half forward, back, then all
-// forward, then the window is finalized.
-func newUpgrade(oldBin string, procs, post int) *upgrade {
+// forward, then the window is finalized. With failover (a topology with a standby), Postgres is
+// failed over twice in the window with both releases running: once the first half runs this
+// build, and once one of them is back on the release before.
+func newUpgrade(oldBin string, procs, post int, failover bool) *upgrade {
 	var order []int
 	for i := 0; i < max(procs, post); i++ {
 		if i < procs {
@@ -94,13 +107,19 @@ func newUpgrade(oldBin string, procs, post int) *upgrade {
 	for _, i := range half {
 		u.plan = append(u.plan, upgradeStep{"forward", i, releaseNew})
 	}
-	for _, i := range slices.Backward(half) {
+	if failover {
+		u.plan = append(u.plan, upgradeStep{"forward", stepFailover, ""})
+	}
+	for n, i := range slices.Backward(half) {
 		u.plan = append(u.plan, upgradeStep{"rollback", i, releaseOld})
+		if failover && n == len(half)-1 && len(half) > 1 {
+			u.plan = append(u.plan, upgradeStep{"rollback", stepFailover, ""})
+		}
 	}
 	for _, i := range order {
 		u.plan = append(u.plan, upgradeStep{"forward again", i, releaseNew})
 	}
-	u.plan = append(u.plan, upgradeStep{"finalize", -1, ""})
+	u.plan = append(u.plan, upgradeStep{"finalize", stepFinalize, ""})
 	return u
 }
 
@@ -144,10 +163,50 @@ func (s *suite) upgradeDue(ctx context.Context) error {
 		u.phases = append(u.phases, step.phase)
 		fmt.Printf("chaos: upgrade: %s (%s)\n", step.phase, time.Now().Format(time.TimeOnly))
 	}
-	if step.idx < 0 {
-		return s.finalize(ctx)
+	s.countFailovers()
+	switch step.idx {
+	case stepFinalize:
+		err := s.finalize(ctx)
+		s.countFailovers()
+		return err
+	case stepFailover:
+		err := s.pgFailover(ctx, false)
+		s.count(func(*stats) { u.planned++ })
+		s.countFailovers()
+		return err
 	}
-	return s.replace(ctx, step.idx, step.release)
+	err := s.replace(ctx, step.idx, step.release)
+	s.countFailovers()
+	return err
+}
+
+// countFailovers attributes the failovers since it last ran to the releases that ran meanwhile
+// (as they run now: a step runs between two calls).
+func (s *suite) countFailovers() {
+	u := s.up
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := s.stats.failovers - u.failovers
+	u.failovers = s.stats.failovers
+	if n == 0 {
+		return
+	}
+	var old, cur bool
+	for _, rel := range u.release {
+		old, cur = old || rel == releaseOld, cur || rel == releaseNew
+	}
+	switch {
+	case u.finalized != nil:
+		u.failoversAfter += n
+	case old && cur:
+		u.failoversMixed += n
+	case cur:
+		u.failoversNew += n
+	case u.window != nil:
+		u.failoversOldOpen += n
+	default:
+		u.failoversBefore += n
+	}
 }
 
 // finishUpgrade runs the steps not done yet (the fault period ended first).
@@ -293,17 +352,23 @@ func (s *suite) describeUpgrade() string {
 	if u == nil {
 		return ""
 	}
+	s.countFailovers()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	refused := "the release before's refusal not seen"
 	if u.refusedAfter != "" {
 		refused = "then the release before's migrate refused it"
 	}
+	failovers := ""
+	if s.db.failover() {
+		failovers = fmt.Sprintf("; postgres failovers (%d of them planned steps): %d with only the release before running (%d of them in the window, rolled back), %d with both releases running, %d with only this build before the finalize, %d after it",
+			u.planned, u.failoversBefore+u.failoversOldOpen, u.failoversOldOpen, u.failoversMixed, u.failoversNew, u.failoversAfter)
+	}
 	return fmt.Sprintf("upgrade from %s: %s; %d replacements (%s); the window opened with %v pending, finalized %v after %s, %s;"+
-		" %d processes of the release before started and %d of this build (restarts by faults included); ready after a replacement: release before median %s max %s, this build median %s max %s",
+		" %d processes of the release before started and %d of this build (restarts by faults included); ready after a replacement: release before median %s max %s, this build median %s max %s%s",
 		filepath.Base(u.oldBin), strings.Join(u.phases, " -> "), len(u.replaced), strings.Join(u.replaced, " "), u.window, u.finalized,
 		u.windowOpenFor.Round(time.Second), refused, u.starts[releaseOld], u.starts[releaseNew],
-		medianDuration(u.readyOld), maxDuration(u.readyOld), medianDuration(u.readyNew), maxDuration(u.readyNew))
+		medianDuration(u.readyOld), maxDuration(u.readyOld), medianDuration(u.readyNew), maxDuration(u.readyNew), failovers)
 }
 
 // checkOldBinary checks -upgrade-from's binary before the run.
