@@ -136,6 +136,8 @@
 //     protocol) is prepared first, as an older stream's event. A replay is decided by key as well
 //     as by number; so is every numbered record during a group's first IDEMPOTENCY_RETENTION
 //     under this protocol if it consumed before (a release before applied copies by key only),
+//     while the upgrade window is open and for a retention after it is finalized (processes of
+//     the release before act beside this one's, by key, observing nothing: docs/upgrading.md),
 //     and every number below the first one observed of a stream.
 //   - A dead letter discarded marks its number done. Numbers stay missing only for records in
 //     the retry path or dead-lettered and not yet replayed or discarded, and for events Kafka
@@ -153,7 +155,8 @@
 // TestProtocol (internal/streams) is the check of this argument: a state-machine property test
 // that drives the consumer's decisions through random histories of an upstream database losing
 // commits (same identity and new, with and without restarts), relays publishing late, twice, in
-// any order or never, every path, dead letters replayed and discarded, and a release before it,
+// any order or never, every path, dead letters replayed and discarded, and a release before it
+// (first alone, then beside this one while the upgrade window is open),
 // and streams forgotten, and fails if an event is applied twice (in histories that forget: twice
 // within the retention), or not at all when everything is done, or a number published stays
 // missing, or a lineage keeps anything a retention after its last record. It found six of the

@@ -117,7 +117,10 @@ type downDB struct {
 	applied     map[msgID]int
 	retry, dlq  []int // log offsets
 	keyAllUntil time.Time
-	oldRelease  bool
+	oldRelease  bool // the release that kept keys only is the one acting
+	// window: the upgrade window is open (its state is in this database): processes of the
+	// release before may act beside this one's, which decides every numbered event by key too.
+	window bool
 	// What the checks need of this database's history (restored with it).
 	decided map[ID]map[int64]bool // numbers decided under this protocol (by any verdict)
 	firstIn map[msgID]ID          // the stream an event was first applied in (by number or key)
@@ -127,7 +130,7 @@ type downDB struct {
 
 func (d *downDB) clone() *downDB {
 	c := &downDB{pos: d.pos, keys: maps.Clone(d.keys), applied: maps.Clone(d.applied), retry: slices.Clone(d.retry),
-		dlq: slices.Clone(d.dlq), keyAllUntil: d.keyAllUntil, oldRelease: d.oldRelease, lineages: map[ID]*Lineage{},
+		dlq: slices.Clone(d.dlq), keyAllUntil: d.keyAllUntil, oldRelease: d.oldRelease, window: d.window, lineages: map[ID]*Lineage{},
 		firstIn: maps.Clone(d.firstIn), firstAt: maps.Clone(d.firstAt), lastAt: maps.Clone(d.lastAt), decided: map[ID]map[int64]bool{}}
 	for k, v := range d.decided {
 		c.decided[k] = maps.Clone(v)
@@ -222,14 +225,15 @@ func (w *world) actions() map[string]func(*rapid.T) {
 		"upRestore":     w.upRestore,
 		"upRestart":     w.upRestart,
 		"tick":          w.tick,
-		"downMain":      consumer(w.downMain),
-		"downRetry":     consumer(w.downRetry),
+		"downMain":      consumer(w.beside(w.downMain)),
+		"downRetry":     consumer(w.beside(w.downRetry)),
 		"downReplay":    consumer(w.downReplay),
 		"downDiscard":   consumer(w.downDiscard),
 		"downReadBack":  consumer(w.downReadBack),
 		"downSnapshot":  w.downSnapshot,
 		"downRestore":   w.downRestore,
 		"upgrade":       w.upgrade,
+		"finalize":      w.finalize,
 		"foreignHeader": w.foreignHeader,
 	}
 }
@@ -504,7 +508,7 @@ func (w *world) decide(off int, keyAll, main bool) bool {
 		l.Prepare(e, int64(w.down.pos), w.sinceOffset(e.Since.Add(-Skew)), false)
 		w.note("down: prepared unobserved %x %d at %d; pending %v", e.Stream[1], e.Seq, off, l.Pending != nil)
 	}
-	v := l.Decide(e, keyAll || w.now.Before(w.down.keyAllUntil))
+	v := l.Decide(e, keyAll || w.down.window || w.now.Before(w.down.keyAllUntil))
 	if v != Wait {
 	}
 	if v != Wait && l.Stream(e.Stream) != nil { // decided by its number state
@@ -715,9 +719,34 @@ func (w *world) upgrade(t *rapid.T) {
 	if !w.down.oldRelease {
 		t.Skip("upgraded")
 	}
-	w.down.oldRelease = false
+	w.down.oldRelease, w.down.window = false, true
+	w.note("down: upgraded; the window is open")
+}
+
+// finalize closes the upgrade window: the release before acts no more; numbered events are
+// decided by key as well for a retention more.
+func (w *world) finalize(t *rapid.T) {
+	if !w.down.window {
+		t.Skip("no window")
+	}
+	w.down.window = false
 	w.down.keyAllUntil = w.now.Add(keyAllSpan)
-	w.note("down: upgraded; keys all until %s", w.down.keyAllUntil.Format(time.TimeOnly))
+	w.note("down: the window finalized; keys all until %s", w.down.keyAllUntil.Format(time.TimeOnly))
+}
+
+// beside has a step done, while the window is open, by a process of the release before now and
+// then: a partition (or a retry tier's) moved to it in a rolling update or a rollback.
+func (w *world) beside(step func(*rapid.T)) func(*rapid.T) {
+	return func(t *rapid.T) {
+		if !w.down.window || rapid.IntRange(0, 2).Draw(t, "by the release before") != 0 {
+			step(t)
+			return
+		}
+		w.down.oldRelease = true
+		w.note("down: a process of the release before acts")
+		defer func() { w.down.oldRelease = false }()
+		step(t)
+	}
 }
 
 // foreignHeader: another producer forwards an event with its headers (Kafka Streams does by
