@@ -26,14 +26,17 @@ package schema
 import (
 	"context"
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
 	"slices"
 	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 //go:embed migrations/*.sql
@@ -142,8 +145,11 @@ func begin(ctx context.Context, tx pgx.Tx, schemaName string) (created bool, err
 	if _, err := tx.Exec(ctx, `CREATE SCHEMA IF NOT EXISTS `+ident); err != nil {
 		return false, fmt.Errorf("create schema %s: %w", ident, err)
 	}
-	// Unqualified names in the migration files resolve to (and are created in) the schema.
-	if _, err := tx.Exec(ctx, `SET LOCAL search_path TO `+ident); err != nil {
+	// Unqualified names in the migration files resolve to (and are created in) the schema. A
+	// migration that must wait for a table's lock (a transaction of a running processor holds
+	// it) gives up after LockTimeout rather than queue everyone's statements behind it for as
+	// long: migrate tries again.
+	if _, err := tx.Exec(ctx, `SET LOCAL search_path TO `+ident+`; SET LOCAL lock_timeout = `+strconv.FormatInt(LockTimeout.Milliseconds(), 10)); err != nil {
 		return false, err
 	}
 	if err := tx.QueryRow(ctx, `SELECT to_regclass('schema_migrations_pending') IS NULL`).Scan(&created); err != nil {
@@ -174,8 +180,32 @@ func state(ctx context.Context, tx pgx.Tx) (finalized int, pending []int, err er
 	return finalized, pending, err
 }
 
-// migrate is Migrate up to version upTo (all if negative).
+// LockTimeout is how long a migration waits for a lock on one of kafkapg's tables before it
+// gives up and tries again (lockTries times, a second apart): processors running beside it (the
+// release before, during an upgrade) wait at most that long behind it.
+var LockTimeout = 2 * time.Second
+
+const lockTries = 30
+
+// migrate is Migrate up to version upTo (all if negative), trying again while a lock it needs is
+// held too long.
 func migrate(ctx context.Context, db Beginner, schemaName string, upTo int) (Report, error) {
+	for try := 1; ; try++ {
+		r, err := migrateOnce(ctx, db, schemaName, upTo)
+		var pgErr *pgconn.PgError
+		if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55P03" || try == lockTries {
+			return r, err
+		}
+		select { // lock_not_available: a running transaction holds a table's lock
+		case <-ctx.Done():
+			return r, err
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+// migrateOnce is one try of migrate.
+func migrateOnce(ctx context.Context, db Beginner, schemaName string, upTo int) (Report, error) {
 	if schemaName == "" {
 		return Report{}, fmt.Errorf("schema name is empty")
 	}

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/internal/schema"
@@ -186,5 +187,58 @@ func TestWindowOfANewerRelease(t *testing.T) {
 	}
 	if _, err := schema.Migrate(ctx, pool, "kp"); err == nil || !strings.Contains(err.Error(), "finalized for a newer release") {
 		t.Fatalf("Migrate on a schema finalized for a newer release: %v", err)
+	}
+}
+
+// TestMigrationGivesWayToARunningTransaction (issue 40): a migration that needs a table's lock a
+// running processor's transaction holds (a batch of the release before, during an upgrade) gives
+// up after LockTimeout and tries again, instead of queueing every other statement on the table
+// behind it for as long as that transaction lasts; it completes once the transaction ends.
+func TestMigrationGivesWayToARunningTransaction(t *testing.T) {
+	was := schema.LockTimeout
+	schema.LockTimeout = 300 * time.Millisecond
+	defer func() { schema.LockTimeout = was }()
+	pool, _ := testenv.Postgres(t)
+	ctx := context.Background()
+	if _, err := schema.MigrateTo(ctx, pool, "kp", schema.PreviousSchema); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO kp.offsets (consumer_group, topic, partition, next_offset) VALUES ('g', 't', 0, 0), ('g', 't', 1, 0)`); err != nil {
+		t.Fatal(err)
+	}
+	batch, err := pool.Begin(ctx) // a long batch of the release before on partition 0
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer batch.Rollback(ctx)
+	if _, err := batch.Exec(ctx, `UPDATE kp.offsets SET next_offset = 1 WHERE partition = 0`); err != nil {
+		t.Fatal(err)
+	}
+	migrated := make(chan error, 1)
+	go func() { _, err := schema.Migrate(ctx, pool, "kp"); migrated <- err }()
+	time.Sleep(100 * time.Millisecond) // the migration waits for the batch's lock
+	other := make(chan error, 1)       // another partition's batch
+	go func() {
+		_, err := pool.Exec(ctx, `UPDATE kp.offsets SET next_offset = 1 WHERE partition = 1`)
+		other <- err
+	}()
+	select {
+	case err := <-other:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("another partition's position update waited behind the migration for as long as the open batch (10 s)")
+	}
+	select {
+	case err := <-migrated:
+		t.Fatalf("the migration ended (%v) while the batch holding its lock was open", err)
+	default:
+	}
+	if err := batch.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-migrated; err != nil {
+		t.Fatalf("the migration, once the batch ended: %v", err)
 	}
 }
