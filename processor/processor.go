@@ -69,6 +69,7 @@ type Processor struct {
 	keysAllUntil atomic.Int64
 	// window: the schema's upgrade window is open (window.go); windowRead: it was read once.
 	window, windowRead atomic.Bool
+	registeredAs       atomic.Value // string: the member id group_members has for this process
 	// pooled says that the pool reaches Postgres through a pooler in transaction mode (see
 	// checkPooler): the relay polls instead of LISTENing.
 	pooled  atomic.Bool

@@ -52,35 +52,58 @@ func (p *Processor) readWindow(ctx context.Context) error {
 	return nil
 }
 
-// watchWindow reads the upgrade window every windowEvery until ctx is done.
+// watchWindow reads the upgrade window every windowEvery until ctx is done, and says which
+// release this member runs as soon as it is in the group (then every windowEvery: a member id
+// changes when it joins again).
 func (p *Processor) watchWindow(ctx context.Context) {
-	t := time.NewTicker(windowEvery)
+	t := time.NewTicker(min(windowEvery, 2*time.Second))
 	defer t.Stop()
+	var read, registered time.Time
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
-		if err := p.readWindow(ctx); err != nil && ctx.Err() == nil {
-			p.log.Warn("cannot read the upgrade window; will try again", "err", err, "every", windowEvery.String())
+		if time.Since(read) >= windowEvery {
+			read = time.Now()
+			if err := p.readWindow(ctx); err != nil && ctx.Err() == nil {
+				p.log.Warn("cannot read the upgrade window; will try again", "err", err, "every", windowEvery.String())
+			}
 		}
-		if err := p.registerMember(ctx); err != nil && ctx.Err() == nil {
-			p.log.Warn("cannot say which release this member runs (group_members); will try again", "err", err, "every", windowEvery.String())
+		if time.Since(registered) >= windowEvery || p.member() != p.registered() {
+			switch err := p.registerMember(ctx); {
+			case err != nil && ctx.Err() == nil:
+				p.log.Warn("cannot say which release this member runs (group_members); will try again", "err", err, "every", windowEvery.String())
+			case err == nil && p.registered() != "":
+				registered = time.Now()
+			}
 		}
 	}
+}
+
+// registered is the member id group_members has for this process ("" none).
+func (p *Processor) registered() string {
+	s, _ := p.registeredAs.Load().(string)
+	return s
+}
+
+// member is this process's member id in the group ("" out of it).
+func (p *Processor) member() string {
+	if cl := p.client.Load(); cl != nil {
+		m, _ := cl.GroupMetadata()
+		return m
+	}
+	return ""
 }
 
 // registerMember says, in group_members, that this process's member of the group runs this
 // release: `upgrade finalize` takes a member the broker knows and this table does not for one of
 // the release before. Rows not seen for a day go.
 func (p *Processor) registerMember(ctx context.Context) error {
-	cl := p.client.Load()
-	if cl == nil {
-		return nil
-	}
-	member, _ := cl.GroupMetadata()
+	member := p.member()
 	if member == "" {
+		p.registeredAs.Store("")
 		return nil // not in the group (yet)
 	}
 	t := pgx.Identifier{p.cfg.Schema, "group_members"}.Sanitize()
@@ -89,6 +112,9 @@ func (p *Processor) registerMember(ctx context.Context) error {
 		ON CONFLICT (consumer_group, member_id) DO UPDATE SET release = excluded.release, schema_version = excluded.schema_version,
 			instance = excluded.instance, seen_at = excluded.seen_at`,
 		p.cfg.Group, member, Release, schema.Version(), p.cfg.InstanceName)
+	if err == nil {
+		p.registeredAs.Store(member)
+	}
 	return err
 }
 
