@@ -54,16 +54,17 @@ type upgrade struct {
 	done    int         // steps done
 
 	// What it saw, for the summary.
-	starts        map[string]int // processes started, by release
-	replaced      []string       // "i:old->new" per replacement, in order
-	window        []int          // the pending migrations the first process of this build opened the window with
-	finalized     []int          // what Finalize moved
-	refusedAfter  string         // the release before's refusal of the finalized schema (its first line)
-	readyOld      []time.Duration
-	readyNew      []time.Duration
-	phases        []string
-	windowOpenFor time.Duration
-	opened        time.Time
+	starts          map[string]int // processes started, by release
+	replaced        []string       // "i:old->new" per replacement, in order
+	window          []int          // the pending migrations the first process of this build opened the window with
+	finalized       []int          // what Finalize moved
+	refusedAfter    string         // the release before's refusal of the finalized schema (its first line)
+	refusedWhileOld bool           // upgrade finalize refused while processes of the release before ran
+	readyOld        []time.Duration
+	readyNew        []time.Duration
+	phases          []string
+	windowOpenFor   time.Duration
+	opened          time.Time
 	// Postgres failovers: planned steps, and all of them by the releases that ran: only the release
 	// before, before the window or (rolled back) in it; both; only this build, in the window; after it.
 	planned, failovers int
@@ -82,8 +83,9 @@ type upgradeStep struct {
 
 // The steps that replace no process.
 const (
-	stepFinalize = -1
-	stepFailover = -2
+	stepFinalize        = -1
+	stepFailover        = -2
+	stepFinalizeRefused = -3 // upgrade finalize while processes of the release before run: refused
 )
 
 // newUpgrade returns the plan for procs processes of stage 1 and post of stage 2: the processes
@@ -118,8 +120,11 @@ func newUpgrade(oldBin string, procs, post int, failover bool) *upgrade {
 			u.plan = append(u.plan, upgradeStep{"rollback", stepFailover, ""})
 		}
 	}
-	for _, i := range order {
+	for n, i := range order {
 		u.plan = append(u.plan, upgradeStep{"forward again", i, releaseNew})
+		if n == 0 {
+			u.plan = append(u.plan, upgradeStep{"forward again", stepFinalizeRefused, ""})
+		}
 	}
 	u.plan = append(u.plan, upgradeStep{"finalize", stepFinalize, ""})
 	return u
@@ -182,6 +187,8 @@ func (s *suite) upgradeDue(ctx context.Context) error {
 	}
 	s.countFailovers()
 	switch step.idx {
+	case stepFinalizeRefused:
+		return s.finalizeRefused(ctx)
 	case stepFinalize:
 		err := s.finalize(ctx)
 		s.countFailovers()
@@ -295,9 +302,28 @@ func (s *suite) finalize(ctx context.Context) error {
 			return fmt.Errorf("finalize with process %d still on the %s release", i, rel)
 		}
 	}
-	moved, err := kschema.Finalize(ctx, s.pool, schema)
-	if err != nil {
-		return err
+	// The operator's command, as docs/upgrading.md has it. It is refused until every member of the
+	// groups said its release (a process this build started a moment ago says it within seconds).
+	var moved []int
+	var out []byte
+	for deadline := time.Now().Add(90 * time.Second); ; {
+		var err error
+		if out, err = s.upgradeCommand(ctx); err == nil {
+			break
+		} else if time.Now().After(deadline) {
+			s.violate(fmt.Sprintf("upgrade finalize refused for 90 s with every process on this build: %v: %s", err, firstLine(out)))
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(3 * time.Second):
+		}
+	}
+	moved = slices.Clone(u.window)
+	if !bytes.Contains(out, []byte(fmt.Sprintf("finalized versions %v", u.window))) {
+		moved = nil
+		s.violate(fmt.Sprintf("upgrade finalize did not say it finalized %v: %s", u.window, firstLine(out)))
 	}
 	u.finalized = moved
 	u.windowOpenFor = time.Since(u.opened)
@@ -324,6 +350,50 @@ func (s *suite) finalize(ctx context.Context) error {
 		s.violate("the release before's migrate ran on the finalized schema (exit 0): it must refuse it (finalized-probe.log)")
 	default:
 		s.violate(fmt.Sprintf("the release before's migrate on the finalized schema: %v, without naming the schema as newer (finalized-probe.log)", err))
+	}
+	return nil
+}
+
+// upgradeCommand runs this build's `upgrade finalize --execute` with stage 1's environment.
+func (s *suite) upgradeCommand(ctx context.Context) ([]byte, error) {
+	pctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(pctx, filepath.Join(s.bin, "processor"), "upgrade", "finalize", "--execute", "--reason", "chaos -upgrade-from")
+	cmd.Env = append(os.Environ(), s.procEnv(s.stages[0], "127.0.0.1:0", 0)...)
+	out, err := cmd.CombinedOutput()
+	s.appendLog("upgrade-finalize.log", out)
+	return out, err
+}
+
+// finalizeRefused runs `upgrade finalize --execute` while processes of the release before run:
+// it must refuse, naming the release before, and leave the window open.
+func (s *suite) finalizeRefused(ctx context.Context) error {
+	u := s.up
+	// Another failure (the broker cut by a fault as it is asked) is tried again.
+	for deadline := time.Now().Add(60 * time.Second); ; {
+		out, err := s.upgradeCommand(ctx)
+		if err == nil {
+			s.violate(fmt.Sprintf("upgrade finalize finalized the window with processes of the release before running: %s", firstLine(out)))
+			break
+		}
+		if bytes.Contains(out, []byte("a process of the release before still runs")) {
+			u.refusedWhileOld = true
+			break
+		}
+		if time.Now().After(deadline) {
+			s.violate(fmt.Sprintf("upgrade finalize failed for 60 s (%v) without naming a process of the release before: %s (upgrade-finalize.log)", err, firstLine(out)))
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(3 * time.Second):
+		}
+	}
+	if _, pending, err := kschema.Window(ctx, s.pool, schema); err != nil {
+		return err
+	} else if len(pending) == 0 {
+		s.violate("the window closed while processes of the release before ran")
 	}
 	return nil
 }
@@ -415,6 +485,9 @@ func (s *suite) describeUpgrade() string {
 	refused := "the release before's refusal not seen"
 	if u.refusedAfter != "" {
 		refused = "then the release before's migrate refused it"
+	}
+	if u.refusedWhileOld {
+		refused = "upgrade finalize refused while processes of the release before ran, then done with `upgrade finalize`; " + refused
 	}
 	failovers := ""
 	if s.db.failover() {
