@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"testing"
 	"time"
@@ -201,6 +202,31 @@ func TestClassifyErrorClassString(t *testing.T) {
 	for _, tt := range tests {
 		if got := tt.class.String(); got != tt.want {
 			t.Errorf("ErrorClass(%d).String() = %q, want %q", int(tt.class), got, tt.want)
+		}
+	}
+}
+
+// TestOwnOutage: a transaction of kafkapg's own retried in place counts as an outage (not an
+// internal error, whose alert says "a bug") when Postgres failed under it — the connection lost,
+// a FATAL, a server shutting down — or ended it for idling past TxIdleTimeout (a process frozen or
+// starved: seen in a chaos run as four internal errors after a SIGSTOP); an answer of the
+// server's to a wrong statement stays an internal error.
+func TestOwnOutage(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"idled past TxIdleTimeout", own(fmt.Errorf("record idempotency keys: %w", &pgconn.PgError{Severity: "FATAL", SeverityUnlocalized: "FATAL", Code: "25P03"})), true},
+		{"idled past TxIdleTimeout, no severity", own(&pgconn.PgError{Code: "25P03"}), true},
+		{"connection lost mid-answer", own(fmt.Errorf("hold records: %w", io.ErrUnexpectedEOF)), true},
+		{"server shutting down", own(&pgconn.PgError{Severity: "FATAL", Code: "57P01"}), true},
+		{"a wrong statement", own(&pgconn.PgError{Severity: "ERROR", Code: "42P01"}), false},
+		{"a unique violation", own(&pgconn.PgError{Severity: "ERROR", Code: "23505"}), false},
+	} {
+		if got := ownOutage(tt.err); got != tt.want {
+			t.Errorf("%s: ownOutage(%v) = %v, want %v", tt.name, tt.err, got, tt.want)
 		}
 	}
 }

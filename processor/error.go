@@ -119,6 +119,19 @@ func lostConnection(err error) bool {
 		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNREFUSED)
 }
 
+// ownOutage reports whether err, a failure of a transaction retried in place, is the
+// infrastructure's (counted as an outage, not as an internal error that fires the alert): an
+// infrastructure error, the connection failing under kafkapg's own statement, or the transaction
+// ended by TxIdleTimeout (25P03: this process stalled — frozen, starved — past it; Postgres
+// closed the connection, and the next try opens another).
+func ownOutage(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "25P03" {
+		return true
+	}
+	return Classify(err) == ClassInfrastructure || lostConnection(err)
+}
+
 // ErrorClassifier is an optional interface for a Handler that decides itself how its errors are
 // classified, overriding Classify. It is called with every error the handler returned (or its
 // recovered panic); call Classify for the errors it has no opinion on. Failures of Postgres

@@ -122,7 +122,7 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 		}
 		failures++
 		cause := stallInfrastructure
-		if Classify(err) == ClassInfrastructure || lostConnection(err) {
+		if ownOutage(err) {
 			p.metrics.infraRetries.Inc()
 		} else {
 			cause = stallError
