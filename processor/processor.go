@@ -262,7 +262,7 @@ func (p *Processor) Run(ctx context.Context) error {
 	statsCtx, stopStats := context.WithCancel(ctx)
 	defer stopStats()
 	go p.refreshStats(statsCtx)
-	go p.watchWindow(statsCtx)
+	go p.watchWindow(statsCtx, windowEvery)
 	if p.cfg.RelayOnly {
 		p.joined.Store(true) // there is no group to join: ready once the relay runs
 		p.log.Info("outbox relay started (relay only: nothing is consumed)", "instance", p.cfg.InstanceName)

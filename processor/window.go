@@ -52,11 +52,11 @@ func (p *Processor) readWindow(ctx context.Context) error {
 	return nil
 }
 
-// watchWindow reads the upgrade window every windowEvery until ctx is done, and says which
+// watchWindow reads the upgrade window every every (windowEvery) until ctx is done, and says which
 // release this member runs as soon as it is in the group (then every windowEvery: a member id
 // changes when it joins again).
-func (p *Processor) watchWindow(ctx context.Context) {
-	t := time.NewTicker(min(windowEvery, 2*time.Second))
+func (p *Processor) watchWindow(ctx context.Context, every time.Duration) {
+	t := time.NewTicker(min(every, 2*time.Second))
 	defer t.Stop()
 	var read, registered time.Time
 	for {
@@ -65,16 +65,16 @@ func (p *Processor) watchWindow(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		if time.Since(read) >= windowEvery {
+		if time.Since(read) >= every {
 			read = time.Now()
 			if err := p.readWindow(ctx); err != nil && ctx.Err() == nil {
-				p.log.Warn("cannot read the upgrade window; will try again", "err", err, "every", windowEvery.String())
+				p.log.Warn("cannot read the upgrade window; will try again", "err", err, "every", every.String())
 			}
 		}
-		if time.Since(registered) >= windowEvery || p.member() != p.registered() {
+		if time.Since(registered) >= every || p.member() != p.registered() {
 			switch err := p.registerMember(ctx); {
 			case err != nil && ctx.Err() == nil:
-				p.log.Warn("cannot say which release this member runs (group_members); will try again", "err", err, "every", windowEvery.String())
+				p.log.Warn("cannot say which release this member runs (group_members); will try again", "err", err, "every", every.String())
 			case err == nil && p.registered() != "":
 				registered = time.Now()
 			}

@@ -63,7 +63,7 @@ func openWindow(t *testing.T, h *harness) {
 // before's table as well, and finds the keys the release before recorded; once finalized, it
 // stops writing there.
 func TestUpgradeWindowSharesKeysWithTheReleaseBefore(t *testing.T) {
-	defer processor.SetWindowEvery(200 * time.Millisecond)()
+	t.Cleanup(processor.SetWindowEvery(200 * time.Millisecond)) // after the processor stops (cleanups run last first)
 	k := testenv.NewKfake(t)
 	h, cfg := midHarness(t, k, 1, midRecorder{})
 	openWindow(t, h)
