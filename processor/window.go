@@ -58,7 +58,7 @@ func (p *Processor) readWindow(ctx context.Context) error {
 func (p *Processor) watchWindow(ctx context.Context, every time.Duration) {
 	t := time.NewTicker(min(every, 2*time.Second))
 	defer t.Stop()
-	var read, registered time.Time
+	var read, registered, failed time.Time
 	for {
 		select {
 		case <-ctx.Done():
@@ -71,9 +71,10 @@ func (p *Processor) watchWindow(ctx context.Context, every time.Duration) {
 				p.log.Warn("cannot read the upgrade window; will try again", "err", err, "every", every.String())
 			}
 		}
-		if time.Since(registered) >= every || p.member() != p.registered() {
+		if (time.Since(registered) >= every || p.member() != p.registered()) && time.Since(failed) >= every {
 			switch err := p.registerMember(ctx); {
 			case err != nil && ctx.Err() == nil:
+				failed = time.Now() // tried again after every, not at each tick: one warning per try
 				p.log.Warn("cannot say which release this member runs (group_members); will try again", "err", err, "every", every.String())
 			case err == nil && p.registered() != "":
 				registered = time.Now()

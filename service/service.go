@@ -224,6 +224,7 @@ func run(args []string, stdout, stderr io.Writer, handlers ...Handler) int {
 	case "migrate":
 		err = migrateOnly(ctx, stderr)
 	case "upgrade":
+		stderr = safetext.TerminalWriter(stderr) // a refusal names members as the broker describes them (client ids, hosts: anyone's)
 		err = upgradeCmd(ctx, args[1:], stdout, stderr)
 	case "config":
 		err = configCmd(args[1:], hs, safetext.TerminalWriter(stdout), stderr)
