@@ -120,8 +120,16 @@ func printUpgrade(w io.Writer, schemaName string, s upgrade.Status, asked bool) 
 		state = fmt.Sprintf("open: versions %v pending", s.Pending)
 	}
 	fmt.Fprintf(w, "schema %s: version %d final; upgrade window %s\n", schemaName, s.Finalized, state)
+	groups := strings.Join(s.Groups, ", ")
+	if groups == "" {
+		groups = "none yet"
+	}
 	if !asked {
-		fmt.Fprintf(w, "groups: %s (members not asked: set KAFKA_BROKERS)\n", strings.Join(s.Groups, ", "))
+		fmt.Fprintf(w, "groups: %s (members not asked: set KAFKA_BROKERS)\n", groups)
+		return
+	}
+	if len(s.Members) == 0 {
+		fmt.Fprintf(w, "groups: %s; no member in any of them now\n", groups)
 		return
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
