@@ -25,6 +25,7 @@ import (
 	"github.com/prometheus/prometheus/promql/parser"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"sigs.k8s.io/kustomize/api/krusty"
@@ -40,6 +41,7 @@ type manifests struct {
 	pdb        *policyv1.PodDisruptionBudget
 	monitor    *monitoringv1.ServiceMonitor
 	rules      *monitoringv1.PrometheusRule
+	policy     *networkingv1.NetworkPolicy
 }
 
 func build(t *testing.T) manifests {
@@ -65,12 +67,16 @@ func build(t *testing.T) manifests {
 		case "PrometheusRule":
 			m.rules = &monitoringv1.PrometheusRule{}
 			return m.rules
+		case "NetworkPolicy":
+			m.policy = &networkingv1.NetworkPolicy{}
+			return m.policy
 		}
 		t.Errorf("unexpected resource %s %s", kind, name)
 		return nil
 	})
 	for name, missing := range map[string]bool{"Deployment": m.deployment == nil, "Service": m.service == nil, "ConfigMap": m.config == nil,
-		"PodDisruptionBudget": m.pdb == nil, "ServiceMonitor": m.monitor == nil, "PrometheusRule": m.rules == nil} {
+		"PodDisruptionBudget": m.pdb == nil, "ServiceMonitor": m.monitor == nil, "PrometheusRule": m.rules == nil,
+		"NetworkPolicy": m.policy == nil} {
 		if missing {
 			t.Fatalf("kustomize output has no %s", name)
 		}
