@@ -4,8 +4,8 @@
 // make them synchronous, crash the primary, promote a standby, make the old primary follow the
 // new one, copy a running server's data dir and start the copy in its place (a restore that
 // keeps the database's identity), put PgBouncer in front and move it to another server, and give
-// a server a TLS certificate. It is for development and tests: trust authentication, loopback
-// only, fsync off unless asked.
+// a server a TLS certificate. It is for development and tests: trust authentication unless
+// Options.Password asks for one, loopback only, fsync off unless asked.
 //
 // # What it guarantees
 //
@@ -38,7 +38,13 @@
 //
 //   - It does not survive a crash of the machine: fsync and full_page_writes are off unless
 //     Options.Durable. synchronous_commit stays on, so a synchronous standby means what it says.
-//   - No passwords, no client certificates, no unix sockets, nothing but 127.0.0.1.
+//   - No password unless Options.Password (then scram-sha-256 for every connection); no
+//     client certificates, no unix sockets, nothing but 127.0.0.1.
+//   - As root, the servers' dirs belong to the postgres user. This package, writing into them
+//     as root, follows no symlink out of a server's dir nor at the file it writes, and writes
+//     no file through a hard link; it refuses an Options.Dir that is a symlink or someone
+//     else's. That the dir's parent is safe (no one else can replace the dir) is the caller's
+//     business: the temp dirs it makes are new, random names.
 //   - Follow re-copies the data dir (pg_basebackup) rather than pg_rewind: simple and always
 //     correct, slower for big clusters, which tests do not have.
 //   - PgBouncer talks to its backend without TLS.

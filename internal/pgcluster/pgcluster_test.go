@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -559,5 +561,94 @@ func TestParentFromStat(t *testing.T) {
 				t.Fatalf("parentFromStat(%q) = %d, %v; want %d, %v", tt.stat, got, ok, tt.want, tt.ok)
 			}
 		})
+	}
+}
+
+// TestRootFollowsNoLinkOfTheServersUser: as root, a server's dir belongs to the postgres user,
+// who (or whoever runs code as it: COPY ... FROM PROGRAM) can put links there. Files this
+// package writes as root must not go through them to a file root owns.
+func TestRootFollowsNoLinkOfTheServersUser(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: only then do the server's dirs belong to another user")
+	}
+	victim := filepath.Join(tempDir(t), "victim")
+	if err := os.WriteFile(victim, []byte("root's\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(tempDir(t), "server")
+	s := start(t, Options{Dir: dir})
+	if err := s.Stop(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	plant := func(name string) {
+		t.Helper()
+		path := filepath.Join(dir, name)
+		acct, err := serverAccount()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := errors.Join(os.Remove(path), os.Symlink(victim, path), os.Lchown(path, int(acct.cred.Uid), int(acct.cred.Gid))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	intact := func() {
+		t.Helper()
+		b, err := os.ReadFile(victim)
+		fi, _ := os.Stat(victim)
+		if err != nil || string(b) != "root's\n" || fi.Sys().(*syscall.Stat_t).Uid != 0 {
+			t.Errorf("the victim file was written through a link: %q %v", b, err)
+		}
+	}
+
+	plant("data/pg_hba.conf") // rewritten before each first start
+	s = start(t, Options{Dir: dir})
+	intact()
+	if fi, err := os.Lstat(filepath.Join(dir, "data", "pg_hba.conf")); err != nil || !fi.Mode().IsRegular() {
+		t.Errorf("pg_hba.conf: %v %v, want a regular file in the link's place", fi, err)
+	}
+	if err := s.Stop(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+
+	plant("postgres.log") // appended to by root
+	if s, err := Start(testCtx(t), Options{Dir: dir}); err == nil {
+		s.Close()
+		t.Error("Start appended its log through a symlink")
+	}
+	intact()
+}
+
+// TestPassword: with Options.Password every connection must give it, and a cluster made with
+// trust is brought to it.
+func TestPassword(t *testing.T) {
+	t.Parallel()
+	dir := filepath.Join(tempDir(t), "server")
+	s := start(t, Options{Dir: dir})
+	if err := s.Stop(testCtx(t)); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	for _, pw := range []string{"first'pass\\word", "second"} {
+		s := start(t, Options{Dir: dir, Password: pw})
+		conn := connect(t, s.URL("postgres"))
+		conn.Close(context.Background())
+		u, err := url.Parse(s.URL("postgres"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p, _ := u.User.Password(); p != pw {
+			t.Errorf("URL's password: %q, want %q", p, pw)
+		}
+		u.User = url.User("postgres")
+		if c, err := pgx.Connect(testCtx(t), u.String()); err == nil {
+			c.Close(context.Background())
+			t.Errorf("%s connected without the password", u)
+		}
+		if err := s.Stop(testCtx(t)); err != nil {
+			t.Fatal(err)
+		}
+		s.Close()
 	}
 }

@@ -186,13 +186,19 @@ func (a *account) command(home string, deathSig syscall.Signal, name string, arg
 // run runs a short-lived tool (initdb, pg_basebackup) as the account, its output appended to
 // logPath. If ctx ends first, its whole process group is killed.
 func (a *account) run(ctx context.Context, home, logPath, name string, args ...string) error {
-	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	return a.runInput(ctx, home, logPath, "", name, args...)
+}
+
+// runInput is run with stdin as the tool's standard input (a secret goes there, never in args).
+func (a *account) runInput(ctx context.Context, home, logPath, stdin, name string, args ...string) error {
+	logf, err := openLog(logPath)
 	if err != nil {
 		return err
 	}
 	defer logf.Close()
 	cmd := a.command(home, syscall.SIGKILL, name, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Stdin = strings.NewReader(stdin)
 	if err := spawn(cmd); err != nil {
 		return fmt.Errorf("%s: %w", filepath.Base(name), err)
 	}
@@ -243,7 +249,7 @@ type process struct {
 
 // start starts a long-running program as the account, its output appended to logPath.
 func (a *account) start(home, logPath string, deathSig syscall.Signal, name string, args ...string) (*process, error) {
-	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	logf, err := openLog(logPath)
 	if err != nil {
 		return nil, err
 	}
@@ -319,6 +325,9 @@ func (a *account) makeDir(dir, prefix string) (string, bool, error) {
 		err = a.checkReachable(dir)
 	}
 	if err == nil {
+		err = a.checkOwnDir(dir)
+	}
+	if err == nil {
 		err = errors.Join(a.chown(dir), os.Chmod(dir, 0o700))
 	}
 	if err != nil {
@@ -330,12 +339,86 @@ func (a *account) makeDir(dir, prefix string) (string, bool, error) {
 	return dir, temp, nil
 }
 
-// writeFile writes a file the account owns.
-func (a *account) writeFile(path string, data []byte, perm os.FileMode) error {
-	if err := os.WriteFile(path, data, perm); err != nil {
+// checkOwnDir refuses a dir that chown and chmod must not touch: a symlink (they would follow it
+// to wherever it points) or a dir owned by neither this process's user nor the account (someone
+// else's). The caller vouches for the dir's parent: that no one else can replace the dir after
+// this check.
+func (a *account) checkOwnDir(dir string) error {
+	fi, err := os.Lstat(dir)
+	if err != nil {
 		return err
 	}
-	return errors.Join(os.Chmod(path, perm), a.chown(path))
+	if fi.Mode()&os.ModeSymlink != 0 {
+		return fmt.Errorf("%s is a symlink: refusing to follow it", dir)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("%s is not a directory", dir)
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		if uid := int(st.Uid); uid != os.Geteuid() && (a.cred == nil || st.Uid != a.cred.Uid) {
+			return fmt.Errorf("%s is owned by uid %d, neither this process's user (uid %d) nor the server's", dir, uid, os.Geteuid())
+		}
+	}
+	return nil
+}
+
+// openLog opens a log file for appending. As root it is created in a dir of the postgres user,
+// who could plant a link there to make root append to any file: it follows no symlink at path,
+// and refuses a file with another hard link.
+func openLog(path string) (*os.File, error) {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND|syscall.O_NOFOLLOW, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() || hardLinked(fi) {
+		f.Close()
+		return nil, fmt.Errorf("%s: not a regular file of its own (a link?): refusing to write to it", path)
+	}
+	return f, nil
+}
+
+// hardLinked reports whether a file has more than one name.
+func hardLinked(fi os.FileInfo) bool {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	return ok && st.Nlink > 1
+}
+
+// writeFile writes path, a file the account owns (see writeFileIn).
+func (a *account) writeFile(path string, data []byte, perm os.FileMode) error {
+	return a.writeFileIn(filepath.Dir(path), filepath.Base(path), data, perm)
+}
+
+// writeFileIn writes base/name, a file the account owns. As root, the dirs it writes into
+// belong to the postgres user, who must not be able to make root write anywhere else by
+// planting a link: no symlink is followed out of base (os.Root) nor at name, and nothing is
+// written through a hard link (a new file is renamed over name).
+func (a *account) writeFileIn(base, name string, data []byte, perm os.FileMode) error {
+	root, err := os.OpenRoot(base)
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	tmp := name + ".pgcluster-tmp"
+	if err := root.Remove(tmp); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	f, err := root.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, perm)
+	if err != nil {
+		return err
+	}
+	_, err = f.Write(data)
+	err = errors.Join(err, f.Chmod(perm))
+	if a.cred != nil {
+		err = errors.Join(err, f.Chown(int(a.cred.Uid), int(a.cred.Gid)))
+	}
+	if err = errors.Join(err, f.Close()); err == nil {
+		err = root.Rename(tmp, name)
+	}
+	if err != nil {
+		_ = root.Remove(tmp)
+		return fmt.Errorf("write %s: %w", filepath.Join(base, name), err)
+	}
+	return nil
 }
 
 // Ports handed out by freePort and not yet bound, so that parallel starts in one process do

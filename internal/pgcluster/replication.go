@@ -31,6 +31,9 @@ func (s *Server) Standby(ctx context.Context, o Options) (*Server, error) {
 	}
 	maps.Copy(settings, o.Settings)
 	o.Settings = settings
+	if o.Password == "" {
+		o.Password = s.opts.Password
+	}
 	sb, err := newServer(o)
 	if err != nil {
 		return nil, err
@@ -67,7 +70,7 @@ func (s *Server) copyFrom(ctx context.Context, primary *Server) error {
 	}
 	s.primary = primary
 	if err := errors.Join(
-		s.acct.writeFile(filepath.Join(s.data, "standby.signal"), nil, 0o600),
+		s.acct.writeFileIn(s.dir, filepath.Join("data", "standby.signal"), nil, 0o600),
 		s.dropAutoSettings("synchronous_standby_names", "primary_conninfo"),
 		s.writeConfig(),
 	); err != nil {
@@ -79,8 +82,13 @@ func (s *Server) copyFrom(ctx context.Context, primary *Server) error {
 // dropAutoSettings removes settings from the copied postgresql.auto.conf (what ALTER SYSTEM
 // set on the primary), so that the rig's config for this server decides them.
 func (s *Server) dropAutoSettings(names ...string) error {
-	path := filepath.Join(s.data, "postgresql.auto.conf")
-	b, err := os.ReadFile(path)
+	path := filepath.Join("data", "postgresql.auto.conf")
+	root, err := os.OpenRoot(s.dir) // the account's dir: no symlink out of it is followed
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	b, err := root.ReadFile(path)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
@@ -94,7 +102,7 @@ func (s *Server) dropAutoSettings(names ...string) error {
 			kept = append(kept, line)
 		}
 	}
-	return s.acct.writeFile(path, []byte(strings.Join(kept, "")), 0o600)
+	return s.acct.writeFileIn(s.dir, path, []byte(strings.Join(kept, "")), 0o600)
 }
 
 // Follow makes s a standby of primary: s is stopped (immediately, if it still runs), its data

@@ -41,6 +41,13 @@ type Options struct {
 	// TLS, if set, turns ssl on with these files, and the server then accepts only TLS
 	// connections (hostssl from 127.0.0.1 and ::1). Defaults to no TLS.
 	TLS *TLS
+	// Password, if set, is user postgres's password, and every connection must give it
+	// (scram-sha-256 in pg_hba.conf, for local and host connections alike, replication
+	// included); URL carries it. Defaults to none: trust, any local user is superuser. Start
+	// sets it on a cluster that Dir already holds too (in single-user mode, before the server
+	// listens), so a cluster made with trust, or with another password, is brought to this one.
+	// A Standby of a server with a Password defaults to the same.
+	Password string
 }
 
 // Server is a PostgreSQL server on 127.0.0.1, run as a child process of this one (as the
@@ -65,8 +72,8 @@ type Server struct {
 	snapshots int // taken so far (Snapshot): names the next one's dir
 }
 
-// Start creates a cluster (initdb -A trust -U postgres -E UTF8 --locale=C) in o.Dir, configures
-// it and starts it. The cluster accepts replication connections from 127.0.0.1 (trust) and
+// Start creates a cluster (initdb -A trust -U postgres -E UTF8 --locale=C; with a Password,
+// -A scram-sha-256 and that password) in o.Dir, configures it and starts it. The cluster accepts replication connections from 127.0.0.1 (trust) and
 // has wal_level=replica, max_wal_senders=10 and hot_standby=on, so Standby can copy it.
 // Start returns once the server accepts connections.
 func Start(ctx context.Context, o Options) (*Server, error) {
@@ -77,17 +84,18 @@ func Start(ctx context.Context, o Options) (*Server, error) {
 	ctx, cancel := withDefaultTimeout(ctx)
 	defer cancel()
 	if _, err := os.Stat(filepath.Join(s.data, "PG_VERSION")); err != nil {
-		args := []string{"-D", s.data, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--locale=C"}
-		if !o.Durable {
-			args = append(args, "--no-sync")
-		}
-		if err := s.acct.run(ctx, s.dir, filepath.Join(s.dir, "initdb.log"), filepath.Join(s.bin, "initdb"), args...); err != nil {
+		if err := s.initdb(ctx); err != nil {
 			s.Close()
-			return nil, s.errorf("initdb", err)
+			return nil, err
 		}
 		if err := s.includeRigConfig(); err != nil {
 			s.Close()
 			return nil, s.errorf("configure", err)
+		}
+	} else if o.Password != "" {
+		if err := s.setPassword(ctx); err != nil {
+			s.Close()
+			return nil, err
 		}
 	}
 	if err := s.boot(ctx); err != nil {
@@ -95,6 +103,43 @@ func Start(ctx context.Context, o Options) (*Server, error) {
 		return nil, err
 	}
 	return s, nil
+}
+
+// initdb creates the cluster in s.data.
+func (s *Server) initdb(ctx context.Context) error {
+	auth := []string{"-A", "trust"}
+	if s.opts.Password != "" {
+		// initdb reads the password from a file, which the account must read; it lives in the
+		// server's own dir (mode 0700) only as long as initdb runs.
+		const pwfile = "initdb.pw"
+		if err := s.acct.writeFileIn(s.dir, pwfile, []byte(s.opts.Password+"\n"), 0o600); err != nil {
+			return s.errorf("initdb", err)
+		}
+		defer os.Remove(filepath.Join(s.dir, pwfile))
+		auth = []string{"-A", "scram-sha-256", "--pwfile", filepath.Join(s.dir, pwfile)}
+	}
+	args := append([]string{"-D", s.data}, auth...)
+	args = append(args, "-U", "postgres", "-E", "UTF8", "--locale=C")
+	if !s.opts.Durable {
+		args = append(args, "--no-sync")
+	}
+	if err := s.acct.run(ctx, s.dir, filepath.Join(s.dir, "initdb.log"), filepath.Join(s.bin, "initdb"), args...); err != nil {
+		return s.errorf("initdb", err)
+	}
+	return nil
+}
+
+// setPassword sets user postgres's password to Options.Password on the cluster in s.data, in
+// single-user mode: no connection is accepted meanwhile, and the password goes through the
+// backend's standard input, not its arguments or a file.
+func (s *Server) setPassword(ctx context.Context) error {
+	sql := "ALTER ROLE postgres PASSWORD '" + strings.ReplaceAll(s.opts.Password, "'", "''") + "'\n"
+	err := s.acct.runInput(ctx, s.dir, filepath.Join(s.dir, "single-user.log"), sql, filepath.Join(s.bin, "postgres"),
+		"--single", "-D", s.data, "-c", "exit_on_error=on", "-c", "password_encryption=scram-sha-256", "-c", "log_statement=none", "postgres")
+	if err != nil {
+		return s.errorf("set the password (postgres --single)", err)
+	}
+	return nil
 }
 
 // newServer checks o, finds the binaries and prepares the dir.
@@ -109,6 +154,9 @@ func newServer(o Options) (*Server, error) {
 		if k == "port" {
 			return nil, errors.New("pgcluster: Options.Settings: set the port with Options.Port")
 		}
+	}
+	if strings.ContainsAny(o.Password, "\n\r\x00") {
+		return nil, errors.New("pgcluster: Options.Password must not hold a line break or NUL")
 	}
 	if t := o.TLS; t != nil && (t.CertFile == "" || t.KeyFile == "") {
 		return nil, errors.New("pgcluster: Options.TLS needs CertFile and KeyFile")
@@ -181,10 +229,11 @@ func (s *Server) LogPath() string { return s.logPath }
 func (s *Server) Name() string { return s.name }
 
 // URL is a connection URL for database db as user postgres:
-// postgres://postgres@127.0.0.1:PORT/db?sslmode=disable. With TLS the URL has no sslmode:
-// the caller adds the mode and root certificate it wants to test.
+// postgres://postgres@127.0.0.1:PORT/db?sslmode=disable, with the password if Options has one.
+// With TLS the URL has no sslmode: the caller adds the mode and root certificate it wants to
+// test.
 func (s *Server) URL(db string) string {
-	u := url.URL{Scheme: "postgres", User: url.User("postgres"), Host: s.Addr(), Path: "/" + db}
+	u := url.URL{Scheme: "postgres", User: s.user(), Host: s.Addr(), Path: "/" + db}
 	if s.opts.TLS == nil {
 		u.RawQuery = "sslmode=disable"
 	}
@@ -197,9 +246,17 @@ func (s *Server) adminURL(db string) string {
 	if s.opts.TLS != nil {
 		mode = "require"
 	}
-	u := url.URL{Scheme: "postgres", User: url.User("postgres"), Host: s.Addr(), Path: "/" + db,
+	u := url.URL{Scheme: "postgres", User: s.user(), Host: s.Addr(), Path: "/" + db,
 		RawQuery: "sslmode=" + mode + "&connect_timeout=5&application_name=pgcluster"}
 	return u.String()
+}
+
+// user is the URL's user: postgres, with Options.Password if set.
+func (s *Server) user() *url.Userinfo {
+	if s.opts.Password != "" {
+		return url.UserPassword("postgres", s.opts.Password)
+	}
+	return url.User("postgres")
 }
 
 // connect opens an administrative connection to database db.
@@ -383,7 +440,12 @@ func (s *Server) waitAccepting(ctx context.Context, p *process) error {
 // includeRigConfig makes postgresql.conf include pgcluster.conf, the file this package owns
 // and rewrites before each first start; ALTER SYSTEM (postgresql.auto.conf) still wins over it.
 func (s *Server) includeRigConfig() error {
-	f, err := os.OpenFile(filepath.Join(s.data, "postgresql.conf"), os.O_WRONLY|os.O_APPEND, 0)
+	root, err := os.OpenRoot(s.dir) // the account's dir: no symlink out of it is followed
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	f, err := root.OpenFile(filepath.Join("data", "postgresql.conf"), os.O_WRONLY|os.O_APPEND|syscall.O_NOFOLLOW, 0)
 	if err != nil {
 		return err
 	}
@@ -432,7 +494,7 @@ func (s *Server) writeConfig() error {
 	for _, k := range slices.Sorted(maps.Keys(conf)) {
 		fmt.Fprintf(&b, "%s = '%s'\n", k, strings.ReplaceAll(conf[k], "'", "''"))
 	}
-	if err := s.acct.writeFile(filepath.Join(s.data, "pgcluster.conf"), []byte(b.String()), 0o600); err != nil {
+	if err := s.acct.writeFileIn(s.dir, filepath.Join("data", "pgcluster.conf"), []byte(b.String()), 0o600); err != nil {
 		return err
 	}
 
@@ -440,13 +502,20 @@ func (s *Server) writeConfig() error {
 	if s.opts.TLS != nil {
 		kind = "hostssl"
 	}
-	hba := "# Written by internal/pgcluster: trust on loopback only.\n"
+	auth, hba := "trust", "# Written by internal/pgcluster: trust on loopback only.\n"
+	if s.opts.Password != "" {
+		auth, hba = "scram-sha-256", "# Written by internal/pgcluster: a password (scram-sha-256), loopback only.\n"
+		// No unix socket is opened (unix_socket_directories is empty); should one be, it
+		// asks for the password too.
+		hba += fmt.Sprintf("%-8s %-12s all %-13s %s\n", "local", "all", "", auth)
+		hba += fmt.Sprintf("%-8s %-12s all %-13s %s\n", "local", "replication", "", auth)
+	}
 	for _, db := range []string{"all", "replication"} {
 		for _, addr := range []string{"127.0.0.1/32", "::1/128"} {
-			hba += fmt.Sprintf("%-8s %-12s all %-13s trust\n", kind, db, addr)
+			hba += fmt.Sprintf("%-8s %-12s all %-13s %s\n", kind, db, addr, auth)
 		}
 	}
-	return s.acct.writeFile(filepath.Join(s.data, "pg_hba.conf"), []byte(hba), 0o600)
+	return s.acct.writeFileIn(s.dir, filepath.Join("data", "pg_hba.conf"), []byte(hba), 0o600)
 }
 
 // conninfo is how a standby named app connects to s for replication.
@@ -455,7 +524,11 @@ func (s *Server) conninfo(app string) string {
 	if s.opts.TLS != nil {
 		mode = "require"
 	}
-	return fmt.Sprintf("host=127.0.0.1 port=%d user=postgres application_name=%s sslmode=%s", s.port, app, mode)
+	ci := fmt.Sprintf("host=127.0.0.1 port=%d user=postgres application_name=%s sslmode=%s", s.port, app, mode)
+	if s.opts.Password != "" {
+		ci += " password='" + strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(s.opts.Password) + "'"
+	}
+	return ci
 }
 
 // errorf wraps err with the server's identity, the operation and the tail of its log.
