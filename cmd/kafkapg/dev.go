@@ -3,8 +3,6 @@ package main
 import (
 	"bufio"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"flag"
 	"fmt"
@@ -48,6 +46,8 @@ binaries: initdb on first use) on this machine, creates the topics, and writes t
 of a service that uses them (KAFKA_BROKERS, DATABASE_URL) to <dir>/env. Without a command it
 runs until Ctrl-C; with one (go run . ) it runs the command in that environment and stops when
 the command exits, with its exit status. Data is kept in <dir> between runs (-fresh: not).
+Postgres asks for a password, generated on first use and kept in <dir>/postgres-password
+(DATABASE_URL carries it); <dir>/env is private to you (0600).
 
 `)
 		fs.PrintDefaults()
@@ -78,33 +78,38 @@ the command exits, with its exit status. Data is kept in <dir> between runs (-fr
 		return usagef("-postgres-port %d is not a port", *pgPort)
 	}
 
+	// Where things go, and why no other user can reach or replace them: see devdir.go. The dir
+	// is 0755, not 0700: as root, the postgres user must enter it to reach postgres/.
 	abs, err := filepath.Abs(*dir)
 	if err != nil {
 		return err
 	}
-	if err := os.MkdirAll(abs, 0o755); err != nil {
-		return err
+	if err := secureDir(abs, 0o755); err != nil {
+		return fmt.Errorf("-dir: %w", err)
 	}
 	envPath := filepath.Join(abs, "env")
 	if pid, ok := runningLoop(envPath); ok {
 		return fmt.Errorf("a dev loop is already running with %s (pid %d): stop it, or give another -dir", *dir, pid)
 	}
-	pgDir := filepath.Join(abs, "postgres")
-	if err := pgcluster.Reachable(pgDir); err != nil {
-		// As root, Postgres runs as the postgres user, who may not enter a home directory.
-		sum := sha256.Sum256([]byte(abs))
-		alt := filepath.Join(os.TempDir(), "kafkapg-dev-"+hex.EncodeToString(sum[:6]), "postgres")
-		fmt.Fprintf(stderr, "kafkapg dev: Postgres's data goes to %s instead of %s (%v)\n", alt, pgDir, err)
-		pgDir = alt
-		if err := os.MkdirAll(filepath.Dir(alt), 0o755); err != nil {
-			return err
-		}
+	if err := tightenEnv(envPath); err != nil {
+		return err
+	}
+	pgDir, err := devPostgresDir(abs, pgcluster.Reachable, stderr)
+	if err != nil {
+		return err
 	}
 	kafkaDir := filepath.Join(abs, "kafka")
 	if *fresh {
 		if err := errors.Join(os.RemoveAll(kafkaDir), os.RemoveAll(pgDir)); err != nil {
 			return fmt.Errorf("-fresh: %w", err)
 		}
+	}
+	if err := secureDir(kafkaDir, 0o700); err != nil {
+		return err
+	}
+	password, err := devPassword(filepath.Join(abs, "postgres-password"))
+	if err != nil {
+		return err
 	}
 
 	if port == 0 {
@@ -133,7 +138,9 @@ the command exits, with its exit status. Data is kept in <dir> between runs (-fr
 
 	startCtx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	pg, err := pgcluster.Start(startCtx, pgcluster.Options{Dir: pgDir, Port: *pgPort})
+	// A password, set on a cluster an older kafkapg dev made with trust too: without one, any
+	// local user would be its superuser, and run programs as its OS user (COPY ... FROM PROGRAM).
+	pg, err := pgcluster.Start(startCtx, pgcluster.Options{Dir: pgDir, Port: *pgPort, Password: password})
 	if err != nil {
 		return fmt.Errorf("start Postgres: %w", err)
 	}
@@ -311,18 +318,29 @@ func ensureDatabase(ctx context.Context, adminURL, name string) error {
 // The env file: "export NAME=VALUE" lines a shell can source, after a comment that holds the
 // dev loop's pid.
 
-// writeEnv writes the env file.
+// writeEnv writes the env file, mode 0600 (DATABASE_URL holds the password): a new file of a
+// random name (O_EXCL: no symlink followed) renamed over path, which replaces whatever was
+// there, a symlink included, and never writes through it.
 func writeEnv(path string, env [][2]string) error {
 	var b strings.Builder
 	fmt.Fprintf(&b, "# kafkapg dev, pid %d: source it (. %s) or eval \"$(go tool kafkapg env)\"\n", os.Getpid(), relPath(path))
 	for _, kv := range env {
 		fmt.Fprintf(&b, "export %s=%s\n", kv[0], shellQuote(kv[1]))
 	}
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, []byte(b.String()), 0o644); err != nil {
+	f, err := os.CreateTemp(filepath.Dir(path), ".env-*")
+	if err != nil {
 		return err
 	}
-	return os.Rename(tmp, path)
+	_, err = f.WriteString(b.String())
+	err = errors.Join(err, f.Chmod(0o600), f.Close())
+	if err == nil {
+		err = os.Rename(f.Name(), path)
+	}
+	if err != nil {
+		os.Remove(f.Name())
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return nil
 }
 
 // readEnv reads the env file: the pid of the loop that wrote it and its variables.

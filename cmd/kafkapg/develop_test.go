@@ -3,8 +3,13 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,7 +21,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/kafkapg/kafkapg/internal/localrun"
+	"github.com/kafkapg/kafkapg/internal/pgcluster"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 )
 
@@ -276,4 +284,318 @@ func (b *syncBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
+}
+
+// The dev loop's paths and its Postgres's credential (security issue 41, findings 1 and 7).
+
+// nobody is the uid and gid an attacker's files get in these tests: another local user.
+const nobody = 65534
+
+// needRoot skips a test of what root's dev loop does with paths other users can plant.
+func needRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: the dev loop runs Postgres as the postgres user only then")
+	}
+}
+
+// enterableDir makes a dir of ours of mode 0755 under /tmp, which the postgres user can enter
+// (t.TempDir() is 0700), removed at the end of the test.
+func enterableDir(t *testing.T, prefix string) string {
+	t.Helper()
+	d, err := os.MkdirTemp("/tmp", prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(d) })
+	if err := os.Chmod(d, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// withDataBase points devDataBase, where root's dev loop keeps Postgres's data when the
+// postgres user cannot enter -dir, at a dir of the test's, and returns it.
+func withDataBase(t *testing.T) string {
+	t.Helper()
+	base := filepath.Join(enterableDir(t, "kafkapg-dev-base-"), "base")
+	old := devDataBase
+	devDataBase = base
+	t.Cleanup(func() { devDataBase = old })
+	return base
+}
+
+// runDev runs the dev loop with dir and args on free ports, with `-- true`: it starts both
+// servers, writes the env file, runs true and stops.
+func runDev(t *testing.T, dir string, args ...string) (string, error) {
+	t.Helper()
+	t.Setenv("KAFKA_TOPICS", "")
+	var out syncBuffer
+	all := append([]string{"-dir", dir, "-kafka", "127.0.0.1:0", "-postgres-port", "0"}, args...)
+	err := devCmd(t.Context(), append(all, "--", "true"), &out, &out)
+	return out.String(), err
+}
+
+// startDev starts the dev loop with dir on free ports, waits for its env file, and returns
+// its environment; it is stopped (Ctrl-C) at the end of the test.
+func startDev(t *testing.T, dir string) map[string]string {
+	t.Helper()
+	t.Setenv("KAFKA_TOPICS", "")
+	ctx, cancel := context.WithCancel(t.Context())
+	out := &syncBuffer{}
+	done := make(chan error, 1)
+	go func() {
+		done <- devCmd(ctx, []string{"-dir", dir, "-kafka", "127.0.0.1:0", "-postgres-port", "0"}, out, out)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("kafkapg dev: %v\n%s", err, out)
+		}
+	})
+	envFile := filepath.Join(dir, "env")
+	testenv.Eventually(t, 2*time.Minute, func() error {
+		select {
+		case err := <-done:
+			done <- err
+			t.Fatalf("kafkapg dev exited: %v\n%s", err, out)
+		default:
+		}
+		if pid, _, err := readEnv(envFile); err != nil || pid != os.Getpid() {
+			return fmt.Errorf("%s not written by this loop yet (pid %d, %v)", envFile, pid, err)
+		}
+		return nil
+	})
+	_, env, err := readEnv(envFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := map[string]string{}
+	for _, kv := range env {
+		m[kv[0]] = kv[1]
+	}
+	return m
+}
+
+// mustBeEmpty fails the test if dir, which an attacker pointed the dev loop at, has entries.
+func mustBeEmpty(t *testing.T, dir string) {
+	t.Helper()
+	if entries, err := os.ReadDir(dir); err != nil || len(entries) > 0 {
+		var names []string
+		for _, e := range entries {
+			names = append(names, e.Name())
+		}
+		t.Errorf("%s, where the attacker pointed the dev loop, holds %q (%v): the dev loop wrote there", dir, names, err)
+	}
+}
+
+// TestDevDoesNotFollowAPlantedDataDir is finding 1's attack: root runs the dev loop from a dir
+// the postgres user cannot enter; another user has planted a symlink at the name an older
+// kafkapg dev put Postgres's data at (/tmp/kafkapg-dev-<hash>), pointing at a dir root owns.
+// Nothing may be written there: the data goes to a root-only dir instead, and still works.
+func TestDevDoesNotFollowAPlantedDataDir(t *testing.T) {
+	needRoot(t)
+	withDataBase(t)
+	dir := filepath.Join(t.TempDir(), ".kafkapg") // t.TempDir() is 0700: closed to postgres
+	victim := enterableDir(t, "victim-")          // /usr/local/bin, say
+	sum := sha256.Sum256([]byte(dir))
+	planted := filepath.Join(os.TempDir(), "kafkapg-dev-"+hex.EncodeToString(sum[:6]))
+	if err := os.Symlink(victim, planted); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.Remove(planted) })
+	if err := os.Lchown(planted, nobody, nobody); err != nil {
+		t.Fatal(err)
+	}
+	out, err := runDev(t, dir)
+	if err != nil {
+		t.Fatalf("kafkapg dev: %v\n%s", err, out)
+	}
+	mustBeEmpty(t, victim)
+	if !strings.Contains(out, planted+", where an older kafkapg dev kept Postgres's data, is not used any more") {
+		t.Errorf("no word about %s:\n%s", planted, out)
+	}
+	// The data is kept between runs: a second run finds the cluster the first made.
+	out, err = runDev(t, dir)
+	if err != nil || strings.Contains(out, "initdb") {
+		t.Errorf("second run: %v\n%s", err, out)
+	}
+}
+
+// TestDevRefusesUnsafeDirs: a -dir, or a dir of root's data base, that another user could
+// have planted or could replace is refused with an error naming it and what is wrong, and
+// nothing is written through it.
+func TestDevRefusesUnsafeDirs(t *testing.T) {
+	needRoot(t)
+	for _, tt := range []struct {
+		name string
+		// plant prepares the attack: work is a root-owned dir of mode 0755, base is
+		// devDataBase, victim the dir the attacker wants root to write to. It returns -dir.
+		plant func(t *testing.T, work, base, victim string) string
+		want  string
+	}{
+		{"-dir is a symlink", func(t *testing.T, work, base, victim string) string {
+			return symlink(t, victim, filepath.Join(work, ".kafkapg"), 0)
+		}, "is a symlink: refusing to follow it"},
+		{"-dir is another user's", func(t *testing.T, work, base, victim string) string {
+			dir := filepath.Join(work, ".kafkapg")
+			mkdir(t, dir, 0o755, nobody)
+			return dir
+		}, "is owned by uid 65534, not by you"},
+		{"-dir is writable by others", func(t *testing.T, work, base, victim string) string {
+			dir := filepath.Join(work, ".kafkapg")
+			mkdir(t, dir, 0o777, 0)
+			return dir
+		}, "is writable by others (mode -rwxrwxrwx)"},
+		{"a parent of -dir is writable by others and not sticky", func(t *testing.T, work, base, victim string) string {
+			mkdir(t, filepath.Join(work, "shared"), 0o777, 0)
+			return filepath.Join(work, "shared", ".kafkapg")
+		}, "and not sticky: another user could replace what is under it"},
+		{"a parent of -dir is another user's", func(t *testing.T, work, base, victim string) string {
+			mkdir(t, filepath.Join(work, "bob"), 0o755, nobody)
+			return filepath.Join(work, "bob", ".kafkapg")
+		}, "is owned by uid 65534, neither root nor you"},
+		{"a parent of -dir is another user's symlink", func(t *testing.T, work, base, victim string) string {
+			return filepath.Join(symlink(t, victim, filepath.Join(work, "proj"), nobody), ".kafkapg")
+		}, "is a symlink owned by uid 65534, neither root nor you"},
+		{"root's data dir is a symlink", func(t *testing.T, work, base, victim string) string {
+			dir := filepath.Join(t.TempDir(), ".kafkapg") // closed to postgres: the data goes to base
+			sum := sha256.Sum256([]byte(dir))
+			mkdir(t, base, 0o755, 0)
+			symlink(t, victim, filepath.Join(base, hex.EncodeToString(sum[:8])), 0)
+			return dir
+		}, "is a symlink: refusing to follow it"},
+		{"root's data base is another user's symlink", func(t *testing.T, work, base, victim string) string {
+			symlink(t, victim, base, nobody)
+			return filepath.Join(t.TempDir(), ".kafkapg")
+		}, "is a symlink owned by uid 65534, neither root nor you"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			base := withDataBase(t)
+			work, victim := enterableDir(t, "work-"), enterableDir(t, "victim-")
+			dir := tt.plant(t, work, base, victim)
+			out, err := runDev(t, dir)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("kafkapg dev -dir %s: %v, want an error saying %q\n%s", dir, err, tt.want, out)
+			}
+			mustBeEmpty(t, victim)
+		})
+	}
+}
+
+// symlink makes link point at target, owned by uid, and returns link.
+func symlink(t *testing.T, target, link string, uid int) string {
+	t.Helper()
+	if err := errors.Join(os.Symlink(target, link), os.Lchown(link, uid, uid)); err != nil {
+		t.Fatal(err)
+	}
+	return link
+}
+
+// mkdir makes dir with mode perm, owned by uid.
+func mkdir(t *testing.T, dir string, perm os.FileMode, uid int) {
+	t.Helper()
+	if err := errors.Join(os.Mkdir(dir, perm), os.Chmod(dir, perm), os.Chown(dir, uid, uid)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestDevPostgresAsksForAPassword is finding 7: the dev loop's Postgres must not let any
+// local user in as superuser. A connection without the password is refused; DATABASE_URL
+// carries it; the env file and the password file are private (0600), an env file an older
+// kafkapg dev left at 0644 included.
+func TestDevPostgresAsksForAPassword(t *testing.T) {
+	dir := filepath.Join(enterableDir(t, "dev-"), ".kafkapg")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// An older dev loop's env file, readable by all (its pid is not running).
+	if err := os.WriteFile(filepath.Join(dir, "env"), []byte("# kafkapg dev, pid 999999999: old\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	env := startDev(t, dir)
+	for _, name := range []string{"env", "postgres-password"} {
+		if fi, err := os.Lstat(filepath.Join(dir, name)); err != nil {
+			t.Errorf("%s: %v", name, err)
+		} else if fi.Mode() != 0o600 {
+			t.Errorf("%s: mode %v, want a regular file of mode 0600", name, fi.Mode())
+		}
+	}
+	assertPasswordRequired(t, env["DATABASE_URL"])
+	hba, err := os.ReadFile(filepath.Join(dir, "postgres", "data", "pg_hba.conf"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.Lines(string(hba)) {
+		if f := strings.Fields(line); len(f) > 0 && !strings.HasPrefix(f[0], "#") && f[len(f)-1] != "scram-sha-256" {
+			t.Errorf("pg_hba.conf: %q is not scram-sha-256", line)
+		}
+	}
+}
+
+// assertPasswordRequired checks that dbURL without its password, or with another, is refused,
+// and that dbURL, which must carry the password, connects.
+func assertPasswordRequired(t *testing.T, dbURL string) {
+	t.Helper()
+	u, err := url.Parse(dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := t.Context()
+	for _, user := range []*url.Userinfo{url.User("postgres"), url.UserPassword("postgres", "guess")} {
+		other := *u
+		other.User = user
+		if conn, err := pgx.Connect(ctx, other.String()); err == nil {
+			conn.Close(ctx)
+			t.Errorf("%s connected: any local user is superuser", other.Redacted())
+		}
+	}
+	if pw, ok := u.User.Password(); !ok || len(pw) < 20 {
+		t.Fatalf("DATABASE_URL %s carries no password (or a short one)", dbURL)
+	}
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		t.Fatalf("with the password: %v", err)
+	}
+	conn.Close(ctx)
+}
+
+// TestDevUpgradesATrustCluster: a cluster an older kafkapg dev made (trust for every local
+// connection) is given the password and pg_hba.conf of this one, and keeps its data.
+func TestDevUpgradesATrustCluster(t *testing.T) {
+	dir := filepath.Join(enterableDir(t, "dev-"), ".kafkapg")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	old, err := pgcluster.Start(t.Context(), pgcluster.Options{Dir: filepath.Join(dir, "postgres")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := old.CreateDatabase(t.Context(), devDatabase); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := pgx.Connect(t.Context(), old.URL(devDatabase))
+	if err == nil {
+		_, err = conn.Exec(t.Context(), "CREATE TABLE kept AS SELECT 42 AS answer")
+		conn.Close(t.Context())
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := old.Stop(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	old.Close()
+
+	env := startDev(t, dir)
+	assertPasswordRequired(t, env["DATABASE_URL"])
+	conn, err = pgx.Connect(t.Context(), env["DATABASE_URL"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(t.Context())
+	var answer int
+	if err := conn.QueryRow(t.Context(), "SELECT answer FROM kept").Scan(&answer); err != nil || answer != 42 {
+		t.Errorf("the older cluster's data: %d %v", answer, err)
+	}
 }
