@@ -2,19 +2,26 @@ package service
 
 import (
 	"cmp"
+	"crypto/tls"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"net/url"
+	"maps"
 	"os"
 	"reflect"
 	"regexp"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/kafkapg/kafkapg/internal/console"
+	"github.com/kafkapg/kafkapg/internal/safetext"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
@@ -73,11 +80,13 @@ func configCmd(args []string, hs *registry, stdout, stderr io.Writer) error {
 		return err
 	}
 	shown := e.shown(hs)
+	// Values are anyone's text (a topic, a handler's name): escaped for the medium they go to.
 	if *asJSON {
-		enc := json.NewEncoder(stdout)
+		enc := json.NewEncoder(safetext.JSONWriter(stdout))
 		enc.SetIndent("", "  ")
 		return enc.Encode(shown)
 	}
+	stdout = safetext.TerminalWriter(stdout)
 	fmt.Fprintf(stdout, "# %s: the configuration in force (environment, Go settings and defaults merged; secrets redacted)\n", progName())
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "VARIABLE\tVALUE\tFROM")
@@ -167,9 +176,6 @@ func formatValue(v reflect.Value) string {
 // redacted replaces a secret.
 const redacted = "REDACTED"
 
-// passwordParam is a password in a key=value connection string.
-var passwordParam = regexp.MustCompile(`(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)`)
-
 // redact returns value, the value of variable name, with any secret in it replaced.
 func redact(name, value string) string {
 	if value == "" {
@@ -193,26 +199,192 @@ func redact(name, value string) string {
 		}
 		return strings.Join(entries, ",")
 	case "DATABASE_URL":
-		return redactDSN(value)
+		return showDSN(value)
 	}
 	return value
 }
 
-// redactDSN returns a connection string (a URL, or key=value pairs) with its passwords replaced.
-func redactDSN(dsn string) string {
-	if u, err := url.Parse(dsn); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
-		if _, ok := u.User.Password(); ok {
-			u.User = url.UserPassword(u.User.Username(), redacted)
-		}
-		q := u.Query()
-		if q.Has("password") {
-			q.Set("password", redacted)
-			u.RawQuery = q.Encode()
-		}
-		s := u.String()
-		return strings.Replace(s, url.QueryEscape(redacted), redacted, -1)
+// showDSN returns a connection string as pgx, the parser that connects with it, reads it:
+// re-rendered from pgx's parse as key=value pairs, with every secret pgx knows left out or
+// replaced (password, and sslpassword, which pgx keeps to itself), so that no spelling of a
+// secret (a '#' or several hosts in a URL, an escaped space in a key=value string) can reach the
+// output without pgx having taken it for one. A string pgx refuses is shown as a placeholder and
+// pgx's reason with nothing of the string in it (see dsnError).
+func showDSN(dsn string) string {
+	// pgxpool's parse is the one run makes (it knows pool_* and pgx's own parameters); pgconn's
+	// keeps those as runtime parameters, which is how they are shown.
+	if _, err := pgxpool.ParseConfig(dsn); err != nil {
+		return "(not a connection string pgx accepts: " + dsnError(dsn, err) + ")"
 	}
-	return passwordParam.ReplaceAllString(dsn, "${1}"+redacted)
+	cfg, err := pgconn.ParseConfig(dsn)
+	if err != nil {
+		return "(not a connection string pgx accepts: " + dsnError(dsn, err) + ")"
+	}
+	var pairs []string
+	add := func(k, v string) { pairs = append(pairs, k+"="+kvQuote(v)) }
+	// Each host appears once per TLS attempt (sslmode=prefer tries TLS, then without).
+	type target struct {
+		host string
+		port uint16
+	}
+	var targets []target
+	tlsOf := map[target][]*tls.Config{}
+	for _, f := range append([]*pgconn.FallbackConfig{{Host: cfg.Host, Port: cfg.Port, TLSConfig: cfg.TLSConfig}}, cfg.Fallbacks...) {
+		t := target{f.Host, f.Port}
+		if _, seen := tlsOf[t]; !seen {
+			targets = append(targets, t)
+		}
+		tlsOf[t] = append(tlsOf[t], f.TLSConfig)
+	}
+	var hosts, ports []string
+	sslmode := ""
+	for _, t := range targets {
+		hosts = append(hosts, t.host)
+		ports = append(ports, fmt.Sprint(t.port))
+		if !strings.HasPrefix(t.host, "/") { // a Unix socket has no TLS
+			sslmode = sslMode(tlsOf[t])
+		}
+	}
+	add("host", strings.Join(hosts, ","))
+	add("port", strings.Join(ports, ","))
+	if cfg.User != "" {
+		add("user", cfg.User)
+	}
+	if cfg.Password != "" {
+		add("password", redacted)
+	}
+	if cfg.Database != "" {
+		add("dbname", cfg.Database)
+	}
+	if sslmode != "" {
+		add("sslmode", sslmode)
+	}
+	if cfg.SSLNegotiation != "" {
+		add("sslnegotiation", cfg.SSLNegotiation)
+	}
+	if cfg.SSLCertMode != "" && cfg.SSLCertMode != "allow" {
+		add("sslcertmode", cfg.SSLCertMode)
+	}
+	if cfg.ConnectTimeout != 0 {
+		add("connect_timeout", fmt.Sprint(int(cfg.ConnectTimeout.Seconds())))
+	}
+	if tsa := targetSessionAttrs(cfg.ValidateConnect); tsa != "" {
+		add("target_session_attrs", tsa)
+	}
+	if cfg.ChannelBinding != "" && cfg.ChannelBinding != "prefer" {
+		add("channel_binding", cfg.ChannelBinding)
+	}
+	if cfg.RequireAuth != "" {
+		add("require_auth", cfg.RequireAuth)
+	}
+	if cfg.KerberosSrvName != "" {
+		add("krbsrvname", cfg.KerberosSrvName)
+	}
+	if cfg.KerberosSpn != "" {
+		add("krbspn", cfg.KerberosSpn)
+	}
+	if cfg.MinProtocolVersion != "" && cfg.MinProtocolVersion != "3.0" {
+		add("min_protocol_version", cfg.MinProtocolVersion)
+	}
+	if v := cfg.MaxProtocolVersion; v != "" && v != "3.0" && !(v == "latest" && cfg.MinProtocolVersion != "3.0") {
+		add("max_protocol_version", v)
+	}
+	// Runtime parameters are what pgx does not know (application_name, search_path, pgx's and
+	// pgxpool's own): none of them is a secret to pgx, and Postgres gets them as they are.
+	for _, k := range slices.Sorted(maps.Keys(cfg.RuntimeParams)) {
+		add(k, cfg.RuntimeParams[k])
+	}
+	return strings.Join(pairs, " ")
+}
+
+// sslMode names the sslmode that made the TLS attempts pgx makes to one host.
+func sslMode(attempts []*tls.Config) string {
+	switch {
+	case len(attempts) == 2 && attempts[0] == nil:
+		return "allow"
+	case len(attempts) == 2:
+		return "prefer"
+	case len(attempts) != 1:
+		return ""
+	case attempts[0] == nil:
+		return "disable"
+	case !attempts[0].InsecureSkipVerify:
+		return "verify-full"
+	case attempts[0].VerifyPeerCertificate != nil:
+		return "verify-ca"
+	}
+	return "require"
+}
+
+// targetSessionAttrs names the target_session_attrs that chose f.
+func targetSessionAttrs(f pgconn.ValidateConnectFunc) string {
+	if f == nil {
+		return ""
+	}
+	p := reflect.ValueOf(f).Pointer()
+	for name, g := range map[string]pgconn.ValidateConnectFunc{
+		"read-write":     pgconn.ValidateConnectTargetSessionAttrsReadWrite,
+		"read-only":      pgconn.ValidateConnectTargetSessionAttrsReadOnly,
+		"primary":        pgconn.ValidateConnectTargetSessionAttrsPrimary,
+		"standby":        pgconn.ValidateConnectTargetSessionAttrsStandby,
+		"prefer-standby": pgconn.ValidateConnectTargetSessionAttrsPreferStandby,
+	} {
+		if reflect.ValueOf(g).Pointer() == p {
+			return name
+		}
+	}
+	return "(a function)"
+}
+
+// kvQuote writes v as a value of a key=value connection string: quoted when it is empty or has
+// a space, a quote or a backslash, which are escaped.
+func kvQuote(v string) string {
+	if v != "" && !strings.ContainsAny(v, " \t\n\r\v\f'\\") {
+		return v
+	}
+	return "'" + strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(v) + "'"
+}
+
+// quotedText is a quoted span of an error message: where pgx and strconv put the text at fault.
+var quotedText = regexp.MustCompile("\"(?:[^\"\\\\]|\\\\.)*\"|'(?:[^'\\\\]|\\\\.)*'|`[^`]*`")
+
+// connKeywords are the parameter names pgx, pgx.ConnConfig and pgxpool know: words of a
+// connection string that pgx's messages use too.
+var connKeywords = map[string]bool{}
+
+func init() {
+	for _, k := range strings.Fields(`postgres postgresql host port database dbname user password passfile connect_timeout
+		sslmode sslkey sslcert sslcertmode sslrootcert sslnegotiation sslpassword sslsni krbspn krbsrvname
+		target_session_attrs service servicefile min_protocol_version max_protocol_version channel_binding require_auth
+		statement_cache_capacity description_cache_capacity default_query_exec_mode pool_max_conns pool_min_conns
+		pool_min_idle_conns pool_max_conn_lifetime pool_max_conn_idle_time pool_health_check_period
+		pool_max_conn_lifetime_jitter`) {
+		connKeywords[k] = true
+	}
+}
+
+// dsnError returns the text of err, pgx's refusal of dsn, with nothing of dsn in it. pgx quotes
+// the whole string in its errors with only the passwords it recognizes masked (best effort, as
+// its documentation warns: a malformed string is ambiguous), and its reasons quote the text at
+// fault, which in a malformed string can be a piece of a password (password=two words: pgx
+// complains about the key "words"). So the string is left out, every quoted span is cut, and any
+// word of dsn that is still there is too.
+func dsnError(dsn string, err error) string {
+	msg := err.Error()
+	if pce, ok := errors.AsType[*pgconn.ParseConfigError](err); ok {
+		c := *pce
+		c.ConnString = ""
+		msg = strings.TrimPrefix(c.Error(), "cannot parse ``: ")
+	}
+	msg = quotedText.ReplaceAllString(msg, "…")
+	words := strings.FieldsFunc(dsn, func(r rune) bool { return strings.ContainsRune(" \t\n\r=:@/?&,;#'\"\\[]", r) })
+	slices.SortFunc(words, func(a, b string) int { return len(b) - len(a) })
+	for _, w := range words {
+		if len(w) >= 3 && !connKeywords[strings.ToLower(w)] {
+			msg = strings.ReplaceAll(msg, w, "…")
+		}
+	}
+	return msg
 }
 
 // topicShown returns topic's settings in force, and where each came from.

@@ -3,10 +3,12 @@ package service
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/processor"
@@ -78,7 +80,7 @@ func TestConfigCommand(t *testing.T) {
 		}
 	}
 	for _, want := range []string{
-		"postgres://app:REDACTED@db:5432/orders?sslmode=require  environment",
+		"host=db port=5432 user=app password=REDACTED dbname=orders sslmode=require  environment",
 		"ann:operator:REDACTED",
 		"RETRY_BACKOFF_BASE               200ms",
 		"topic returns",
@@ -116,16 +118,120 @@ func TestConfigCommand(t *testing.T) {
 	}
 }
 
+// TestRedactDSN: config shows DATABASE_URL as pgx reads it, and no secret pgx would use, whatever
+// the spelling: the URLs net/url refuses but pgx takes (a '#' in the password, several hosts),
+// parameters that carry passwords (sslpassword), key=value escapes, and strings pgx refuses,
+// whose errors quote them.
 func TestRedactDSN(t *testing.T) {
-	for in, want := range map[string]string{
-		"postgres://u:p%40ss@h/db":                      "postgres://u:REDACTED@h/db",
-		"postgres://u@h/db?password=pw&sslmode=disable": "postgres://u@h/db?password=REDACTED&sslmode=disable",
-		"host=h user=u password=pw dbname=d":            "host=h user=u password=REDACTED dbname=d",
-		"host=h password='p w' dbname=d":                "host=h password=REDACTED dbname=d",
-		"postgres://u@h/db":                             "postgres://u@h/db",
+	for _, c := range []struct {
+		name    string
+		dsn     string
+		secrets []string // none may be shown
+		want    string
+	}{
+		{name: "url", dsn: "postgres://u:p%40ss-w0rd@h/db?sslmode=require", secrets: []string{"p@ss-w0rd", "p%40ss-w0rd"},
+			want: "host=h port=5432 user=u password=REDACTED dbname=db sslmode=require"},
+		{name: "hash in the password", dsn: "postgres://u:p#ss-w0rd@h/db", secrets: []string{"ss-w0rd"},
+			want: "host=h port=5432 user=u password=REDACTED dbname=db sslmode=prefer"},
+		{name: "several hosts", dsn: "postgres://u:s3cr3t-pw@h1:5432,h2:5433/db?sslmode=verify-full", secrets: []string{"s3cr3t-pw"},
+			want: "host=h1,h2 port=5432,5433 user=u password=REDACTED dbname=db sslmode=verify-full"},
+		{name: "password in the query", dsn: "postgres://u@h/db?password=query-pw-1&sslmode=disable&application_name=app", secrets: []string{"query-pw-1"},
+			want: "host=h port=5432 user=u password=REDACTED dbname=db sslmode=disable application_name=app"},
+		{name: "sslpassword in a URL", dsn: "postgres://u@h/db?sslpassword=key-pass-123&sslmode=disable", secrets: []string{"key-pass-123"},
+			want: "host=h port=5432 user=u dbname=db sslmode=disable"},
+		{name: "sslpassword in key=value", dsn: "host=h user=u sslpassword='key pass 456' sslmode=disable", secrets: []string{"key pass 456", "pass"}},
+		{name: "key=value", dsn: "host=h user=u password=pw-1234 dbname=d sslmode=disable", secrets: []string{"pw-1234"},
+			want: "host=h port=5432 user=u password=REDACTED dbname=d sslmode=disable"},
+		{name: "quoted", dsn: "host=h user=u password='p w-5678' dbname=d", secrets: []string{"w-5678"}},
+		{name: "escaped space", dsn: `host=h user=u password=pa\ ss-word123 dbname=d`, secrets: []string{"ss-word123"}},
+		{name: "escaped quote", dsn: `host=h user=u password='it\'s-secret' dbname=d`, secrets: []string{"s-secret"}},
+		{name: "refused: a space unescaped", dsn: "host=h user=u password=two words-secret dbname=d", secrets: []string{"words-secret"},
+			want: "(not a connection string pgx accepts: "},
+		{name: "refused: unterminated quote", dsn: "host=h password='unterminated-pw", secrets: []string{"unterminated-pw"},
+			want: "(not a connection string pgx accepts: "},
+		{name: "refused: a URL", dsn: "postgres://u:url-secret-9@h:notaport/db", secrets: []string{"url-secret-9"},
+			want: "(not a connection string pgx accepts: "},
+		{name: "refused by pgxpool", dsn: "postgres://u:pool-secret-7@h/db?pool_max_conns=many", secrets: []string{"pool-secret-7"},
+			want: "(not a connection string pgx accepts: cannot parse pool_max_conns"},
+		{name: "runtime parameters", dsn: "postgres://u@h/db?sslmode=disable&search_path=a%20b&pool_max_conns=4",
+			want: "host=h port=5432 user=u dbname=db sslmode=disable pool_max_conns=4 search_path='a b'"},
 	} {
-		if got := redactDSN(in); got != want {
-			t.Errorf("redactDSN(%q) = %q, want %q", in, got, want)
+		t.Run(c.name, func(t *testing.T) {
+			t.Setenv("PGPASSWORD", "") // ParseConfig reads the PG* environment too
+			got := redact("DATABASE_URL", c.dsn)
+			for _, secret := range c.secrets {
+				if strings.Contains(got, secret) {
+					t.Errorf("redact(%q) = %q: shows %q", c.dsn, got, secret)
+				}
+			}
+			if !strings.Contains(got, c.want) {
+				t.Errorf("redact(%q) = %q, want %q", c.dsn, got, c.want)
+			}
+		})
+	}
+}
+
+// TestDatabaseURLRefusedWithoutSecret: run's refusal of a DATABASE_URL pgx cannot parse says why,
+// and nothing of the string: pgx's own error quotes it, masking only what it recognizes.
+func TestDatabaseURLRefusedWithoutSecret(t *testing.T) {
+	for _, dsn := range []string{
+		"host=h user=u password=two words-secret dbname=d",
+		"postgres://u:words-secret@h:notaport/db",
+		"host=h password='words-secret",
+	} {
+		_, _, err := openPool(t.Context(), &dbEnv{DatabaseURL: dsn})
+		if err == nil || strings.Contains(err.Error(), "words-secret") || !strings.Contains(err.Error(), "DATABASE_URL is not a valid connection string") {
+			t.Errorf("openPool(%q): %v; want a refusal without the secret", dsn, err)
 		}
 	}
+}
+
+// TestConfigOutputEscaped: config's values are anyone's text; its table escapes what a terminal
+// would take for commands, and --json is valid JSON that reads back the values (a C1 control as
+// \u009b, a byte that is not UTF-8 as U+FFFD).
+func TestConfigOutputEscaped(t *testing.T) {
+	const name = "broker\u009b31m\u202eevil\x1b]0;title\a\xff.example"
+	setEnv(t, with("HANDLER", "<unset>", "KAFKA_TLS", "true", "KAFKA_TLS_SERVER_NAME", name,
+		"DATABASE_URL", "postgres://u:pw@h/db?application_name=app\u009bx"))
+	var out, errOut bytes.Buffer
+	if code := run([]string{"config"}, &out, &errOut, goHandlers...); code != 0 {
+		t.Fatalf("config: exit %d\n%s", code, errOut.String())
+	}
+	if bad := rawControl(out.String()); bad != "" {
+		t.Errorf("config prints %s raw:\n%q", bad, out.String())
+	}
+	out.Reset()
+	if code := run([]string{"config", "--json"}, &out, &errOut, goHandlers...); code != 0 {
+		t.Fatalf("config --json: exit %d\n%s", code, errOut.String())
+	}
+	if !json.Valid(out.Bytes()) {
+		t.Fatalf("config --json is not JSON:\n%q", out.String())
+	}
+	if bad := rawControl(out.String()); bad != "" {
+		t.Errorf("config --json prints %s raw:\n%q", bad, out.String())
+	}
+	var shown configShown
+	if err := json.Unmarshal(out.Bytes(), &shown); err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range shown.Variables {
+		if v.Name == "KAFKA_TLS_SERVER_NAME" && v.Value != strings.ToValidUTF8(name, "\ufffd") {
+			t.Errorf("KAFKA_TLS_SERVER_NAME reads back as %q, want %q", v.Value, strings.ToValidUTF8(name, "\ufffd"))
+		}
+	}
+}
+
+// rawControl names the first character a terminal takes for a command (C0 but tab and newline,
+// DEL, C1, bidirectional formatting) or byte that is not UTF-8 in s, or returns "".
+func rawControl(s string) string {
+	for i, r := range s {
+		switch {
+		case r == utf8.RuneError && !strings.HasPrefix(s[i:], "\ufffd"):
+			return fmt.Sprintf("the byte %#x", s[i])
+		case r == '\t' || r == '\n':
+		case r < 0x20 || r == 0x7f || r >= 0x80 && r <= 0x9f || r >= 0x202a && r <= 0x202e || r >= 0x2066 && r <= 0x2069 || r == 0x200e || r == 0x200f || r == 0x061c:
+			return fmt.Sprintf("%U", r)
+		}
+	}
+	return ""
 }

@@ -227,7 +227,7 @@ func run(args []string, stdout, stderr io.Writer, handlers ...Handler) int {
 		stderr = safetext.TerminalWriter(stderr) // a refusal names members as the broker describes them (client ids, hosts: anyone's)
 		err = upgradeCmd(ctx, args[1:], stdout, stderr)
 	case "config":
-		err = configCmd(args[1:], hs, safetext.TerminalWriter(stdout), stderr)
+		err = configCmd(args[1:], hs, stdout, stderr) // it escapes for the terminal or for JSON
 	case "dlq", "keys", "trace":
 		stderr = safetext.TerminalWriter(stderr) // the errors below may quote what came from outside
 		err = operate(ctx, cmd, args[1:], hs, stdout, stderr)
@@ -319,7 +319,7 @@ func newLogger(env *env, w io.Writer) *slog.Logger {
 func openPool(ctx context.Context, env *dbEnv, opts ...func(*pgxpool.Config)) (pool *pgxpool.Pool, adapt func(context.Context, *slog.Logger) error, err error) {
 	cfg, err := pgxpool.ParseConfig(env.DatabaseURL)
 	if err != nil {
-		return nil, nil, &configError{fmt.Errorf("DATABASE_URL is not a valid connection string: %v", err)}
+		return nil, nil, &configError{fmt.Errorf("DATABASE_URL is not a valid connection string: %s", dsnError(env.DatabaseURL, err))}
 	}
 	for _, o := range opts {
 		o(cfg)
