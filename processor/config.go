@@ -272,7 +272,9 @@ type Config struct {
 	// the standard OTEL_* environment (see docs/operations.md, "Tracing").
 	TracerProvider trace.TracerProvider
 	// Propagator reads and writes trace context in record headers. Defaults to W3C Trace Context
-	// and Baggage (traceparent, tracestate, baggage).
+	// alone (traceparent, tracestate): a record's baggage header is its producer's text, and taken
+	// in it would travel on into the handler's outgoing calls and the records kafkapg publishes;
+	// add propagation.Baggage{} to take it in.
 	Propagator propagation.TextMapPropagator
 	// KafkaOptions are extra franz-go options (TLS, SASL, ...), applied after kafkapg's own.
 	// Options that change group callbacks, offsets or commits break the guarantees.

@@ -1,13 +1,20 @@
 package service
 
 import (
+	"context"
 	"fmt"
+	"log/slog"
 	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/baggage"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kafkapg/kafkapg/internal/rig/otlprecv"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
@@ -122,6 +129,129 @@ func TestTracingEnvironment(t *testing.T) {
 			t.Errorf("%v: %v", c.env, err)
 		case s.exporter != c.exporter || s.protocol != c.protocol:
 			t.Errorf("%v: exporter %q protocol %q, want %q %q", c.env, s.exporter, s.protocol, c.exporter, c.protocol)
+		}
+	}
+}
+
+// TestOTLPHeadersMalformed: an OTLP headers variable the exporter cannot parse stops the service
+// with an error naming the variable and none of its text (the exporter would print the entry,
+// token and all, to stderr and export without it).
+func TestOTLPHeadersMalformed(t *testing.T) {
+	for _, c := range []struct {
+		name, variable, value string
+	}{
+		{name: "no =", variable: "OTEL_EXPORTER_OTLP_HEADERS", value: "authorization: Bearer tok-0123456789"},
+		{name: "an empty entry", variable: "OTEL_EXPORTER_OTLP_HEADERS", value: "x-tenant=a,,authorization=Bearer%20tok-0123456789"},
+		{name: "not a header name", variable: "OTEL_EXPORTER_OTLP_TRACES_HEADERS", value: "auth orization=Bearer tok-0123456789"},
+		{name: "bad percent-encoding", variable: "OTEL_EXPORTER_OTLP_HEADERS", value: "authorization=Bearer%zztok-0123456789"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			env := map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4318", c.variable: c.value}
+			_, err := readTracing(func(k string) string { return env[k] })
+			if err == nil || !strings.Contains(err.Error(), c.variable) || strings.Contains(err.Error(), "tok-0123456789") {
+				t.Errorf("%s=%q: err %v; want one naming the variable, without the value", c.variable, c.value, err)
+			}
+		})
+	}
+	env := map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4318", "OTEL_EXPORTER_OTLP_HEADERS": " authorization = Bearer%20tok , x-tenant=a"}
+	if _, err := readTracing(func(k string) string { return env[k] }); err != nil {
+		t.Errorf("well-formed headers: %v", err)
+	}
+}
+
+// TestOpenTelemetryLogsRedacted: what OpenTelemetry reports, through its logger (the exporter's
+// complaints about its environment) or its error handler, goes to the service's log with the
+// OTLP headers' values cut, not to stderr through OpenTelemetry's default logger.
+func TestOpenTelemetryLogsRedacted(t *testing.T) {
+	const token = "tok-0123456789abcdef"
+	env := map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "https://127.0.0.1:1", "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer " + token}
+	s, err := readTracing(func(k string) string { return env[k] })
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The exporter reads the process's environment itself: give it an entry it cannot parse
+	// (here, after the check), so that it complains through OpenTelemetry's logger.
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "https://127.0.0.1:1")
+	t.Setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization Bearer "+token)
+	var logs syncBuffer
+	tp, err := newTracerProvider(t.Context(), s, "g", slog.New(slog.NewJSONHandler(&logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_ = tp.Shutdown(ctx)
+		otel.SetLogger(logr.Discard())
+	})
+	otel.Handle(fmt.Errorf("export: the collector refused authorization=Bearer %s", token))
+	out := logs.String()
+	if strings.Contains(out, token) {
+		t.Errorf("the service's log shows the token:\n%s", out)
+	}
+	if !strings.Contains(out, "parse headers") || !strings.Contains(out, "the collector refused") {
+		t.Errorf("OpenTelemetry's complaints are not in the service's log:\n%s", out)
+	}
+}
+
+// TestOTLPHeadersInClear: headers sent to a collector on another host without TLS are warned
+// about at startup, by name, never by value.
+func TestOTLPHeadersInClear(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		env  map[string]string
+		warn bool
+	}{
+		{name: "http", env: map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318", "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer tok-1"}, warn: true},
+		{name: "traces endpoint over the generic one", env: map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4318",
+			"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces", "OTEL_EXPORTER_OTLP_TRACES_HEADERS": "authorization=Bearer tok-1"}, warn: true},
+		{name: "insecure", env: map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+			"OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer tok-1"}, warn: true},
+		{name: "https", env: map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4318", "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer tok-1"}},
+		{name: "localhost", env: map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:4318", "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer tok-1"}},
+		{name: "loopback", env: map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1]:4318", "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer tok-1"}},
+		{name: "no headers", env: map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s, err := readTracing(func(k string) string { return c.env[k] })
+			if err != nil {
+				t.Fatal(err)
+			}
+			warned := strings.Join(s.warnings, "\n")
+			if (warned != "") != c.warn || strings.Contains(warned, "tok-1") || c.warn && !strings.Contains(warned, "authorization") {
+				t.Errorf("warnings %q; want a warning: %v, naming the header and not its value", s.warnings, c.warn)
+			}
+		})
+	}
+}
+
+// TestBaggageOptIn: a record's baggage header is taken in (and so passed on to the handler's
+// outgoing calls and the records kafkapg publishes) only when OTEL_PROPAGATORS asks for baggage;
+// the default is W3C trace context alone.
+func TestBaggageOptIn(t *testing.T) {
+	carrier := propagation.MapCarrier{
+		"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+		"baggage":     "user.id=injected,admin=true",
+	}
+	for _, c := range []struct {
+		propagators string
+		baggage     bool
+	}{
+		{propagators: "", baggage: false},
+		{propagators: "tracecontext", baggage: false},
+		{propagators: "tracecontext,baggage", baggage: true},
+	} {
+		env := map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4318", "OTEL_PROPAGATORS": c.propagators}
+		s, err := readTracing(func(k string) string { return env[k] })
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := s.prop.Extract(context.Background(), carrier)
+		if !trace.SpanContextFromContext(ctx).IsValid() {
+			t.Errorf("OTEL_PROPAGATORS=%q: the trace context is not taken in", c.propagators)
+		}
+		if got := baggage.FromContext(ctx).Len() > 0; got != c.baggage {
+			t.Errorf("OTEL_PROPAGATORS=%q: baggage taken in: %v, want %v", c.propagators, got, c.baggage)
 		}
 	}
 }

@@ -78,8 +78,8 @@ type RelayConfig struct {
 	// child of the trace context the row's headers carry; the record carries the send span's
 	// context instead (see package processor, Config.TracerProvider).
 	TracerProvider trace.TracerProvider
-	// Propagator reads and writes that context in headers. Defaults to W3C Trace Context and
-	// Baggage.
+	// Propagator reads and writes that context in headers. Defaults to W3C Trace Context alone
+	// (see processor.Config.Propagator).
 	Propagator propagation.TextMapPropagator
 }
 

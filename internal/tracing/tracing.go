@@ -46,10 +46,12 @@ type Tracer struct {
 	group  string
 }
 
-// DefaultPropagator is W3C Trace Context and Baggage, what OpenTelemetry SDKs use unless told
-// otherwise (OTEL_PROPAGATORS=tracecontext,baggage).
+// DefaultPropagator is W3C Trace Context alone. OpenTelemetry SDKs add Baggage unless told
+// otherwise; kafkapg does not, because a record's baggage header is whatever its producer wrote,
+// and taken in it would travel on into the handler's outgoing calls and the records kafkapg
+// publishes. Baggage is a choice (OTEL_PROPAGATORS=tracecontext,baggage in the service).
 func DefaultPropagator() propagation.TextMapPropagator {
-	return propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
+	return propagation.TraceContext{}
 }
 
 // New returns a Tracer reporting to tp for consumer group group, or nil (tracing off) if tp is
