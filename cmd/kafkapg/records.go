@@ -21,6 +21,8 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/internal/safetext"
 )
 
 // maxLine bounds a line of produce's input: a record's value, or its envelope.
@@ -396,7 +398,10 @@ and headers. It joins no consumer group and commits nothing.
 		return err
 	}
 	defer cl.Close()
-	enc := json.NewEncoder(stdout)
+	// A record's bytes are anyone's: JSONWriter escapes what a terminal would obey (C1 and
+	// bidirectional controls, which encoding/json writes raw) the way JSON escapes, so that the
+	// lines stay JSON.
+	enc := json.NewEncoder(safetext.JSONWriter(stdout))
 	n := 0
 	for {
 		fs := cl.PollFetches(ctx)

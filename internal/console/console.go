@@ -29,6 +29,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/internal/safetext"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
@@ -292,7 +293,7 @@ func (c *Console) renderStatus(w http.ResponseWriter, r *http.Request, status in
 	w.Header().Set("Content-Security-Policy", "default-src 'self'; style-src 'self'; img-src 'self' data:")
 	w.Header().Set("X-Frame-Options", "DENY")
 	w.WriteHeader(status)
-	fmt.Fprint(w, b.String())
+	fmt.Fprint(w, safetext.HTML(b.String())) // html/template leaves controls (U+202E, ESC) as they are
 }
 
 type errorData struct {
@@ -306,7 +307,7 @@ type errorData struct {
 func (c *Console) fail(w http.ResponseWriter, r *http.Request, err error) {
 	if !errors.Is(err, ops.ErrUsage) {
 		c.cfg.Log.Error("console", "path", r.URL.Path, "err", err)
-		http.Error(w, err.Error(), http.StatusInternalServerError)
+		http.Error(w, safetext.HTML(err.Error()), http.StatusInternalServerError)
 		return
 	}
 	back := "/"

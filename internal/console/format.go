@@ -12,6 +12,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/internal/safetext"
 )
 
 // maxShown bounds the bytes of a value a page shows.
@@ -47,8 +48,13 @@ func printable(text []byte) bool {
 	return true
 }
 
+// Every page goes through safetext.HTML as it is sent (console.go, renderStatus): what came from
+// outside (error messages, actors, reasons, keys, values, topics) shows its controls as visible
+// escapes in text, and keeps them as character references inside tags, where a form needs the
+// exact value back. An attribute a person reads (a title) takes visible, which shows them there.
 var funcs = template.FuncMap{
-	"list": func(s ...string) []string { return s },
+	"visible": safetext.Visible,
+	"list":    func(s ...string) []string { return s },
 	// query is a URL's query as url.Values encodes it: each name and value percent-encoded, so
 	// that only its own '=' and '&' are left (html/template would escape those too, and the
 	// link would lose its filter).

@@ -78,16 +78,68 @@ func control(r rune) bool {
 // control) and each byte that is not UTF-8 as a visible escape: \x1b, \u202e. UTF-8 sequences
 // may be split across writes.
 func TerminalWriter(w io.Writer) io.Writer {
-	return &escaper{w: w, escape: func(b *strings.Builder, r rune, raw byte, invalid bool) {
+	return &escaper{w: w, control: control, escape: visible}
+}
+
+// visible writes r (or raw, a byte that is not UTF-8) as an escape a person reads: \x1b, \u202e.
+func visible(b *strings.Builder, r rune, raw byte, invalid bool) {
+	switch {
+	case invalid:
+		fmt.Fprintf(b, `\x%02x`, raw)
+	case r < 0x100:
+		fmt.Fprintf(b, `\x%02x`, r)
+	default:
+		fmt.Fprintf(b, `\u%04x`, r)
+	}
+}
+
+// HTML returns a page html/template rendered (or text a browser shows) with what html/template
+// leaves as it is made harmless: the controls (see control; carriage returns are kept, HTML
+// keeps them harmless) and the bytes that are not UTF-8. A browser obeys the bidirectional ones
+// (U+202E shows "exe.txt" as "txt.exe") and hides the rest (ESC, BEL). In text each is written as
+// a visible escape (\u202e, \x1b), ASCII that means nothing to HTML; inside a tag (an attribute's
+// value: a form's hidden filter) as a character reference (&#x202e;), which is no control in the
+// page's bytes and gives the form back the exact value (a byte that is not UTF-8 becomes U+FFFD,
+// which a form sends as it is). An attribute a person reads (a title) should hold visible
+// escapes already (Visible). The page's own text has no control characters, so only what came
+// from outside is changed.
+func HTML(page string) string {
+	var b strings.Builder
+	inTag := false
+	for i := 0; i < len(page); {
+		r, size := utf8.DecodeRuneInString(page[i:])
+		invalid := r == utf8.RuneError && size <= 1
 		switch {
-		case invalid:
-			fmt.Fprintf(b, `\x%02x`, raw)
-		case r < 0x100:
-			fmt.Fprintf(b, `\x%02x`, r)
+		case invalid && inTag:
+			b.WriteString("&#xfffd;")
+		case (invalid || r != '\r' && control(r)) && inTag:
+			fmt.Fprintf(&b, "&#x%x;", r)
+		case invalid || r != '\r' && control(r):
+			visible(&b, r, page[i], invalid)
 		default:
-			fmt.Fprintf(b, `\u%04x`, r)
+			// html/template writes '<' and '>' of what came from outside as &lt; and &gt;: a
+			// raw one is the page's markup.
+			switch r {
+			case '<':
+				inTag = true
+			case '>':
+				inTag = false
+			}
+			b.WriteString(page[i : i+size])
 		}
-	}}
+		i += max(size, 1)
+	}
+	return b.String()
+}
+
+// Visible returns s with each control character (see control) and each byte that is not UTF-8
+// written as a visible escape (\x1b, \u202e), as TerminalWriter writes them.
+func Visible(s string) string {
+	var b strings.Builder
+	e := TerminalWriter(&b).(*escaper)
+	io.WriteString(e, s)
+	e.flush()
+	return b.String()
 }
 
 // JSONWriter returns a writer to w for JSON (encoding/json's output: the C0 controls are escaped
@@ -95,7 +147,7 @@ func TerminalWriter(w io.Writer) io.Writer {
 // are valid only inside strings, where JSON has them. Bytes that are not UTF-8 are written as
 // U+FFFD, as encoding/json writes them itself.
 func JSONWriter(w io.Writer) io.Writer {
-	return &escaper{w: w, escape: func(b *strings.Builder, r rune, _ byte, invalid bool) {
+	return &escaper{w: w, control: control, escape: func(b *strings.Builder, r rune, _ byte, invalid bool) {
 		if invalid {
 			r = utf8.RuneError
 		}
@@ -106,6 +158,7 @@ func JSONWriter(w io.Writer) io.Writer {
 // escaper writes what it is given to w, with escape's rendering of the controls.
 type escaper struct {
 	w       io.Writer
+	control func(r rune) bool // what is escaped
 	escape  func(b *strings.Builder, r rune, raw byte, invalid bool)
 	pending []byte // the start of a UTF-8 sequence the last write ended in
 }
@@ -128,7 +181,7 @@ func (e *escaper) Write(p []byte) (int, error) {
 			i++
 			continue
 		}
-		if control(r) {
+		if e.control(r) {
 			e.escape(&b, r, in[i], false)
 		} else {
 			b.Write(in[i : i+size])
@@ -139,4 +192,16 @@ func (e *escaper) Write(p []byte) (int, error) {
 		return 0, err
 	}
 	return len(p), nil
+}
+
+// flush writes what is left of a UTF-8 sequence the last write began, as bytes that are not
+// UTF-8: the end of the text has come.
+func (e *escaper) flush() error {
+	var b strings.Builder
+	for _, c := range e.pending {
+		e.escape(&b, utf8.RuneError, c, true)
+	}
+	e.pending = nil
+	_, err := io.WriteString(e.w, b.String())
+	return err
 }

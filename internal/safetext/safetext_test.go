@@ -181,3 +181,50 @@ func TestJSONWriter(t *testing.T) {
 		t.Errorf("JSON output %q decodes to %q, %v; want %q", b.String(), back["k"], err, in["k"])
 	}
 }
+
+// TestJSONWriterRawValues: JSON a program passes through (json.RawMessage: a record's value)
+// keeps its bytes as they are, C1 controls and bytes that are not UTF-8 included; through
+// JSONWriter it is valid JSON whatever the writes' split, which reads back with U+FFFD for each
+// byte that is not UTF-8.
+func TestJSONWriterRawValues(t *testing.T) {
+	raw := json.RawMessage("{\"v\":\"a\u009b31m\u202eb\xffc\u2066\"}")
+	want := strings.ToValidUTF8("a\u009b31m\u202eb\xffc\u2066", "\ufffd")
+	var enc strings.Builder
+	if err := json.NewEncoder(&enc).Encode(map[string]any{"value": raw, "text": "x\u009by"}); err != nil {
+		t.Fatal(err)
+	}
+	in := enc.String()
+	for split := range len(in) + 1 {
+		var b strings.Builder
+		w := safetext.JSONWriter(&b)
+		io.WriteString(w, in[:split])
+		io.WriteString(w, in[split:])
+		out := b.String()
+		if !json.Valid([]byte(out)) || !utf8.ValidString(out) || strings.ContainsAny(out, "\u009b\u202e\u2066") {
+			t.Fatalf("split at %d: %q is not JSON, or has control characters raw", split, out)
+		}
+		var back struct {
+			Value struct{ V string }
+			Text  string
+		}
+		if err := json.Unmarshal([]byte(out), &back); err != nil || back.Value.V != want || back.Text != "x\u009by" {
+			t.Fatalf("split at %d: %q reads back as %+v, %v", split, out, back, err)
+		}
+	}
+}
+
+// TestHTML: what html/template leaves as it is (bidirectional controls, ESC, BEL, C1, bytes that
+// are not UTF-8) is nowhere raw in the page: in text a visible escape, inside a tag a character
+// reference (a form gets its value back); markup, text, tabs, newlines and carriage returns are
+// kept.
+func TestHTML(t *testing.T) {
+	page := "<input type=\"hidden\" name=\"error\" value=\"a\u202eb\x1b\xff\">\n<td>x\x1b[31m\x07 é \u202egpj.exe\u2066\u200f\u061c\u009b\xff\x00\r\n\t</td>\xe2\x80"
+	want := `<input type="hidden" name="error" value="a&#x202e;b&#x1b;&#xfffd;">` + "\n" +
+		`<td>x\x1b[31m\x07 é \u202egpj.exe\u2066\u200f\u061c\x9b\xff\x00` + "\r\n\t</td>" + `\xe2\x80`
+	if got := safetext.HTML(page); got != want {
+		t.Errorf("HTML:\n%q, want\n%q", got, want)
+	}
+	if got, want := safetext.Visible("a\u202eb\x1b\xffc\xe2"), `a\u202eb\x1b\xffc\xe2`; got != want {
+		t.Errorf("Visible: %q, want %q", got, want)
+	}
+}
