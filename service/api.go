@@ -76,6 +76,7 @@ type keysAPI struct {
 	keys    http.HandlerFunc
 	release http.HandlerFunc
 	trace   http.HandlerFunc
+	close   func() // releases what the routes hold (their Kafka client); nil: nothing
 }
 
 func newAPI(ctx context.Context, o *ops.Ops, token string, log *slog.Logger) *api {
@@ -125,8 +126,14 @@ func (a *api) authorized(r *http.Request) bool {
 	return subtle.ConstantTimeCompare(sum[:], a.token[:]) == 1
 }
 
-// wait waits for the tasks this process runs to stop (they stop with the service's context).
-func (a *api) wait() { a.tasks.wait() }
+// wait waits for the tasks this process runs to stop (they stop with the service's context),
+// then closes the keys and trace routes' Kafka client.
+func (a *api) wait() {
+	a.tasks.wait()
+	if a.keys.close != nil {
+		a.keys.close()
+	}
+}
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Header().Set("Content-Type", "application/json")
@@ -159,6 +166,10 @@ func fail(w http.ResponseWriter, err error) {
 		writeError(w, http.StatusNotFound, err)
 	case errors.Is(err, ops.ErrTaskBusy):
 		writeError(w, http.StatusConflict, err)
+	case errors.Is(err, ops.ErrBusy):
+		// As many traces as the process runs at once are running: not queued, refused.
+		w.Header().Set("Retry-After", "5")
+		writeError(w, http.StatusTooManyRequests, err)
 	default:
 		writeError(w, http.StatusInternalServerError, err)
 	}
@@ -219,7 +230,19 @@ func (a *api) show(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	d, err := a.ops.Show(r.Context(), id)
+	// A value shows its first value_bytes (ops.ShownValueBytes by default, at most
+	// ops.MaxShownValueBytes); with values=false, none (nor the headers' values).
+	q := r.URL.Query()
+	opt := ops.ShowOptions{HideValues: q.Get("values") == "false"}
+	if s := q.Get("value_bytes"); s != "" {
+		n, err := strconv.Atoi(s)
+		if err != nil || n <= 0 {
+			fail(w, fmt.Errorf("%w: value_bytes %q: want 1 to %d", ops.ErrUsage, s, ops.MaxShownValueBytes))
+			return
+		}
+		opt.ValueBytes = n
+	}
+	d, err := a.ops.Show(r.Context(), id, opt)
 	respond(w, d, err)
 }
 

@@ -24,10 +24,22 @@ func (e *env) stuckScope() retrytopics.StuckScope {
 	return retrytopics.StuckScope{Older: e.StallTimeout, Tiers: tiers}
 }
 
-// keysRoutes returns the API's keys and trace routes.
+// keysRoutes returns the API's keys and trace routes. Traces read Kafka with one client for the
+// API (its admin requests; each trace's reads use short-lived consumers of its own, at most
+// ops.MaxTraces at once in the process), closed by the returned keysAPI's close; they read only
+// the group's topics: those of KAFKA_TOPICS and those it has positions for (ops.CheckTopic).
 func keysRoutes(a *api, e *env, concurrency map[string]int) keysAPI {
 	c := &opsCmd{env: e}
+	traces := a.ops.WithTopics(e.KafkaTopics...)
+	kc, kerr := c.kafka()
+	closeKafka := func() {}
+	if kerr == nil {
+		closeKafka = kc.Close
+	} else {
+		kc = nil
+	}
 	return keysAPI{
+		close: closeKafka,
 		keys: func(w http.ResponseWriter, r *http.Request) {
 			n, err := limit(r, 100)
 			if err != nil {
@@ -97,11 +109,7 @@ func keysRoutes(a *api, e *env, concurrency map[string]int) keysAPI {
 			if q.Has("key") {
 				tq.Key = []byte(q.Get("key"))
 			}
-			kc, kerr := c.kafka()
-			if kerr == nil {
-				defer kc.Close()
-			}
-			res, err := a.ops.Trace(r.Context(), tq, kc)
+			res, err := traces.Trace(r.Context(), tq, kc)
 			if err != nil {
 				fail(w, err)
 				return

@@ -200,6 +200,7 @@ func printCounts(c *opsCmd, counts []ops.Count) {
 func dlqShow(ctx context.Context, c *opsCmd, args []string) error {
 	fs := c.flags("dlq show")
 	asJSON := fs.Bool("json", false, "print JSON")
+	valueBytes := fs.Int("value-bytes", ops.ShownValueBytes, fmt.Sprintf("read the value's first `N` bytes (at most %d)", ops.MaxShownValueBytes))
 	pos, err := parseArgs(fs, args)
 	if err != nil {
 		return err
@@ -211,7 +212,10 @@ func dlqShow(ctx context.Context, c *opsCmd, args []string) error {
 	if err != nil {
 		return usagef("dead letter id %q is not a number", pos[0])
 	}
-	d, err := c.ops.Show(ctx, id)
+	if *valueBytes <= 0 || *valueBytes > ops.MaxShownValueBytes {
+		return usagef("--value-bytes must be between 1 and %d, got %d", ops.MaxShownValueBytes, *valueBytes)
+	}
+	d, err := c.ops.Show(ctx, id, ops.ShowOptions{ValueBytes: *valueBytes})
 	if err != nil {
 		return err
 	}
@@ -233,6 +237,9 @@ func dlqShow(ctx context.Context, c *opsCmd, args []string) error {
 	fmt.Fprintf(w, "  timestamp:  %s\n", d.Timestamp.Format(time.RFC3339Nano))
 	fmt.Fprintf(w, "  key:        %s\n", showBytes(d.Key))
 	fmt.Fprintf(w, "  value:      %s\n", showBytes(d.Value))
+	if d.ValueTruncated {
+		fmt.Fprintf(w, "              (its first %d bytes of %d were read; --value-bytes reads more)\n", len(d.Value), d.ValueSize)
+	}
 	if len(d.Headers) > 0 {
 		fmt.Fprintln(w, "  headers:")
 		for _, h := range d.Headers {
@@ -545,7 +552,7 @@ func showBytes(b []byte) string {
 	const maxShown = 16 << 10
 	cut := ""
 	if len(b) > maxShown {
-		cut = fmt.Sprintf(" (%d bytes in all; --json for the whole)", len(b))
+		cut = fmt.Sprintf(" (%d bytes read; --json shows them all)", len(b))
 	}
 	switch {
 	case b == nil:

@@ -201,6 +201,27 @@ func TestOperatorAPI(t *testing.T) {
 	if code != 200 || json.Unmarshal([]byte(body), &dl) != nil || string(dl.Value) != "secret-value-2" || len(dl.Events) != 1 {
 		t.Fatalf("GET dead letter 2: %d %s", code, body)
 	}
+	// A read for display reads what it shows: a prefix of the value, or none of it.
+	for _, c := range []struct {
+		query, value string
+		truncated    bool
+	}{{"?value_bytes=6", "secret", true}, {"?values=false", "", false}, {"?value_bytes=1000", "secret-value-2", false}} {
+		code, body := call("GET", "/api/v1/dead-letters/2"+c.query, token, "")
+		var dl ops.DeadLetter
+		if code != 200 || json.Unmarshal([]byte(body), &dl) != nil || string(dl.Value) != c.value || dl.ValueSize != 14 || dl.ValueTruncated != c.truncated {
+			t.Errorf("GET dead letter 2%s: %d %s; want value %q of 14 bytes, truncated %v", c.query, code, body, c.value, c.truncated)
+		}
+	}
+	for _, q := range []string{"?value_bytes=0", "?value_bytes=x", fmt.Sprintf("?value_bytes=%d", ops.MaxShownValueBytes+1)} {
+		if code, body := call("GET", "/api/v1/dead-letters/2"+q, token, ""); code != http.StatusBadRequest || !strings.Contains(body, "value") {
+			t.Errorf("GET dead letter 2%s: %d %s; want 400", q, code, body)
+		}
+	}
+	// A trace reads only the group's topics (KAFKA_TOPICS, and those with positions).
+	if code, body := call("GET", "/api/v1/trace?topic=hr.salaries&partition=0&offset=0", token, ""); code != http.StatusBadRequest ||
+		!strings.Contains(body, `topic \"hr.salaries\" is not one of group dg's topics: only its source topics (orders)`) {
+		t.Errorf("GET trace of another topic: %d %s; want 400 naming the group's topics", code, body)
+	}
 	if code, body := call("GET", "/api/v1/dead-letters?class=retryable&limit=1", token, ""); code != 200 || strings.Count(body, `"id"`) != 1 {
 		t.Errorf("GET list with a filter and a limit: %d %s", code, body)
 	}

@@ -179,6 +179,16 @@ func TestTraceCmd(t *testing.T) {
 	topic := k.CreateTopic(t, 1)
 	k.Produce(t, &kgo.Record{Topic: topic, Key: []byte("acct-7"), Value: []byte("v"), Timestamp: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)})
 	c, out, errOut := keysCmdEnv(pool, k.Brokers...)
+	// The group's topics (KAFKA_TOPICS) are all trace may read: another is bad usage, naming them.
+	k.CreateTopicNamed(t, "hr.salaries", 1)
+	k.Produce(t, &kgo.Record{Topic: "hr.salaries", Key: []byte("ceo"), Value: []byte("1")})
+	out.Reset()
+	err := traceCmd(ctx, c, []string{"--topic", "hr.salaries", "--partition", "0", "--offset", "0"})
+	if !errors.Is(err, ops.ErrUsage) || !strings.Contains(err.Error(), `topic "hr.salaries" is not one of group kg's topics: only its source topics (orders)`) ||
+		strings.Contains(out.String(), "ceo") {
+		t.Errorf("trace of another topic: %v, printed %q; want bad usage naming the group's topics", err, out)
+	}
+	c.ops = c.ops.WithTopics(topic)
 
 	want := topic + "[0]@0 key=acct-7: not consumed yet: the group has no position in the partition yet\n" +
 		"  2026-01-02T03:04:05Z  produced (record timestamp)\n"

@@ -39,7 +39,9 @@ type opsCmd struct {
 
 // newOpsCmd returns the operator commands of e's group on pool, writing to stdout and stderr.
 func newOpsCmd(prog string, e *env, pool *pgxpool.Pool, stdout, stderr io.Writer) *opsCmd {
-	return &opsCmd{prog: prog, env: e, pool: pool, ops: ops.New(pool, e.DBSchema, e.KafkaGroupID),
+	// The group's topics, which are all that trace may read (ops.CheckTopic).
+	o := ops.New(pool, e.DBSchema, e.KafkaGroupID).WithTopics(e.KafkaTopics...)
+	return &opsCmd{prog: prog, env: e, pool: pool, ops: o,
 		out: safetext.TerminalWriter(stdout), err: safetext.TerminalWriter(stderr), rawOut: safetext.JSONWriter(stdout)}
 }
 

@@ -606,7 +606,7 @@ func serveConsole(ctx context.Context, env *env, concurrency map[string]int, poo
 	if err != nil {
 		return nil, err
 	}
-	o := ops.New(pool, env.DBSchema, env.KafkaGroupID)
+	o := ops.New(pool, env.DBSchema, env.KafkaGroupID).WithTopics(env.KafkaTopics...) // all a trace may read
 	log = log.With("component", "console")
 	tasks := newTaskRunner(ctx, o, "console", log)
 	// The overview's chart and alerts come from this process's own metrics.

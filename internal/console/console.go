@@ -100,7 +100,7 @@ func parseLogins(s, what, secret string, minLen int) ([]User, error) {
 
 // Config is what a Console serves.
 type Config struct {
-	Ops   *ops.Ops     // the group's operations (and its name)
+	Ops   *ops.Ops     // the group's operations (and its name, and its topics: all a trace reads, ops.CheckTopic)
 	Admin *kadm.Client // end offsets, for lag; nil: lag is not shown
 	// Kafka reads the records a trace looks for; nil: traces read Postgres only.
 	Kafka *kgo.Client
@@ -644,7 +644,10 @@ func (c *Console) deadLetter(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	dl, err := c.cfg.Ops.Show(r.Context(), id)
+	// Values may hold personal data: with HideValues a viewer sees their size, not their bytes,
+	// which are not even read. Others see the value's first maxShown bytes, all that is read.
+	hidden := c.cfg.HideValues && userOf(r).role != Operator
+	dl, err := c.cfg.Ops.Show(r.Context(), id, ops.ShowOptions{HideValues: hidden, ValueBytes: maxShown})
 	if errors.Is(err, ops.ErrNotFound) {
 		http.NotFound(w, r)
 		return
@@ -653,15 +656,12 @@ func (c *Console) deadLetter(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, err)
 		return
 	}
-	d := deadLetterData{DL: dl}
-	if c.cfg.HideValues && userOf(r).role != Operator {
-		// Values may hold personal data: a viewer sees their size, not their bytes.
-		d.Hidden = true
-		for i := range d.DL.Headers {
-			d.DL.Headers[i].Value = nil
-		}
-	} else {
+	d := deadLetterData{DL: dl, Hidden: hidden}
+	if !hidden {
 		d.Value, d.Encoding = decode(dl.Value)
+		if dl.ValueTruncated {
+			d.Value += fmt.Sprintf("\n… (%d bytes more)", dl.ValueSize-len(dl.Value))
+		}
 	}
 	c.render(w, r, "deadletter", fmt.Sprintf("Dead letter %d", id), d)
 }

@@ -65,8 +65,20 @@ func (c *Console) trace(w http.ResponseWriter, r *http.Request) {
 	if err == nil {
 		res, err = c.cfg.Ops.Trace(r.Context(), tq, c.cfg.Kafka)
 	}
+	if errors.Is(err, ops.ErrBusy) {
+		// As many traces as the process runs at once are running (ops.MaxTraces): refused, not
+		// queued; said on the page, with the form to try again.
+		d.Error = strings.TrimPrefix(err.Error(), ops.ErrBusy.Error()+": ")
+		for k, v := range d.Form {
+			d.Form[k] = safetext.Text(v, 1024)
+		}
+		w.Header().Set("Retry-After", "5")
+		c.renderStatus(w, r, http.StatusTooManyRequests, "trace", "Trace a record", d)
+		return
+	}
 	if errors.Is(err, ops.ErrUsage) {
-		// The person's mistake: said on the page, with the form to correct it.
+		// The person's mistake (a topic not the group's among them): said on the page, with the
+		// form to correct it.
 		d.Error = strings.TrimPrefix(err.Error(), ops.ErrUsage.Error()+": ")
 		// The form shows what was asked, as text (a NUL or a byte that is not UTF-8 escaped).
 		for k, v := range d.Form {

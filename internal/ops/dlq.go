@@ -89,8 +89,8 @@ func (f Filter) where(args *[]any) string {
 	return strings.Join(conds, " AND ")
 }
 
-// DeadLetter is a dead_letters row. Value and Headers are read by Show only; List gives
-// ValueSize.
+// DeadLetter is a dead_letters row. Value and Headers are read by Show only (as much of them as
+// it shows); List gives ValueSize.
 type DeadLetter struct {
 	ID        int64  `json:"id"`
 	Topic     string `json:"topic"`
@@ -99,9 +99,12 @@ type DeadLetter struct {
 	Key       []byte `json:"key"`
 	KeySize   int    `json:"key_size"`
 	// KeyTruncated: Key is the key's first ListedKeyBytes (in a list; Show gives it whole).
-	KeyTruncated    bool      `json:"key_truncated,omitempty"`
-	Value           []byte    `json:"value,omitempty"`
-	ValueSize       int       `json:"value_size"`
+	KeyTruncated bool `json:"key_truncated,omitempty"`
+	// Value is the value's first bytes Show read (ShowOptions); nil when hidden or null.
+	Value     []byte `json:"value,omitempty"`
+	ValueSize int    `json:"value_size"`
+	// ValueTruncated: Value is the value's first bytes, ValueSize is its length.
+	ValueTruncated  bool      `json:"value_truncated,omitempty"`
 	Headers         []Header  `json:"headers,omitempty"`
 	Timestamp       time.Time `json:"timestamp"`
 	Class           string    `json:"error_class"`
@@ -116,10 +119,12 @@ type DeadLetter struct {
 	BlocksKey       bool      `json:"blocks_key"` // its key waits for it (ON_DEAD_LETTER=block)
 }
 
-// Header is a record header.
+// Header is a record header. In a dead letter Show reads, Key and Value are their first
+// ShownHeaderBytes, and Value is nil when values are hidden.
 type Header struct {
-	Key   string `json:"key"`
-	Value []byte `json:"value"`
+	Key       string `json:"key"`
+	Value     []byte `json:"value"`
+	ValueSize int    `json:"value_size"`
 }
 
 // Event is a step of a dead letter's history.
@@ -227,9 +232,41 @@ func (o *Ops) Summary(ctx context.Context, f Filter) ([]Count, error) {
 	return out, nil
 }
 
-// Show returns dead letter id whole: its record, headers, history, and whether its key waits
-// for it.
-func (o *Ops) Show(ctx context.Context, id int64) (DeadLetter, error) {
+// ShowOptions chooses what Show reads of a dead letter's record: a read for display reads only
+// the bytes it shows.
+type ShowOptions struct {
+	// HideValues leaves out the value and the headers' values: Show reads their sizes, never
+	// their bytes.
+	HideValues bool
+	// ValueBytes is how much of the value Show reads, from its start (DeadLetter.ValueTruncated
+	// says when there is more). Defaults to ShownValueBytes; at most MaxShownValueBytes.
+	ValueBytes int
+}
+
+// What Show reads of a dead letter's record at most: ShownValueBytes of its value (unless asked
+// for more, up to MaxShownValueBytes), ShownKeyBytes of its key, and ShownHeaderBytes of each
+// header's key and value. A dead letter keeps a whole record, which may be many megabytes: a
+// page showing it costs what it shows (40 requests for a 16 MB dead letter took 786 MB).
+const (
+	ShownValueBytes    = 64 << 10
+	MaxShownValueBytes = 1 << 20
+	ShownKeyBytes      = 64 << 10
+	ShownHeaderBytes   = 1 << 10
+)
+
+// Show returns dead letter id: its record (as much of it as opt says), headers, history, and
+// whether its key waits for it.
+func (o *Ops) Show(ctx context.Context, id int64, opt ShowOptions) (DeadLetter, error) {
+	if opt.ValueBytes == 0 {
+		opt.ValueBytes = ShownValueBytes
+	}
+	if opt.ValueBytes < 0 || opt.ValueBytes > MaxShownValueBytes {
+		return DeadLetter{}, usage("value bytes must be between 1 and %d, got %d", MaxShownValueBytes, opt.ValueBytes)
+	}
+	valueBytes := opt.ValueBytes
+	if opt.HideValues {
+		valueBytes = 0
+	}
 	rows, err := o.pool.Query(ctx, `SELECT `+listColumns+` FROM `+o.table("dead_letters")+` d WHERE d.consumer_group = $1 AND d.id = $2`, o.group, id)
 	if err != nil {
 		return DeadLetter{}, fmt.Errorf("read dead letter %d: %w", id, err)
@@ -243,12 +280,21 @@ func (o *Ops) Show(ctx context.Context, id int64) (DeadLetter, error) {
 	}
 	dl := found[0]
 	var hkeys, hvals [][]byte
-	// Whole, unlike a list: its key and error message too.
-	err = o.pool.QueryRow(ctx, `SELECT d.key, d.error_message, d.value, d.header_keys, d.header_values,
+	var hsizes []int32
+	// More than a list: up to ShownKeyBytes of its key, its error message (bounded when it was
+	// written: retrytopics.MaxErrorMessage), and the bytes of the value and headers it shows. The
+	// value is read in Postgres's substring only: with hidden values (valueBytes 0), not at all.
+	err = o.pool.QueryRow(ctx, `SELECT substring(d.key from 1 for $2), d.error_message,
+			CASE WHEN $3 > 0 THEN substring(d.value from 1 for $3) END,
+			ARRAY(SELECT substring(k from 1 for $4) FROM unnest(d.header_keys) WITH ORDINALITY u(k, i) ORDER BY i),
+			ARRAY(SELECT CASE WHEN $3 > 0 THEN substring(v from 1 for $4) END FROM unnest(d.header_values) WITH ORDINALITY u(v, i) ORDER BY i),
+			ARRAY(SELECT coalesce(octet_length(v), 0) FROM unnest(d.header_values) WITH ORDINALITY u(v, i) ORDER BY i),
 			EXISTS (SELECT 1 FROM `+o.table("held_keys")+` h WHERE h.consumer_group = d.consumer_group AND h.topic = d.topic
 				AND h.partition = d.partition AND h.key_hash = d.key_hash AND h.key = d.key AND h.state = 'blocked' AND h.head_offset = d."offset")
-		FROM `+o.table("dead_letters")+` d WHERE d.id = $1`, id).Scan(&dl.Key, &dl.Message, &dl.Value, &hkeys, &hvals, &dl.BlocksKey)
-	dl.KeyTruncated = false
+		FROM `+o.table("dead_letters")+` d WHERE d.id = $1`, id, ShownKeyBytes, valueBytes, ShownHeaderBytes).Scan(
+		&dl.Key, &dl.Message, &dl.Value, &hkeys, &hvals, &hsizes, &dl.BlocksKey)
+	dl.KeyTruncated = dl.KeySize > len(dl.Key)
+	dl.ValueTruncated = !opt.HideValues && dl.ValueSize > len(dl.Value)
 	if err != nil {
 		return dl, fmt.Errorf("read dead letter %d: %w", id, err)
 	}
@@ -256,8 +302,8 @@ func (o *Ops) Show(ctx context.Context, id int64) (DeadLetter, error) {
 	if err != nil {
 		return dl, fmt.Errorf("dead letter %d: %w", id, err)
 	}
-	for _, h := range hs {
-		dl.Headers = append(dl.Headers, Header{Key: h.Key, Value: h.Value})
+	for i, h := range hs {
+		dl.Headers = append(dl.Headers, Header{Key: h.Key, Value: h.Value, ValueSize: int(hsizes[i])})
 	}
 	rows, err = o.pool.Query(ctx, `SELECT at, event, coalesce(task_id, 0), coalesce(attempt, 0), coalesce(error_class, ''), coalesce(error_message, '')
 		FROM `+o.table("dead_letter_events")+` WHERE dead_letter_id = $1 ORDER BY id`, id)

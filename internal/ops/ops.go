@@ -27,6 +27,8 @@ type Ops struct {
 	schema string
 	group  string
 	store  *retrytopics.Store
+	// sources are source topics of the group given by WithTopics (see CheckTopic).
+	sources []string
 }
 
 // New returns the operations on group's state in schema.

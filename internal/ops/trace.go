@@ -1,6 +1,7 @@
 package ops
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"errors"
@@ -70,7 +71,35 @@ const (
 	// traceScanIdle: a scan that receives nothing for this long twice in a row stops (the rest
 	// of a partition may hold no records at all: transaction markers).
 	traceScanIdle = 2 * time.Second
+	// traceFetchBytes and traceFetchPartitionBytes bound a fetch of a trace's reads from Kafka
+	// (kgo.FetchMaxBytes, kgo.FetchMaxPartitionBytes; franz-go's defaults are 50 MiB and 1 MiB).
+	traceFetchBytes          = 4 << 20
+	traceFetchPartitionBytes = 1 << 20
 )
+
+// MaxTraces is how many traces a process runs at once, whoever asks (the console's viewers and
+// operators, the JSON API, the CLI): each reads Kafka with clients of its own, one at a time,
+// each holding at most two fetches of traceFetchBytes; a trace over the limit is refused
+// (ErrBusy), not queued.
+const MaxTraces = 4
+
+// traceSlots holds a token per trace running in the process. It is the process's, not an Ops's:
+// the console and the JSON API each have their own, and the memory they share is the process's.
+var traceSlots = make(chan struct{}, MaxTraces)
+
+// ErrBusy wraps the error of an operation refused because as many as the process runs at once
+// are running (MaxTraces traces): the caller may try again in a moment.
+var ErrBusy = errors.New("busy")
+
+// startTrace takes a trace's slot, or refuses with ErrBusy; release gives it back.
+func startTrace() (release func(), err error) {
+	select {
+	case traceSlots <- struct{}{}:
+		return func() { <-traceSlots }, nil
+	default:
+		return nil, fmt.Errorf("%w: %d traces are running in this process, the most it runs at once (each reads Kafka): try again in a moment", ErrBusy, MaxTraces)
+	}
+}
 
 func (q TraceQuery) withDefaults() (TraceQuery, error) {
 	if q.Topic == "" {
@@ -156,11 +185,23 @@ const (
 // the retry path plus those of the last q.Scan records of each partition (read from Kafka with a
 // short-lived consumer built from kc's options), newest (highest offset) first, at most q.Limit.
 // Kafka reads stop after 15 seconds; what they could not check is in the result's notes.
+//
+// q.Topic must be one of the group's (CheckTopic: bad usage otherwise). A process runs at most
+// MaxTraces traces at once: one more is refused with ErrBusy. A trace keeps nothing of a record's
+// value, and its reads from Kafka fetch a few megabytes at a time.
 func (o *Ops) Trace(ctx context.Context, q TraceQuery, kc *kgo.Client) (TraceResult, error) {
 	q, err := q.withDefaults()
 	if err != nil {
 		return TraceResult{}, err
 	}
+	if err := o.CheckTopic(ctx, q.Topic); err != nil {
+		return TraceResult{}, err
+	}
+	release, err := startTrace()
+	if err != nil {
+		return TraceResult{}, err
+	}
+	defer release()
 	res := TraceResult{Records: []RecordTrace{}}
 	kctx, cancel := context.WithTimeout(ctx, traceKafkaTimeout)
 	defer cancel()
@@ -177,7 +218,7 @@ func (o *Ops) Trace(ctx context.Context, q TraceQuery, kc *kgo.Client) (TraceRes
 		}
 	}
 
-	found := map[traceOrigin]*kgo.Record{}
+	found := map[traceOrigin]*scanned{}
 	var origins []traceOrigin
 	if q.Key == nil {
 		org := traceOrigin{q.Partition, q.Offset}
@@ -186,7 +227,7 @@ func (o *Ops) Trace(ctx context.Context, q TraceQuery, kc *kgo.Client) (TraceRes
 			recs, notes := scanTopic(kctx, kc, q.Topic, map[int32][2]int64{q.Partition: {q.Offset, q.Offset + 1}}, nil)
 			res.Notes = append(res.Notes, notes...)
 			for _, r := range recs {
-				found[traceOrigin{r.Partition, r.Offset}] = r
+				found[r.traceOrigin] = r
 			}
 		} else if kc != nil && bounds != nil && !ok {
 			res.Notes = append(res.Notes, fmt.Sprintf("Kafka has no partition %d of %s", q.Partition, q.Topic))
@@ -203,9 +244,8 @@ func (o *Ops) Trace(ctx context.Context, q TraceQuery, kc *kgo.Client) (TraceRes
 			recs, notes := scanTopic(kctx, kc, q.Topic, ranges, q.Key)
 			res.Notes = append(res.Notes, notes...)
 			for _, r := range recs {
-				org := traceOrigin{r.Partition, r.Offset}
-				found[org] = r
-				origins = append(origins, org)
+				found[r.traceOrigin] = r
+				origins = append(origins, r.traceOrigin)
 			}
 		}
 		slices.SortFunc(origins, func(a, b traceOrigin) int {
@@ -280,15 +320,32 @@ func topicBounds(ctx context.Context, kc *kgo.Client, topic string) (map[int32]l
 	return out, nil
 }
 
+// scanned is what a trace keeps of a record it read from Kafka: what it tells, never the value.
+type scanned struct {
+	traceOrigin
+	key       []byte
+	timestamp time.Time
+	traceID   string // of the trace context its headers carry; "" if none
+}
+
 // scanTopic reads the records of topic in the offset ranges [from, to) of ranges with a consumer
 // built from kc's options, keeping those whose key is key (all of them if key is nil). It stops
 // when every range is read, ctx ends, or nothing arrives for a while, and says so in notes.
-func scanTopic(ctx context.Context, kc *kgo.Client, topic string, ranges map[int32][2]int64, key []byte) (recs []*kgo.Record, notes []string) {
+//
+// It keeps a copy of what it tells of each record (its coordinates, key, time and trace id), not
+// the record: a record's key and value are slices of the fetch response they came in, which a
+// kept key would keep whole, values included.
+func scanTopic(ctx context.Context, kc *kgo.Client, topic string, ranges map[int32][2]int64, key []byte) (recs []*scanned, notes []string) {
 	notes = scanRanges(ctx, kc, topic, ranges, 0, func(r *kgo.Record) {
-		if key == nil || (r.Key != nil && string(r.Key) == string(key)) {
-			r.Value, r.Headers = nil, nil // only its coordinates, key and time are told
-			recs = append(recs, r)
+		if key != nil && (r.Key == nil || string(r.Key) != string(key)) {
+			return
 		}
+		k := key // the key asked for, equal to the record's
+		if key == nil {
+			k = bytes.Clone(r.Key)
+		}
+		recs = append(recs, &scanned{traceOrigin: traceOrigin{r.Partition, r.Offset}, key: k, timestamp: r.Timestamp,
+			traceID: tracing.TraceID(r.Headers)})
 	})
 	return recs, notes
 }
@@ -311,7 +368,10 @@ func scanRanges(ctx context.Context, kc *kgo.Client, topic string, ranges map[in
 	}
 	opts := append(slices.Clone(kc.Opts()),
 		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: at}),
-		kgo.FetchMaxWait(200*time.Millisecond))
+		kgo.FetchMaxWait(200*time.Millisecond),
+		// What the client holds at once: one fetch in flight and one polled, each of at most
+		// traceFetchBytes (but a first batch larger than that: brokers send it whole).
+		kgo.FetchMaxBytes(traceFetchBytes), kgo.FetchMaxPartitionBytes(traceFetchPartitionBytes), kgo.MaxConcurrentFetches(1))
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {
 		return []string{fmt.Sprintf("%s could not be read: %s", topic, safetext.Text(err.Error(), 300))}
@@ -524,10 +584,10 @@ type traceFacts struct {
 
 // producedAt is when the record org was produced, as its Kafka record (kr, if read) or the tables
 // say; zero if nothing does.
-func (f *traceFacts) producedAt(org traceOrigin, kr *kgo.Record) time.Time {
+func (f *traceFacts) producedAt(org traceOrigin, kr *scanned) time.Time {
 	switch {
 	case kr != nil:
-		return kr.Timestamp
+		return kr.timestamp
 	case f.dead[org].id != 0:
 		return time.UnixMilli(f.dead[org].timestamp)
 	}
@@ -776,7 +836,7 @@ func (f *traceFacts) heldKey(partition int32, key []byte) (HeldKey, bool) {
 }
 
 // describe says where the record at org is now and how it got there.
-func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Record, bounds map[int32]logBounds) RecordTrace {
+func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *scanned, bounds map[int32]logBounds) RecordTrace {
 	t := RecordTrace{Topic: q.Topic, Partition: org.partition, Offset: org.offset, Steps: []TraceStep{}}
 	step := func(at time.Time, kind, format string, args ...any) {
 		t.Steps = append(t.Steps, TraceStep{At: at, Kind: kind, What: fmt.Sprintf(format, args...)})
@@ -789,8 +849,8 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Rec
 	}
 	produced := int64(0)
 	if kr != nil {
-		setKey(kr.Key)
-		produced = kr.Timestamp.UnixMilli()
+		setKey(kr.key)
+		produced = kr.timestamp.UnixMilli()
 	}
 	rt, inTier := f.retries[org]
 	hr, held := f.held[org]
@@ -826,7 +886,7 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *kgo.Rec
 	case held && hr.traceparent != nil:
 		t.TraceID = traceID(hr.traceparent)
 	case kr != nil:
-		t.TraceID = tracing.TraceID(kr.Headers)
+		t.TraceID = kr.traceID
 	}
 	if produced > 0 {
 		step(time.UnixMilli(produced).UTC(), StepProduced, "produced (record timestamp)")

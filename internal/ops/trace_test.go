@@ -182,6 +182,7 @@ func TestTraceKafka(t *testing.T) {
 		e := newKeysEnv(t)
 		ctx := context.Background()
 		topic := k.CreateTopic(t, 1)
+		e.ops = e.ops.WithTopics(topic, topic+"-absent") // the group's topics (KAFKA_TOPICS): all a trace may read
 		var recs []*kgo.Record
 		for i := range 10 {
 			key := "x"
