@@ -256,11 +256,17 @@ type actRequest struct {
 	Sample  int        `json:"sample"`
 }
 
+// decode reads r's JSON body into v; a body that is not v's JSON gets 400, one longer than
+// httpMaxBodyBytes 413.
 func decode(w http.ResponseWriter, r *http.Request, v any) bool {
-	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<20))
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, httpMaxBodyBytes))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
-		writeError(w, http.StatusBadRequest, fmt.Errorf("request body: %v", err))
+		status := http.StatusBadRequest
+		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
+			status = http.StatusRequestEntityTooLarge
+		}
+		writeError(w, status, fmt.Errorf("request body: %v", err))
 		return false
 	}
 	return true

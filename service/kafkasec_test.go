@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"errors"
 	"math/big"
 	"net"
 	"os"
@@ -85,7 +86,13 @@ func TestKafkaSASL(t *testing.T) {
 			"KAFKA_SASL_USERNAME":  saslUser,
 			"KAFKA_SASL_PASSWORD":  wrong,
 		})
-		svc.waitNotReady("waiting for kafka")
+		svc.waitNotReady("not ready: kafka")
+		testenv.Eventually(t, 20*time.Second, func() error { // the login refused, and logged
+			if !strings.Contains(svc.logs.String(), "cannot check the topics on kafka yet") {
+				return errors.New("the logs do not say it waits for kafka:\n" + svc.logs.String())
+			}
+			return nil
+		})
 		_, body, _ := get("http://" + svc.httpAddr + "/readyz")
 		t.Logf("/readyz: %s", strings.TrimSpace(body))
 		svc.stop()
@@ -135,7 +142,13 @@ func TestKafkaTLS(t *testing.T) {
 		"KAFKA_SASL_USERNAME":  saslUser,
 		"KAFKA_SASL_PASSWORD":  saslPassword,
 	})
-	svc.waitNotReady("certificate")
+	svc.waitNotReady("not ready: kafka")
+	testenv.Eventually(t, 20*time.Second, func() error { // the detail is in the log, not on /readyz
+		if !strings.Contains(svc.logs.String(), "certificate") {
+			return errors.New("the logs do not say the broker's certificate is not trusted:\n" + svc.logs.String())
+		}
+		return nil
+	})
 	svc.stop()
 }
 
@@ -245,6 +258,6 @@ func TestKafkaMutualTLS(t *testing.T) {
 		"KAFKA_TOPICS":      topic,
 		"KAFKA_TLS_CA_FILE": caFile,
 	})
-	svc.waitNotReady("waiting for kafka")
+	svc.waitNotReady("not ready: kafka")
 	svc.stop()
 }

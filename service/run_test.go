@@ -46,7 +46,7 @@ func TestRunWaitsForPostgres(t *testing.T) {
 	pool, dbURL := testenv.Postgres(t)
 	k := testenv.NewKfake(t)
 	u, proxy := cutPostgres(t, dbURL)
-	waitThenRecover(t, pool, k, u.String(), k.Brokers[0], proxy, "waiting for postgres", "waiting for postgres")
+	waitThenRecover(t, pool, k, u.String(), k.Brokers[0], proxy, "not ready: starting: waiting for postgres", "waiting for postgres")
 }
 
 // cutPostgres returns dbURL rewritten to go through a fault proxy, and the proxy, cut.
@@ -64,14 +64,15 @@ func cutPostgres(t *testing.T, dbURL string) (*url.URL, *faultproxy.Proxy) {
 
 // TestRunWaitsForKafka starts the service while the broker refuses connections: it must keep
 // retrying with a log line naming the brokers, answer /healthz, say on /readyz that it waits for
-// Kafka, and start processing once the broker is back.
+// Kafka (the brokers only in the log: /readyz answers anyone), and start processing once the
+// broker is back.
 func TestRunWaitsForKafka(t *testing.T) {
 	pool, dbURL := testenv.Postgres(t)
 	k := testenv.NewKfake(t)
 	proxy := testenv.NewProxy(t, k.Brokers[0])
 	proxy.Cut()
 	waitThenRecover(t, pool, k, dbURL, proxy.Addr(), proxy,
-		"waiting for kafka (brokers "+proxy.Addr()+")", "cannot check the topics on kafka yet")
+		"not ready: kafka", "cannot check the topics on kafka yet")
 }
 
 // waitThenRecover runs the service against dbURL and broker while proxy (in front of one of
@@ -322,7 +323,7 @@ func TestSecretsStayOutOfLogs(t *testing.T) {
 	u.User = url.UserPassword("app", password)
 	k := testenv.NewKfake(t)
 	svc := startService(t, map[string]string{"DATABASE_URL": u.String(), "KAFKA_BROKERS": k.Brokers[0], "KAFKA_TOPICS": k.CreateTopic(t, 1)})
-	svc.waitNotReady("waiting for postgres")
+	svc.waitNotReady("not ready: starting: waiting for postgres")
 	time.Sleep(500 * time.Millisecond) // a few failed connection attempts, each logged
 	_, body, _ := get("http://" + svc.httpAddr + "/readyz")
 	svc.stop()

@@ -416,18 +416,19 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	// Serve health and metrics from the start: /healthz answers while we wait for Postgres,
 	// /readyz only once the processor is ready.
 	var proc atomic.Pointer[processor.Processor]
-	ready := func(ctx context.Context) error {
+	rd := &readiness{log: log, check: func(ctx context.Context) error {
 		p := proc.Load()
 		if p == nil {
-			return errors.New("starting: waiting for postgres")
+			return errStarting
 		}
 		return p.Ready(ctx)
-	}
+	}}
+	ready := rd.ready
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kafkapg_ready",
 		Help: "1 if this process is ready (in the consumer group, Postgres answers, not shutting down), as /readyz says; else 0.",
 	}, func() float64 {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), readyCheckTimeout)
 		defer cancel()
 		if ready(ctx) != nil {
 			return 0
@@ -451,8 +452,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		defer bound.within("stopping the operator API's tasks", a.wait) // before the pool closes: running tasks stop after their chunk in flight
 		operator = a.handler()
 	}
-	srv := newHTTPServer(httpHandler(reg, healthy, ready, operator), 0)
-	go srv.Serve(ln)
+	srv := serveHTTP(ln, httpHandler(reg, healthy, ready, operator), 0)
 	defer bound.within("closing the HTTP server", func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 		defer cancel()
@@ -544,26 +544,6 @@ func prepareDatabase(ctx context.Context, pool *pgxpool.Pool, adapt func(context
 	}
 }
 
-// The HTTP servers' timeouts: a client that sends nothing, reads nothing, or keeps an idle
-// connection open cannot hold a connection (a file descriptor, a goroutine) for long.
-var (
-	httpReadTimeout  = 30 * time.Second
-	httpWriteTimeout = time.Minute
-	httpIdleTimeout  = 30 * time.Second
-)
-
-// newHTTPServer returns a server for h with those timeouts; write, if not zero, replaces the
-// write timeout (a response that streams for longer).
-func newHTTPServer(h http.Handler, write time.Duration) *http.Server {
-	return &http.Server{
-		Handler:           h,
-		ReadHeaderTimeout: 5 * time.Second,
-		ReadTimeout:       httpReadTimeout,
-		WriteTimeout:      cmp.Or(write, httpWriteTimeout),
-		IdleTimeout:       httpIdleTimeout,
-	}
-}
-
 // exitBound is the binary's shutdown bound: SHUTDOWN_TIMEOUT after the signal.
 type exitBound struct {
 	timeout time.Duration
@@ -629,8 +609,7 @@ func serveConsole(ctx context.Context, env *env, concurrency map[string]int, poo
 		cl.Close()
 		return nil, &configError{fmt.Errorf("CONSOLE_ADDR=%q: %v", env.ConsoleAddr, err)}
 	}
-	srv := newHTTPServer(con.Handler(), 0)
-	go srv.Serve(ln)
+	srv := serveHTTP(ln, con.Handler(), 0)
 	log.Info("console listening", "addr", ln.Addr().String(), "users", len(users), "tokens", len(tokens))
 	return func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
@@ -676,10 +655,20 @@ func setSoftMemoryLimit(containerLimit memlimit.Provider, log *slog.Logger) (lim
 
 // servePprof serves Go's profiles (net/http/pprof) on addr, a listener of their own so that they
 // are never exposed where the metrics are scraped. It returns a function that closes it.
+//
+// The profiles have no authentication: anyone who reaches them reads the goroutines' stacks and
+// the command line, and spends the process's CPU (a profile, a trace). An address that is not a
+// loopback one (":6060" is every interface) is served all the same, with a warning: refusing it
+// would take a variable to allow it again, and the profiles hold no record or secret of the
+// service's own.
 func servePprof(addr string, log *slog.Logger) (stop func(), err error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, err
+	}
+	if a, ok := ln.Addr().(*net.TCPAddr); !ok || !a.IP.IsLoopback() {
+		log.Warn("PPROF_ADDR is not a loopback address: anyone who reaches it reads the profiles and spends the CPU, without authentication; "+
+			"bind it to 127.0.0.1:6060 and use kubectl port-forward", "addr", ln.Addr().String())
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
@@ -687,8 +676,7 @@ func servePprof(addr string, log *slog.Logger) (stop func(), err error) {
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	srv := newHTTPServer(mux, 5*time.Minute) // a CPU profile streams for ?seconds= (30 by default)
-	go srv.Serve(ln)
+	srv := serveHTTP(ln, mux, 5*time.Minute) // a CPU profile streams for ?seconds= (30 by default)
 	log.Info("pprof listening", "addr", ln.Addr().String(), "path", "/debug/pprof/")
 	return func() { srv.Close() }, nil
 }
@@ -711,10 +699,11 @@ func httpHandler(reg *prometheus.Registry, healthy, ready func(context.Context) 
 		io.WriteString(w, "ok\n")
 	})
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
-		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+		ctx, cancel := context.WithTimeout(r.Context(), readyCheckTimeout)
 		defer cancel()
 		if err := ready(ctx); err != nil {
-			http.Error(w, "not ready: "+err.Error(), http.StatusServiceUnavailable)
+			// Anyone may ask: the detail (the database's user and hosts, the brokers) is logged.
+			http.Error(w, "not ready: "+notReadyReason(err), http.StatusServiceUnavailable)
 			return
 		}
 		io.WriteString(w, "ready\n")
