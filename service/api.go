@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kafkapg/kafkapg/internal/loginlimit"
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/safetext"
 )
@@ -33,6 +34,8 @@ type api struct {
 	log   *slog.Logger
 	keys  keysAPI
 	tasks *taskRunner
+
+	logins *loginlimit.Limiter // failed sign-ins by address
 }
 
 // taskRunner runs replay and discard tasks in this process, for the JSON API and the console.
@@ -84,7 +87,7 @@ func newAPI(ctx context.Context, o *ops.Ops, token string, log *slog.Logger) *ap
 	// Trimmed, as the request's header is (and as its length is checked): a token from a Secret
 	// file often ends in a newline, which no caller can send.
 	token = strings.TrimSpace(token)
-	return &api{ops: o, token: sha256.Sum256([]byte(token)), log: log, tasks: newTaskRunner(ctx, o, "api", log)}
+	return &api{ops: o, token: sha256.Sum256([]byte(token)), logins: loginlimit.New(), log: log, tasks: newTaskRunner(ctx, o, "api", log)}
 }
 
 // handler returns the API's routes, each behind the token check.
@@ -107,23 +110,31 @@ func (a *api) handler() http.Handler {
 		mux.HandleFunc("GET /api/v1/trace", a.keys.trace)
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if !a.authorized(r) {
-			w.Header().Set("WWW-Authenticate", `Bearer realm="kafkapg"`)
-			writeError(w, http.StatusUnauthorized, errors.New("a valid operator token is required (Authorization: Bearer <OPERATOR_TOKEN>)"))
-			return
+		if a.authorized(w, r) {
+			mux.ServeHTTP(w, r)
 		}
-		mux.ServeHTTP(w, r)
 	})
 }
 
-// authorized checks the bearer token in constant time.
-func (a *api) authorized(r *http.Request) bool {
-	got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-	if !ok || got == "" {
+// authorized checks the bearer token in constant time; if it is not the operator token, it
+// answers 401, and 429 to an address that failed too often (see loginlimit), without checking.
+func (a *api) authorized(w http.ResponseWriter, r *http.Request) bool {
+	if d := a.logins.Wait(r); d > 0 {
+		w.Header().Set("Retry-After", loginlimit.RetryAfter(d))
+		writeError(w, http.StatusTooManyRequests, errors.New("too many failed sign-ins from this address; try again later"))
 		return false
 	}
+	got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 	sum := sha256.Sum256([]byte(got))
-	return subtle.ConstantTimeCompare(sum[:], a.token[:]) == 1
+	if ok && got != "" && subtle.ConstantTimeCompare(sum[:], a.token[:]) == 1 {
+		return true
+	}
+	if r.Header.Get("Authorization") != "" && a.logins.Failed(r) {
+		a.log.Warn("too many failed sign-ins: this address is refused for a while", "client", r.RemoteAddr)
+	}
+	w.Header().Set("WWW-Authenticate", `Bearer realm="kafkapg"`)
+	writeError(w, http.StatusUnauthorized, errors.New("a valid operator token is required (Authorization: Bearer <OPERATOR_TOKEN>)"))
+	return false
 }
 
 // wait waits for the tasks this process runs to stop (they stop with the service's context),

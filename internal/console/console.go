@@ -28,6 +28,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/internal/loginlimit"
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/safetext"
 	"github.com/kafkapg/kafkapg/retrytopics"
@@ -132,6 +133,7 @@ type Console struct {
 	users  []hashedUser
 	tokens []hashedUser
 	pages  map[string]*template.Template
+	logins *loginlimit.Limiter // failed sign-ins by address
 }
 
 type hashedUser struct {
@@ -145,7 +147,7 @@ var files embed.FS
 
 // New returns the console's handler.
 func New(cfg Config) (*Console, error) {
-	c := &Console{cfg: cfg, pages: map[string]*template.Template{}}
+	c := &Console{cfg: cfg, pages: map[string]*template.Template{}, logins: loginlimit.New()}
 	for _, u := range cfg.Users {
 		c.users = append(c.users, hashedUser{u.Name, u.Role, sha256.Sum256([]byte(u.Password))})
 	}
@@ -197,11 +199,20 @@ func sameSiteReads(h http.Handler) http.Handler {
 type ctxKey struct{}
 
 // authenticate lets through requests with a console user's credentials (HTTP basic
-// authentication) or a console token; others get 401 and nothing else.
+// authentication) or a console token; others get 401 and nothing else. An address that failed
+// to sign in too often gets 429 and is not even checked (see loginlimit).
 func (c *Console) authenticate(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if d := c.logins.Wait(r); d > 0 {
+			w.Header().Set("Retry-After", loginlimit.RetryAfter(d))
+			http.Error(w, "kafkapg console: too many failed sign-ins from this address; try again later", http.StatusTooManyRequests)
+			return
+		}
 		u, ok := c.user(r)
 		if !ok {
+			if r.Header.Get("Authorization") != "" && c.logins.Failed(r) {
+				c.cfg.Log.Warn("too many failed sign-ins: this address is refused for a while", "client", r.RemoteAddr)
+			}
 			w.Header().Set("WWW-Authenticate", `Basic realm="kafkapg console", charset="UTF-8"`)
 			http.Error(w, "kafkapg console: sign in with a user of CONSOLE_USERS (or send a token of CONSOLE_TOKENS)", http.StatusUnauthorized)
 			return
