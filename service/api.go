@@ -15,25 +15,28 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kafkapg/kafkapg/internal/console"
 	"github.com/kafkapg/kafkapg/internal/loginlimit"
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/safetext"
 )
 
 // api is the operator JSON API under /api/v1/: the operations of the dlq, keys and trace
-// commands, over HTTP, for scripts and the console. It is served only when OPERATOR_TOKEN is set,
-// and every call must carry it (Authorization: Bearer <token>); a call without it gets 401 and
-// nothing else, record values included.
+// commands, over HTTP, for scripts and the console. It is served only when OPERATOR_TOKEN or
+// OPERATOR_TOKENS is set, and every call must carry one of their tokens (Authorization: Bearer
+// <token>); a call without gets 401 and nothing else, record values included. A named token of
+// OPERATOR_TOKENS is who the audit names; a viewer's only reads.
 //
 // Replays and discards started here run in this process as tasks (see ops.RunTask): if the
 // process stops, they are interrupted and can be resumed (POST /api/v1/tasks/{id}/resume, or
 // `dlq resume`) from any replica.
 type api struct {
-	ops   *ops.Ops
-	token [sha256.Size]byte
-	log   *slog.Logger
-	keys  keysAPI
-	tasks *taskRunner
+	ops    *ops.Ops
+	token  *[sha256.Size]byte // OPERATOR_TOKEN's hash; nil: unset
+	tokens []namedToken       // OPERATOR_TOKENS
+	log    *slog.Logger
+	keys   keysAPI
+	tasks  *taskRunner
 
 	logins *loginlimit.Limiter // failed sign-ins by address
 }
@@ -82,12 +85,39 @@ type keysAPI struct {
 	close   func() // releases what the routes hold (their Kafka client); nil: nothing
 }
 
-func newAPI(ctx context.Context, o *ops.Ops, token string, log *slog.Logger) *api {
+// namedToken is an entry of OPERATOR_TOKENS: a caller the audit names.
+type namedToken struct {
+	name string
+	role console.Role
+	sum  [sha256.Size]byte
+}
+
+// caller is who sent a request: the name of its named token, or "" for OPERATOR_TOKEN (whoever
+// holds it; what it calls itself is its claim).
+type caller struct {
+	name string
+	role console.Role
+}
+
+type callerKey struct{}
+
+func callerOf(r *http.Request) caller { c, _ := r.Context().Value(callerKey{}).(caller); return c }
+
+// newAPI serves the API to the holders of token (OPERATOR_TOKEN, may be "") and of tokens
+// (OPERATOR_TOKENS).
+func newAPI(ctx context.Context, o *ops.Ops, token string, tokens []console.User, log *slog.Logger) *api {
 	log = log.With("component", "api")
+	a := &api{ops: o, logins: loginlimit.New(), log: log, tasks: newTaskRunner(ctx, o, "api", log)}
 	// Trimmed, as the request's header is (and as its length is checked): a token from a Secret
 	// file often ends in a newline, which no caller can send.
-	token = strings.TrimSpace(token)
-	return &api{ops: o, token: sha256.Sum256([]byte(token)), logins: loginlimit.New(), log: log, tasks: newTaskRunner(ctx, o, "api", log)}
+	if token = strings.TrimSpace(token); token != "" {
+		sum := sha256.Sum256([]byte(token))
+		a.token = &sum
+	}
+	for _, t := range tokens {
+		a.tokens = append(a.tokens, namedToken{name: t.Name, role: t.Role, sum: sha256.Sum256([]byte(strings.TrimSpace(t.Password)))})
+	}
+	return a
 }
 
 // handler returns the API's routes, each behind the token check.
@@ -110,31 +140,48 @@ func (a *api) handler() http.Handler {
 		mux.HandleFunc("GET /api/v1/trace", a.keys.trace)
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if a.authorized(w, r) {
-			mux.ServeHTTP(w, r)
+		c, ok := a.authorized(w, r)
+		if !ok {
+			return
 		}
+		if c.role == console.Viewer && r.Method != http.MethodGet && r.Method != http.MethodHead {
+			writeError(w, http.StatusForbidden, fmt.Errorf("token %q is a viewer's: it may read, not act", c.name))
+			return
+		}
+		mux.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), callerKey{}, c)))
 	})
 }
 
-// authorized checks the bearer token in constant time; if it is not the operator token, it
-// answers 401, and 429 to an address that failed too often (see loginlimit), without checking.
-func (a *api) authorized(w http.ResponseWriter, r *http.Request) bool {
+// authorized checks the bearer token in constant time against every token (OPERATOR_TOKEN's
+// and OPERATOR_TOKENS'); if it is none of them, it answers 401, and 429 to an address that
+// failed too often (see loginlimit), without checking.
+func (a *api) authorized(w http.ResponseWriter, r *http.Request) (caller, bool) {
 	if d := a.logins.Wait(r); d > 0 {
 		w.Header().Set("Retry-After", loginlimit.RetryAfter(d))
 		writeError(w, http.StatusTooManyRequests, errors.New("too many failed sign-ins from this address; try again later"))
-		return false
+		return caller{}, false
 	}
 	got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 	sum := sha256.Sum256([]byte(got))
-	if ok && got != "" && subtle.ConstantTimeCompare(sum[:], a.token[:]) == 1 {
-		return true
+	var found caller
+	var n int
+	if a.token != nil && subtle.ConstantTimeCompare(sum[:], a.token[:]) == 1 {
+		found, n = caller{role: console.Operator}, n+1
+	}
+	for _, t := range a.tokens {
+		if subtle.ConstantTimeCompare(sum[:], t.sum[:]) == 1 {
+			found, n = caller{name: t.name, role: t.role}, n+1
+		}
+	}
+	if ok && got != "" && n == 1 { // a token two entries share names no one
+		return found, true
 	}
 	if r.Header.Get("Authorization") != "" && a.logins.Failed(r) {
 		a.log.Warn("too many failed sign-ins: this address is refused for a while", "client", r.RemoteAddr)
 	}
 	w.Header().Set("WWW-Authenticate", `Bearer realm="kafkapg"`)
-	writeError(w, http.StatusUnauthorized, errors.New("a valid operator token is required (Authorization: Bearer <OPERATOR_TOKEN>)"))
-	return false
+	writeError(w, http.StatusUnauthorized, errors.New("a valid operator token is required (Authorization: Bearer <a token of OPERATOR_TOKEN or OPERATOR_TOKENS>)"))
+	return caller{}, false
 }
 
 // wait waits for the tasks this process runs to stop (they stop with the service's context),
@@ -283,12 +330,21 @@ func decode(w http.ResponseWriter, r *http.Request, v any) bool {
 	return true
 }
 
-// actor is who acts: the request's actor, marked as coming through the API.
-func actor(name string) string {
-	if name = strings.TrimSpace(name); name == "" {
-		name = "anonymous"
+// actor is who acts, as the audit records it (marked as coming through the API): a named
+// token's name (OPERATOR_TOKENS: a claim of another name is refused), or, for OPERATOR_TOKEN,
+// which anyone who holds it sends, the name the request claims, marked as claimed.
+func actor(r *http.Request, claim string) (string, error) {
+	claim = safetext.Text(strings.Join(strings.Fields(claim), " "), 100)
+	if c := callerOf(r); c.name != "" {
+		if claim != "" && claim != c.name {
+			return "", fmt.Errorf("%w: actor %q: this token is %q's, and the audit names it; leave actor out", ops.ErrUsage, claim, c.name)
+		}
+		return "api:" + c.name, nil
 	}
-	return "api:" + name
+	if claim == "" {
+		return "api:anonymous", nil
+	}
+	return "api:" + claim + " (claimed)", nil
 }
 
 func (a *api) act(act ops.Action) http.HandlerFunc {
@@ -309,7 +365,12 @@ func (a *api) act(act ops.Action) http.HandlerFunc {
 			writeJSON(w, http.StatusOK, map[string]any{"dry_run": true, "preview": p})
 			return
 		}
-		t, err := a.ops.StartTask(r.Context(), act, req.Filter, ops.Actor{Name: actor(req.Actor), Reason: req.Reason}, req.Rate)
+		who, err := actor(r, req.Actor)
+		if err != nil {
+			fail(w, err)
+			return
+		}
+		t, err := a.ops.StartTask(r.Context(), act, req.Filter, ops.Actor{Name: who, Reason: req.Reason}, req.Rate)
 		if err != nil {
 			fail(w, err)
 			return
@@ -336,7 +397,12 @@ func (a *api) purge(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, fmt.Errorf("older_than %q: want a duration such as 720h", req.OlderThan))
 		return
 	}
-	n, err := a.ops.Purge(r.Context(), older, req.Execute, ops.Actor{Name: actor(req.Actor), Reason: req.Reason})
+	who, err := actor(r, req.Actor)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	n, err := a.ops.Purge(r.Context(), older, req.Execute, ops.Actor{Name: who, Reason: req.Reason})
 	respond(w, map[string]any{"dry_run": !req.Execute, "rows": n}, err)
 }
 
@@ -373,7 +439,12 @@ func (a *api) cancel(w http.ResponseWriter, r *http.Request) {
 	if !decode(w, r, &req) {
 		return
 	}
-	t, err := a.ops.Cancel(r.Context(), id, ops.Actor{Name: actor(req.Actor), Reason: req.Reason})
+	who, err := actor(r, req.Actor)
+	if err != nil {
+		fail(w, err)
+		return
+	}
+	t, err := a.ops.Cancel(r.Context(), id, ops.Actor{Name: who, Reason: req.Reason})
 	respond(w, t, err)
 }
 

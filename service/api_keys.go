@@ -74,8 +74,13 @@ func keysRoutes(a *api, e *env, concurrency map[string]int) keysAPI {
 					return
 				}
 			}
+			who, err := actor(r, req.Actor)
+			if err != nil {
+				fail(w, err)
+				return
+			}
 			rel, err := a.ops.ReleaseKey(r.Context(), req.Topic, req.Partition, key, e.stuckScope(), req.Execute,
-				ops.Actor{Name: actor(req.Actor), Reason: req.Reason})
+				ops.Actor{Name: who, Reason: req.Reason})
 			if err != nil {
 				fail(w, err)
 				return

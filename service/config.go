@@ -47,6 +47,7 @@ type env struct {
 	Handler              string        `envconfig:"HANDLER" field:"Handler"`
 	HTTPAddr             string        `envconfig:"HTTP_ADDR" default:":9090"`
 	OperatorToken        string        `envconfig:"OPERATOR_TOKEN"`
+	OperatorTokens       string        `envconfig:"OPERATOR_TOKENS"`
 	PprofAddr            string        `envconfig:"PPROF_ADDR"`
 	ConsoleAddr          string        `envconfig:"CONSOLE_ADDR"`
 	ConsoleUsers         string        `envconfig:"CONSOLE_USERS"`
@@ -293,6 +294,9 @@ func (e *env) validate(hs *registry) error {
 	}
 	if t := e.OperatorToken; t != "" && len(strings.TrimSpace(t)) < 16 {
 		errs = append(errs, errors.New("OPERATOR_TOKEN must be at least 16 characters (it guards replays of records): generate one, e.g. openssl rand -hex 32"))
+	}
+	if _, err := e.operatorTokens(); err != nil {
+		errs = append(errs, err)
 	}
 	switch {
 	case e.ConsoleAddr != "" && e.ConsoleUsers == "" && e.ConsoleTokens == "":
@@ -736,6 +740,19 @@ func (e *env) handlersUsed() []string {
 		}
 	}
 	return slices.Sorted(maps.Keys(used))
+}
+
+// operatorTokens parses OPERATOR_TOKENS (name:role:token entries, as CONSOLE_TOKENS's); nil if
+// it is empty.
+func (e *env) operatorTokens() ([]console.User, error) {
+	if e.OperatorTokens == "" {
+		return nil, nil
+	}
+	tokens, err := console.ParseTokens(e.OperatorTokens)
+	if err != nil {
+		return nil, fmt.Errorf("OPERATOR_TOKENS: %w", err)
+	}
+	return tokens, nil
 }
 
 // consoleLogins parses CONSOLE_USERS and CONSOLE_TOKENS (either may be empty).

@@ -184,9 +184,9 @@ func redact(name, value string) string {
 	switch name {
 	case "OPERATOR_TOKEN", "KAFKA_SASL_PASSWORD":
 		return redacted
-	case "CONSOLE_USERS", "CONSOLE_TOKENS":
+	case "CONSOLE_USERS", "CONSOLE_TOKENS", "OPERATOR_TOKENS":
 		parse := console.ParseUsers
-		if name == "CONSOLE_TOKENS" {
+		if name != "CONSOLE_USERS" {
 			parse = console.ParseTokens
 		}
 		users, err := parse(value)

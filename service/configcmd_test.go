@@ -68,13 +68,14 @@ func TestConfigCommand(t *testing.T) {
 		"TOPIC_RETURNS_RETRY_TIERS", "1s,2s,4s", "TOPIC_RETURNS_RETRY_LOCAL_ATTEMPTS", "7",
 		"OPERATOR_TOKEN", "tok-0123456789abcdef", "KAFKA_SASL_MECHANISM", "PLAIN", "KAFKA_SASL_USERNAME", "svc",
 		"KAFKA_SASL_PASSWORD", "sasl-pw-42", "KAFKA_TLS", "true",
-		"CONSOLE_ADDR", ":9091", "CONSOLE_USERS", "ann:operator:console-pw-123", "CONSOLE_TOKENS", "bot:viewer:console-token-456789"))
+		"CONSOLE_ADDR", ":9091", "CONSOLE_USERS", "ann:operator:console-pw-123", "CONSOLE_TOKENS", "bot:viewer:console-token-456789",
+		"OPERATOR_TOKENS", "ci:operator:operator-token-98765"))
 	var out, errOut bytes.Buffer
 	if code := run([]string{"config"}, &out, &errOut, goHandlers...); code != 0 {
 		t.Fatalf("config: exit %d\n%s", code, errOut.String())
 	}
 	text := out.String()
-	for _, secret := range []string{"s3cr3t-pw", "tok-0123456789abcdef", "sasl-pw-42", "console-pw-123", "console-token-456789"} {
+	for _, secret := range []string{"s3cr3t-pw", "tok-0123456789abcdef", "sasl-pw-42", "console-pw-123", "console-token-456789", "operator-token-98765"} {
 		if strings.Contains(text, secret) {
 			t.Errorf("config prints the secret %q:\n%s", secret, text)
 		}
@@ -82,6 +83,7 @@ func TestConfigCommand(t *testing.T) {
 	for _, want := range []string{
 		"host=db port=5432 user=app password=REDACTED dbname=orders sslmode=require  environment",
 		"ann:operator:REDACTED",
+		"ci:operator:REDACTED",
 		"RETRY_BACKOFF_BASE               200ms",
 		"topic returns",
 		`retry tiers        1s, 2s, 4s`, "TOPIC_RETURNS_RETRY_TIERS",

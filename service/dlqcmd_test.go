@@ -145,7 +145,7 @@ func TestOperatorAPI(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	const token = "0123456789abcdef-token"
-	a := newAPI(ctx, ops.New(pool, "kafkapg", "dg"), token, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	a := newAPI(ctx, ops.New(pool, "kafkapg", "dg"), token, nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	a.keys = keysRoutes(a, &env{KafkaGroupID: "dg", KafkaTopics: []string{"orders"}, StallTimeout: time.Minute}, nil)
 	srv := httptest.NewServer(httpHandler(prometheus.NewRegistry(), func(context.Context) error { return nil },
 		func(context.Context) error { return nil }, a.handler()))
@@ -168,7 +168,7 @@ func TestOperatorAPI(t *testing.T) {
 		b, _ := io.ReadAll(resp.Body)
 		return resp.StatusCode, string(b)
 	}
-	const unauthorized = "a valid operator token is required (Authorization: Bearer <OPERATOR_TOKEN>)"
+	const unauthorized = "a valid operator token is required (Authorization: Bearer <a token of OPERATOR_TOKEN or OPERATOR_TOKENS>)"
 	for _, tok := range []string{"", "wrong-token-0123456789", token + "x"} {
 		for _, p := range []string{"/api/v1/dead-letters", "/api/v1/dead-letters/1", "/api/v1/tasks"} {
 			code, body := call("GET", p, tok, "")
@@ -266,8 +266,8 @@ func TestOperatorAPI(t *testing.T) {
 	if got := statuses(t, pool); got != "1:replaying 2:new 3:replaying" {
 		t.Errorf("after the API's replay: %s", got)
 	}
-	if code, body := call("GET", "/api/v1/audit", token, ""); code != 200 || !strings.Contains(body, `"actor": "api:alice"`) || !strings.Contains(body, "dependency back") {
-		t.Errorf("audit: %d %s; want the replay by api:alice", code, body)
+	if code, body := call("GET", "/api/v1/audit", token, ""); code != 200 || !strings.Contains(body, `"actor": "api:alice (claimed)"`) || !strings.Contains(body, "dependency back") {
+		t.Errorf("audit: %d %s; want the replay by api:alice (claimed): OPERATOR_TOKEN is anyone's who holds it", code, body)
 	}
 
 	// Without a token, there is no API at all.

@@ -183,7 +183,7 @@ func TestServeHTTPLimitsConnections(t *testing.T) {
 func TestOperatorAPIBodyCap(t *testing.T) {
 	t.Parallel()
 	const token = "0123456789abcdef-token"
-	a := newAPI(t.Context(), ops.New(nil, "kafkapg", "g"), token, slog.New(slog.DiscardHandler))
+	a := newAPI(t.Context(), ops.New(nil, "kafkapg", "g"), token, nil, slog.New(slog.DiscardHandler))
 	srv := httptest.NewServer(limitBody(a.handler()))
 	defer srv.Close()
 	body := `{"reason": "` + strings.Repeat("a", int(httpMaxBodyBytes)) + `"}`

@@ -17,7 +17,7 @@ import (
 func TestOperatorAPILimitsFailedSignIns(t *testing.T) {
 	pool := dlqDB(t) // sets the environment: not parallel
 	const token = "0123456789abcdef-token"
-	a := newAPI(t.Context(), ops.New(pool, "kafkapg", "dg"), token, slog.New(slog.DiscardHandler))
+	a := newAPI(t.Context(), ops.New(pool, "kafkapg", "dg"), token, nil, slog.New(slog.DiscardHandler))
 	h := a.handler()
 	call := func(from, bearer string) *httptest.ResponseRecorder {
 		r := httptest.NewRequest("GET", "/api/v1/tasks", nil)

@@ -323,7 +323,7 @@ func TestOperatorTokenFromASecretFile(t *testing.T) {
 	pool := dlqDB(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	const token = "0123456789abcdef-token"
-	a := newAPI(ctx, ops.New(pool, "kafkapg", "dg"), token+"\n", slog.New(slog.NewTextHandler(io.Discard, nil)))
+	a := newAPI(ctx, ops.New(pool, "kafkapg", "dg"), token+"\n", nil, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	srv := httptest.NewServer(a.handler())
 	defer srv.Close()
 	defer func() { cancel(); a.wait() }()

@@ -446,8 +446,12 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		return nil
 	}
 	var operator http.Handler
-	if env.OperatorToken != "" {
-		a := newAPI(ctx, ops.New(pool, env.DBSchema, env.KafkaGroupID), env.OperatorToken, log)
+	if env.OperatorToken != "" || env.OperatorTokens != "" {
+		tokens, err := env.operatorTokens()
+		if err != nil {
+			return &configError{err} // validate refused it already
+		}
+		a := newAPI(ctx, ops.New(pool, env.DBSchema, env.KafkaGroupID), env.OperatorToken, tokens, log)
 		a.keys = keysRoutes(a, env, env.concurrency(hs))
 		defer bound.within("stopping the operator API's tasks", a.wait) // before the pool closes: running tasks stop after their chunk in flight
 		operator = a.handler()
