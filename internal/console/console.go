@@ -569,7 +569,7 @@ func (c *Console) confirm(w http.ResponseWriter, r *http.Request) {
 // actionOf parses a posted form and reads its action; a bad one gets 400.
 func actionOf(w http.ResponseWriter, r *http.Request) (ops.Action, bool) {
 	if err := r.ParseForm(); err != nil {
-		http.Error(w, err.Error(), http.StatusBadRequest)
+		http.Error(w, safetext.HTML(err.Error()), http.StatusBadRequest)
 		return "", false
 	}
 	act := ops.Action(r.PostForm.Get("action"))

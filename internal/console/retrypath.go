@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/internal/safetext"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
@@ -105,7 +106,7 @@ func (c *Console) release(w http.ResponseWriter, r *http.Request) {
 // its SHA-256, or key_hex, the key itself); a bad one gets 400.
 func (c *Console) heldKeyOf(w http.ResponseWriter, r *http.Request) (topic string, partition int32, key []byte, ok bool) {
 	if err := r.ParseForm(); err != nil {
-		http.Error(w, err.Error(), http.StatusBadRequest)
+		http.Error(w, safetext.HTML(err.Error()), http.StatusBadRequest)
 		return "", 0, nil, false
 	}
 	topic = r.PostForm.Get("topic")
