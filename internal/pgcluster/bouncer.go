@@ -169,6 +169,13 @@ func StartBouncer(ctx context.Context, o BouncerOptions) (*Bouncer, error) {
 	}
 }
 
+// pastDeadline reports whether ctx has ended or reached its deadline: a dial cut by the
+// deadline can return before ctx's own timer has ended it.
+func pastDeadline(ctx context.Context) bool {
+	dl, ok := ctx.Deadline()
+	return ctx.Err() != nil || (ok && !time.Now().Before(dl))
+}
+
 // launch starts pgbouncer and waits until a query through it reaches Postgres.
 func (b *Bouncer) launch(ctx context.Context, bin string) error {
 	p, err := b.acct.start(b.dir, b.logPath, syscall.SIGKILL, bin, b.ini)
@@ -182,7 +189,7 @@ func (b *Bouncer) launch(ctx context.Context, bin string) error {
 			b.proc = p
 			return nil
 		}
-		if last == nil || ctx.Err() == nil { // keep the last failure that was not our deadline
+		if last == nil || !pastDeadline(ctx) { // keep the last failure that was not our deadline
 			last = err
 		}
 		select {
