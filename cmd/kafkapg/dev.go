@@ -20,7 +20,6 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
-	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/pgcluster"
 )
@@ -43,11 +42,13 @@ func devCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 
 Starts a Kafka-protocol broker (franz-go's kfake) and a PostgreSQL server (from the PostgreSQL
 binaries: initdb on first use) on this machine, creates the topics, and writes the environment
-of a service that uses them (KAFKA_BROKERS, DATABASE_URL) to <dir>/env. Without a command it
-runs until Ctrl-C; with one (go run . ) it runs the command in that environment and stops when
-the command exits, with its exit status. Data is kept in <dir> between runs (-fresh: not).
-Postgres asks for a password, generated on first use and kept in <dir>/postgres-password
-(DATABASE_URL carries it); <dir>/env is private to you (0600).
+of a service that uses them (KAFKA_BROKERS, KAFKA_SASL_*, DATABASE_URL) to <dir>/env. Without
+a command it runs until Ctrl-C; with one (go run . ) it runs the command in that environment
+and stops when the command exits, with its exit status. Data is kept in <dir> between runs
+(-fresh: not). Postgres asks for a password, generated on first use and kept in
+<dir>/postgres-password (DATABASE_URL carries it); the broker asks for SASL/SCRAM-SHA-256 as
+user kafkapg with the password of <dir>/kafka-password (KAFKA_SASL_MECHANISM,
+KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD carry it); <dir>/env is private to you (0600).
 
 `)
 		fs.PrintDefaults()
@@ -107,9 +108,20 @@ Postgres asks for a password, generated on first use and kept in <dir>/postgres-
 	if err := secureDir(kafkaDir, 0o700); err != nil {
 		return err
 	}
-	password, err := devPassword(filepath.Join(abs, "postgres-password"))
+	password, err := devPassword(filepath.Join(abs, "postgres-password"), "the Postgres password")
 	if err != nil {
 		return err
+	}
+	kafkaPassword, err := devPassword(filepath.Join(abs, "kafka-password"), "the broker's password")
+	if err != nil {
+		return err
+	}
+	// kfake keeps its SASL users in its data (sasl.json) and, loading it, puts them in place of
+	// those its options give: the data of a broker an older kafkapg dev ran (no users) would
+	// shut everyone out, and so would a kafka-password removed to get a new one. The password
+	// file is the login's one home: the broker is given it at each start.
+	if err := os.Remove(filepath.Join(kafkaDir, "sasl.json")); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("the broker's SASL users: %w", err)
 	}
 
 	if port == 0 {
@@ -124,6 +136,9 @@ Postgres asks for a password, generated on first use and kept in <dir>/postgres-
 			return net.Listen(network, net.JoinHostPort(host, strconv.Itoa(port)))
 		}),
 		kfake.DataDir(kafkaDir),
+		// Without a login, any local user would read and write every topic.
+		kfake.EnableSASL(),
+		kfake.Superuser(devKafkaMechanism, devKafkaUser, kafkaPassword),
 		kfake.DefaultNumPartitions(*partitions),
 		kfake.GroupMinSessionTimeout(100*time.Millisecond),
 		// Consumer-protocol members get the broker's heartbeat interval even when their group
@@ -134,7 +149,17 @@ Postgres asks for a password, generated on first use and kept in <dir>/postgres-
 		return fmt.Errorf("start the broker on %s: %w", net.JoinHostPort(host, strconv.Itoa(port)), err)
 	}
 	defer broker.Close()
-	brokers := broker.ListenAddrs()
+	env := [][2]string{
+		{"KAFKA_BROKERS", strings.Join(broker.ListenAddrs(), ",")},
+		{"KAFKA_SASL_MECHANISM", devKafkaMechanism},
+		{"KAFKA_SASL_USERNAME", devKafkaUser},
+		{"KAFKA_SASL_PASSWORD", kafkaPassword},
+	}
+	// The dev loop's own client logs in as the env file says, as every other one will.
+	kafka := kafkaConn{brokers: broker.ListenAddrs()}
+	if kafka.login, err = saslLogin(lookupIn(env)); err != nil {
+		return err
+	}
 
 	startCtx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
@@ -155,18 +180,18 @@ Postgres asks for a password, generated on first use and kept in <dir>/postgres-
 	if err := ensureDatabase(startCtx, pg.URL("postgres"), devDatabase); err != nil {
 		return err
 	}
-	created, err := ensureTopics(startCtx, brokers, topics)
+	created, err := ensureTopics(startCtx, kafka, topics)
 	if err != nil {
 		return err
 	}
 
-	env := [][2]string{{"KAFKA_BROKERS", strings.Join(brokers, ",")}, {"DATABASE_URL", pg.URL(devDatabase)}}
+	env = append(env, [2]string{"DATABASE_URL", pg.URL(devDatabase)})
 	if err := writeEnv(envPath, env); err != nil {
 		return err
 	}
 	defer os.Remove(envPath)
 
-	fmt.Fprintf(stderr, "kafkapg dev: broker (kfake, for development only) at %s, data in %s\n", strings.Join(brokers, ","), kafkaDir)
+	fmt.Fprintf(stderr, "kafkapg dev: broker (kfake, for development only) at %s, SASL user %s, data in %s\n", strings.Join(kafka.brokers, ","), devKafkaUser, kafkaDir)
 	fmt.Fprintf(stderr, "kafkapg dev: PostgreSQL at %s, database %s, data in %s\n", pg.Addr(), devDatabase, pgDir)
 	for _, t := range topics {
 		what := "exists"
@@ -270,12 +295,12 @@ func mergeTopics(a, b []topicSpec) []topicSpec {
 }
 
 // ensureTopics creates the topics that do not exist, and returns which it created.
-func ensureTopics(ctx context.Context, brokers []string, topics []topicSpec) (map[string]bool, error) {
+func ensureTopics(ctx context.Context, kafka kafkaConn, topics []topicSpec) (map[string]bool, error) {
 	created := map[string]bool{}
 	if len(topics) == 0 {
 		return created, nil
 	}
-	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...))
+	cl, err := kafka.client()
 	if err != nil {
 		return nil, err
 	}
@@ -446,37 +471,4 @@ func envCmd(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "export %s=%s\n", kv[0], shellQuote(kv[1]))
 	}
 	return nil
-}
-
-// brokersFor returns the brokers a command reaches: flag, else KAFKA_BROKERS, else the running
-// dev loop's (from dir's env file).
-func brokersFor(flagValue, dir string) ([]string, error) {
-	pick := flagValue
-	if pick == "" {
-		pick = os.Getenv("KAFKA_BROKERS")
-	}
-	if pick == "" {
-		path := filepath.Join(dir, "env")
-		if _, ok := runningLoop(path); ok {
-			_, env, err := readEnv(path)
-			if err != nil {
-				return nil, err
-			}
-			for _, kv := range env {
-				if kv[0] == "KAFKA_BROKERS" {
-					pick = kv[1]
-				}
-			}
-		}
-	}
-	var out []string
-	for _, b := range strings.Split(pick, ",") {
-		if b = strings.TrimSpace(b); b != "" {
-			out = append(out, b)
-		}
-	}
-	if len(out) == 0 {
-		return nil, usagef("no broker: give -brokers, set KAFKA_BROKERS, or start `go tool kafkapg dev` (its %s/env is read)", dir)
-	}
-	return out, nil
 }

@@ -18,10 +18,11 @@ import (
 // Where the dev loop keeps things, and why no other local user can reach or replace them.
 //
 // Everything lives in <dir> (-dir, .kafkapg by default): the broker's data (kafka/, 0700), the
-// Postgres password (postgres-password, 0600), the env file (env, 0600, it holds the password)
-// and Postgres's data (postgres/, 0700, owned by the user Postgres runs as). secureDir checks
-// <dir> and each of its parents before anything is written: none may be replaced by another
-// user, so no path under <dir> can be swapped for a symlink after the check.
+// Postgres and broker passwords (postgres-password, kafka-password, 0600), the env file (env,
+// 0600, it holds both passwords) and Postgres's data (postgres/, 0700, owned by the user
+// Postgres runs as). secureDir checks <dir> and each of its parents before anything is
+// written: none may be replaced by another user, so no path under <dir> can be swapped for a
+// symlink after the check.
 //
 // As root, Postgres runs as the postgres user, who may not be able to enter <dir> (a home dir
 // of mode 0700, t.TempDir()). Its data then goes to devDataBase/<16 hex of sha256(<dir>)>/
@@ -183,22 +184,24 @@ func checkPrivateFile(f *os.File, path string) error {
 	return nil
 }
 
-// devPassword returns the password of the dev loop's Postgres, kept in path (mode 0600): read,
-// or on first use generated (128 random bits, hex) and written. A file that another user could
-// have read, or that is not ours, is refused: remove it and a new password is generated, which
-// the next start sets on the server (pgcluster.Options.Password).
-func devPassword(path string) (string, error) {
+// devPassword returns the password of one of the dev loop's servers (what: "the Postgres
+// password", "the broker's password"), kept in path (mode 0600): read, or on first use
+// generated (128 random bits) and written, so that it stays the same from one run to the next
+// as the data does. A file that another user could have read, or that is not ours, is
+// refused: remove it and a new password is generated, which the next start sets on the server
+// (pgcluster.Options.Password; the broker's is given to it at each start).
+func devPassword(path, what string) (string, error) {
 	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
 	if errors.Is(err, fs.ErrNotExist) {
 		pw := rand.Text()
 		f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
 		if err != nil {
-			return "", fmt.Errorf("the Postgres password: %w", err)
+			return "", fmt.Errorf("%s: %w", what, err)
 		}
 		_, err = f.WriteString(pw + "\n")
 		if err = errors.Join(err, f.Close()); err != nil {
 			os.Remove(path)
-			return "", fmt.Errorf("the Postgres password: %w", err)
+			return "", fmt.Errorf("%s: %w", what, err)
 		}
 		return pw, nil
 	}
@@ -206,15 +209,15 @@ func devPassword(path string) (string, error) {
 		return "", fmt.Errorf("%s is a symlink: refusing to follow it (remove it: a new password is generated)", path)
 	}
 	if err != nil {
-		return "", fmt.Errorf("the Postgres password: %w", err)
+		return "", fmt.Errorf("%s: %w", what, err)
 	}
 	defer f.Close()
 	if err := checkPrivateFile(f, path); err != nil {
-		return "", fmt.Errorf("%w: refusing the Postgres password in it (remove it: a new password is generated)", err)
+		return "", fmt.Errorf("%w: refusing %s in it (remove it: a new password is generated)", err, what)
 	}
 	b, err := io.ReadAll(io.LimitReader(f, 1024))
 	if err != nil {
-		return "", fmt.Errorf("the Postgres password: %w", err)
+		return "", fmt.Errorf("%s: %w", what, err)
 	}
 	pw := strings.TrimSpace(string(b))
 	if pw == "" || strings.ContainsAny(pw, "\n\r\x00") {

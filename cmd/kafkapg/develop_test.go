@@ -22,6 +22,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/sasl/scram"
 
 	"github.com/kafkapg/kafkapg/internal/localrun"
 	"github.com/kafkapg/kafkapg/internal/pgcluster"
@@ -176,7 +180,7 @@ func TestDevelopYourService(t *testing.T) {
 	for _, kv := range devEnv {
 		env = append(env, kv[0]+"="+kv[1])
 	}
-	if len(env) != 2 {
+	if len(env) != 5 {
 		t.Fatalf(".kafkapg/env: %q", env)
 	}
 
@@ -597,5 +601,127 @@ func TestDevUpgradesATrustCluster(t *testing.T) {
 	var answer int
 	if err := conn.QueryRow(t.Context(), "SELECT answer FROM kept").Scan(&answer); err != nil || answer != 42 {
 		t.Errorf("the older cluster's data: %d %v", answer, err)
+	}
+}
+
+// TestDevBrokerAsksForSASL is issue 41's "local services it starts require a credential" for
+// the broker: a client without SASL, or with another password, gets nothing from the dev
+// loop's broker; the env file carries the login (SCRAM-SHA-256, user kafkapg, the password of
+// <dir>/kafka-password, 0600), and with it produce, consume and topics work.
+func TestDevBrokerAsksForSASL(t *testing.T) {
+	dir := filepath.Join(enterableDir(t, "dev-"), ".kafkapg")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	env := startDev(t, dir)
+	brokers := strings.Split(env["KAFKA_BROKERS"], ",")
+	if env["KAFKA_SASL_MECHANISM"] != "SCRAM-SHA-256" || env["KAFKA_SASL_USERNAME"] != "kafkapg" || len(env["KAFKA_SASL_PASSWORD"]) < 20 {
+		t.Errorf("the env file's SASL login: mechanism %q, user %q, a password of %d bytes; want SCRAM-SHA-256, kafkapg and one",
+			env["KAFKA_SASL_MECHANISM"], env["KAFKA_SASL_USERNAME"], len(env["KAFKA_SASL_PASSWORD"]))
+	}
+	path := filepath.Join(dir, "kafka-password")
+	if fi, err := os.Lstat(path); err != nil || fi.Mode() != 0o600 {
+		t.Errorf("%s: %v, %v; want a regular file of mode 0600", path, fi, err)
+	}
+	if b, err := os.ReadFile(path); err != nil || strings.TrimSpace(string(b)) != env["KAFKA_SASL_PASSWORD"] {
+		t.Errorf("%s does not hold KAFKA_SASL_PASSWORD (%v)", path, err)
+	}
+
+	for _, tt := range []struct {
+		name string
+		opts []kgo.Opt
+	}{
+		{"no SASL", nil},
+		{"another password", []kgo.Opt{kgo.SASL(scram.Auth{User: "kafkapg", Pass: "guess"}.AsSha256Mechanism())}},
+		{"kfake's default login", []kgo.Opt{kgo.SASL(scram.Auth{User: "admin", Pass: "admin"}.AsSha256Mechanism())}},
+	} {
+		cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(brokers...), kgo.RequestRetries(1)}, tt.opts...)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
+		ts, err := kadm.NewClient(cl).ListTopics(ctx)
+		cancel()
+		cl.Close()
+		if err == nil {
+			t.Errorf("%s: the broker answered, topics %q: any local user reads and writes every topic", tt.name, ts.Names())
+		}
+	}
+
+	// The tool's own clients log in with the environment's KAFKA_SASL_*.
+	for name, v := range env {
+		if strings.HasPrefix(name, "KAFKA_") {
+			t.Setenv(name, v)
+		}
+	}
+	for _, args := range [][]string{
+		{"topics", "create", "t1:1"},
+		{"produce", "-topic", "t1", "-key", "k", "-value", "v"},
+	} {
+		if code, _, errOut := cli(t, "", args...); code != 0 {
+			t.Fatalf("%q: exit %d: %s", args, code, errOut)
+		}
+	}
+	if code, out, errOut := cli(t, "", "consume", "-topic", "t1"); code != 0 || !strings.Contains(out, `"key":"k","value":"v"`) {
+		t.Errorf("consume: exit %d: %s%s", code, out, errOut)
+	}
+	if code, out, errOut := cli(t, "", "topics"); code != 0 || !strings.Contains(out, "t1") {
+		t.Errorf("topics: exit %d: %s%s", code, out, errOut)
+	}
+	t.Setenv("KAFKA_SASL_MECHANISM", "GSSAPI")
+	want := `KAFKA_SASL_MECHANISM must be one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, got "GSSAPI"`
+	if code, _, errOut := cli(t, "", "topics"); code == 0 || !strings.Contains(errOut, want) {
+		t.Errorf("topics with KAFKA_SASL_MECHANISM=GSSAPI: exit %d: %s; want an error saying %q", code, errOut, want)
+	}
+}
+
+// TestDevBrokerKeepsItsPassword: the broker's password is the same from one run to the next
+// (its data is kept), a new one is generated when <dir>/kafka-password is removed, and a
+// broker's data an older kafkapg dev left (no SASL) is taken over: the dev loop's own client
+// creates its topics, with the password, each time.
+func TestDevBrokerKeepsItsPassword(t *testing.T) {
+	dir := filepath.Join(enterableDir(t, "dev-"), ".kafkapg")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// An older dev loop's broker data: kfake without SASL, closed (its state written).
+	old, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.DataDir(filepath.Join(dir, "kafka")), kfake.SeedTopics(1, "kept"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	old.Close()
+	path := filepath.Join(dir, "kafka-password")
+	password := func() string {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(b)
+	}
+	runs := []string{"the older data", "a second run", "a new password"}
+	var first string
+	for i, name := range runs {
+		if i == 2 {
+			os.Remove(path)
+		}
+		out, err := runDev(t, dir, "-topics", fmt.Sprintf("kept,t%d", i))
+		if err != nil {
+			t.Fatalf("%s: kafkapg dev: %v\n%s", name, err, out)
+		}
+		if !strings.Contains(out, "topic kept (exists)") {
+			t.Errorf("%s: the broker's data was not kept:\n%s", name, out)
+		}
+		switch i {
+		case 0:
+			first = password()
+		case 1:
+			if password() != first {
+				t.Errorf("%s: the password changed", name)
+			}
+		case 2:
+			if password() == first {
+				t.Errorf("%s: the removed password file came back with the same password", name)
+			}
+		}
 	}
 }

@@ -7,7 +7,7 @@
 //
 //	go get -tool github.com/kafkapg/kafkapg/cmd/kafkapg
 //	go tool kafkapg dev -topics orders,inventory.reserved   # broker, Postgres, topics; Ctrl-C stops
-//	. .kafkapg/env                                           # KAFKA_BROKERS and DATABASE_URL, in another shell
+//	. .kafkapg/env                                           # KAFKA_BROKERS, KAFKA_SASL_*, DATABASE_URL, in another shell
 //	go tool kafkapg produce -topic orders -key-field order_id orders.jsonl
 //	go tool kafkapg consume -topic inventory.reserved
 //
@@ -21,7 +21,9 @@
 //	topics   list topics, or create some
 //
 // produce, consume and topics reach the broker given by -brokers, else KAFKA_BROKERS, else the
-// dev loop's .kafkapg/env (in the current directory, or -dir).
+// dev loop's .kafkapg/env (in the current directory, or -dir), and log in (SASL) as
+// KAFKA_SASL_MECHANISM, KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD of the same place: this
+// process's environment, or the env file.
 package main
 
 import (

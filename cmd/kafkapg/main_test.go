@@ -5,6 +5,9 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -90,26 +93,103 @@ func TestProduceAndConsume(t *testing.T) {
 }
 
 // TestBrokersFromTheDevLoop: without -brokers or KAFKA_BROKERS, the commands take the broker
-// of the dev loop running with -dir, and say what to do when none runs.
+// of the dev loop running with -dir, and its login, and say what to do when none runs.
 func TestBrokersFromTheDevLoop(t *testing.T) {
-	t.Setenv("KAFKA_BROKERS", "")
+	for _, name := range []string{"KAFKA_BROKERS", "KAFKA_SASL_MECHANISM", "KAFKA_SASL_USERNAME", "KAFKA_SASL_PASSWORD"} {
+		t.Setenv(name, "")
+	}
 	dir := t.TempDir()
-	if _, err := brokersFor("", dir); err == nil || !strings.Contains(err.Error(), "start `go tool kafkapg dev`") {
+	if _, err := kafkaFor("", dir); err == nil || !strings.Contains(err.Error(), "start `go tool kafkapg dev`") {
 		t.Errorf("no broker: %v", err)
 	}
 	if err := writeEnv(filepath.Join(dir, "env"), [][2]string{{"KAFKA_BROKERS", "127.0.0.1:1,127.0.0.1:2"}, {"DATABASE_URL", "postgres://x@h/d?a='b'"}}); err != nil {
 		t.Fatal(err)
 	}
 	// Written by this process: not a running loop of another.
-	if _, err := brokersFor("", dir); err == nil {
+	if _, err := kafkaFor("", dir); err == nil {
 		t.Error("an env file of this process was taken for a running loop's")
 	}
 	pid, env, err := readEnv(filepath.Join(dir, "env"))
 	if err != nil || pid != os.Getpid() || len(env) != 2 || env[1][1] != "postgres://x@h/d?a='b'" {
 		t.Errorf("readEnv: %d %q %v", pid, env, err)
 	}
-	if got, err := brokersFor("a:1", dir); err != nil || strings.Join(got, ",") != "a:1" {
-		t.Errorf("-brokers: %q %v", got, err)
+	if got, err := kafkaFor("a:1", dir); err != nil || strings.Join(got.brokers, ",") != "a:1" || got.login != nil {
+		t.Errorf("-brokers: %+v %v", got, err)
+	}
+
+	// A running loop's env file (its pid: our parent's, which runs): its broker and its login.
+	loop := "# kafkapg dev, pid " + strconv.Itoa(os.Getppid()) + ": test\n" +
+		"export KAFKA_BROKERS='127.0.0.1:3'\nexport KAFKA_SASL_MECHANISM='SCRAM-SHA-256'\n" +
+		"export KAFKA_SASL_USERNAME='kafkapg'\nexport KAFKA_SASL_PASSWORD='pw'\n"
+	if err := os.WriteFile(filepath.Join(dir, "env"), []byte(loop), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := kafkaFor("", dir); err != nil || strings.Join(got.brokers, ",") != "127.0.0.1:3" || len(got.login) != 1 {
+		t.Errorf("the dev loop's: %+v %v; want its broker and a SASL login", got, err)
+	}
+	// The broker named here: this environment's login (none), not the loop's.
+	t.Setenv("KAFKA_BROKERS", "b:1")
+	if got, err := kafkaFor("", dir); err != nil || strings.Join(got.brokers, ",") != "b:1" || got.login != nil {
+		t.Errorf("KAFKA_BROKERS: %+v %v; want b:1 without the dev loop's login", got, err)
+	}
+}
+
+// TestSASLLogin: KAFKA_SASL_* as the service takes them; what it would refuse is refused,
+// naming the variable, never the password.
+func TestSASLLogin(t *testing.T) {
+	for _, tt := range []struct {
+		name            string
+		mech, user, pwd string
+		wantLogin       bool
+		wantErr         string
+	}{
+		{"none", "", "", "", false, ""},
+		{"SCRAM-SHA-256", "SCRAM-SHA-256", "u", "secret", true, ""},
+		{"SCRAM-SHA-512, lower case", "scram-sha-512", "u", "secret", true, ""},
+		{"PLAIN", "PLAIN", "u", "secret", true, ""},
+		{"unsupported", "GSSAPI", "u", "secret", false, `KAFKA_SASL_MECHANISM must be one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, got "GSSAPI"`},
+		{"no password", "SCRAM-SHA-256", "u", "", false, "KAFKA_SASL_MECHANISM=SCRAM-SHA-256 needs KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD"},
+		{"no mechanism", "", "u", "secret", false, "KAFKA_SASL_USERNAME/KAFKA_SASL_PASSWORD are set but KAFKA_SASL_MECHANISM is not"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			login, err := saslLogin(lookupIn([][2]string{
+				{"KAFKA_SASL_MECHANISM", tt.mech}, {"KAFKA_SASL_USERNAME", tt.user}, {"KAFKA_SASL_PASSWORD", tt.pwd},
+			}))
+			switch {
+			case tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)):
+				t.Errorf("error %v, want one saying %q", err, tt.wantErr)
+			case tt.wantErr == "" && err != nil:
+				t.Errorf("error %v", err)
+			case err != nil && strings.Contains(err.Error(), "secret"):
+				t.Errorf("the error shows the password: %v", err)
+			case (len(login) == 1) != tt.wantLogin:
+				t.Errorf("%d options, want a login: %v", len(login), tt.wantLogin)
+			}
+		})
+	}
+}
+
+// TestSASLMechanismsAreTheService: the tool takes the KAFKA_SASL_MECHANISM values the service
+// takes (service/kafkasec.go's saslMechanisms), so that one env works for both.
+func TestSASLMechanismsAreTheService(t *testing.T) {
+	src, err := os.ReadFile("../../service/kafkasec.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`var saslMechanisms = \[\]string\{(.*)\}`).FindSubmatch(src)
+	if m == nil {
+		t.Fatal("service/kafkasec.go has no saslMechanisms")
+	}
+	var theirs []string
+	for _, q := range strings.Split(string(m[1]), ",") {
+		s, err := strconv.Unquote(strings.TrimSpace(q))
+		if err != nil {
+			t.Fatalf("service/kafkasec.go's saslMechanisms: %s: %v", m[1], err)
+		}
+		theirs = append(theirs, s)
+	}
+	if !slices.Equal(theirs, saslMechanisms) {
+		t.Errorf("the service takes KAFKA_SASL_MECHANISM %q, the tool %q", theirs, saslMechanisms)
 	}
 }
 

@@ -59,7 +59,7 @@ func produceCmd(ctx context.Context, args []string, stdin io.Reader, stdout, std
 	envelopes := fs.Bool("envelope", false, `each line is {"key": "...", "value": <JSON, or a string for text>, "headers": {"name": "value"}}`)
 	var headers headerFlags
 	fs.Var(&headers, "header", "a header name=value on every record (repeatable)")
-	brokerFlag := fs.String("brokers", "", "brokers, host:port,... (default: KAFKA_BROKERS, else the dev loop's)")
+	brokerFlag := fs.String("brokers", "", "brokers, host:port,... (default: KAFKA_BROKERS, else the dev loop's); the login: KAFKA_SASL_*")
 	dir := fs.String("dir", ".kafkapg", "the dev loop's -dir, to find its broker")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, `usage: kafkapg produce -topic T [flags] [FILE ...]
@@ -83,11 +83,11 @@ written (JSON lines of events), or with -envelope its key, value and headers.
 	case fs.NArg() > 0 && *value != "":
 		return usagef("-value and files: give one")
 	}
-	brokers, err := brokersFor(*brokerFlag, *dir)
+	kafka, err := kafkaFor(*brokerFlag, *dir)
 	if err != nil {
 		return err
 	}
-	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.DefaultProduceTopic(*topic), kgo.ProducerLinger(5*time.Millisecond),
+	cl, err := kafka.client(kgo.DefaultProduceTopic(*topic), kgo.ProducerLinger(5*time.Millisecond),
 		kgo.MaxBufferedRecords(10_000), kgo.ProducerBatchMaxBytes(maxLine+1024))
 	if err != nil {
 		return err
@@ -320,7 +320,7 @@ func consumeCmd(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	limit := fs.Int("n", 0, "stop after this many records (0: no limit)")
 	follow := fs.Bool("follow", false, "keep printing new records until Ctrl-C (or -n); without it, stop at the end offsets the topic had at the start")
 	wait := fs.Duration("wait", 0, "with -n: wait this long for the records to arrive (0: as -follow)")
-	brokerFlag := fs.String("brokers", "", "brokers, host:port,... (default: KAFKA_BROKERS, else the dev loop's)")
+	brokerFlag := fs.String("brokers", "", "brokers, host:port,... (default: KAFKA_BROKERS, else the dev loop's); the login: KAFKA_SASL_*")
 	dir := fs.String("dir", ".kafkapg", "the dev loop's -dir, to find its broker")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, `usage: kafkapg consume -topic T [flags]
@@ -343,7 +343,7 @@ and headers. It joins no consumer group and commits nothing.
 	case *limit < 0:
 		return usagef("-n must not be negative")
 	}
-	brokers, err := brokersFor(*brokerFlag, *dir)
+	kafka, err := kafkaFor(*brokerFlag, *dir)
 	if err != nil {
 		return err
 	}
@@ -351,7 +351,7 @@ and headers. It joins no consumer group and commits nothing.
 	if *from == "end" {
 		start = kgo.NewOffset().AtEnd()
 	}
-	admCl, err := kgo.NewClient(kgo.SeedBrokers(brokers...))
+	admCl, err := kafka.client()
 	if err != nil {
 		return err
 	}
@@ -392,7 +392,7 @@ and headers. It joins no consumer group and commits nothing.
 		ctx, cancel = context.WithTimeout(ctx, *wait)
 		defer cancel()
 	}
-	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumeTopics(*topic), kgo.ConsumeResetOffset(start),
+	cl, err := kafka.client(kgo.ConsumeTopics(*topic), kgo.ConsumeResetOffset(start),
 		kgo.FetchMaxWait(500*time.Millisecond))
 	if err != nil {
 		return err
@@ -445,7 +445,7 @@ func topicsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	fs := flag.NewFlagSet("kafkapg topics", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	partitions := fs.Int("partitions", 3, "partitions of a topic created without :PARTITIONS")
-	brokerFlag := fs.String("brokers", "", "brokers, host:port,... (default: KAFKA_BROKERS, else the dev loop's)")
+	brokerFlag := fs.String("brokers", "", "brokers, host:port,... (default: KAFKA_BROKERS, else the dev loop's); the login: KAFKA_SASL_*")
 	dir := fs.String("dir", ".kafkapg", "the dev loop's -dir, to find its broker")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, "usage: kafkapg topics [flags]                      list topics\n       kafkapg topics [flags] create NAME[:PARTITIONS] ...\n\n")
@@ -454,13 +454,13 @@ func topicsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	brokers, err := brokersFor(*brokerFlag, *dir)
+	kafka, err := kafkaFor(*brokerFlag, *dir)
 	if err != nil {
 		return err
 	}
 	switch {
 	case fs.NArg() == 0:
-		cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...))
+		cl, err := kafka.client()
 		if err != nil {
 			return err
 		}
@@ -480,7 +480,7 @@ func topicsCmd(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		if err != nil {
 			return err
 		}
-		created, err := ensureTopics(ctx, brokers, specs)
+		created, err := ensureTopics(ctx, kafka, specs)
 		if err != nil {
 			return err
 		}
