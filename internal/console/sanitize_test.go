@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/chromedp/chromedp"
+
 	"github.com/kafkapg/kafkapg/internal/ops"
 )
 
@@ -59,5 +61,38 @@ func TestConsoleShowsControlsVisibly(t *testing.T) {
 		if strings.HasPrefix(path, "/dead-letters?") && !strings.Contains(body, `value="invoice&#x202e;txt"`) {
 			t.Errorf("GET %s: the filter's field does not hold it as a character reference:\n%s", path, body)
 		}
+	}
+}
+
+// TestConsoleShowsControlsVisiblyInABrowser: in Chromium, the hostile error reads as its escapes
+// (no override reorders it), and the filter's field holds the control itself, decoded from its
+// character reference, so the form sends back what was asked for.
+func TestConsoleShowsControlsVisiblyInABrowser(t *testing.T) {
+	h, srv, _ := consoleOf(t)
+	var id int64
+	if err := h.Pool.QueryRow(context.Background(), `UPDATE kafkapg.dead_letters SET error_message = $2
+		WHERE id = (SELECT min(id) FROM kafkapg.dead_letters WHERE consumer_group = $1) RETURNING id`, h.Group, "poison: "+hostile).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	b := newBrowser(t)
+	b.as("alice", operatorPassword)
+	b.open(fmt.Sprintf("%s/dead-letters/%d", srv.URL, id), `document.body.innerText.includes("poison")`)
+	b.shot("hostile-text")
+	text := b.text("body")
+	if !strings.Contains(text, `invoice\u202etxt.exe \x1b[31mred\x07 \x9b2J end\u2066`) {
+		t.Errorf("the page does not read as the escapes:\n%s", text)
+	}
+	for _, c := range []string{"\u202e", "\x1b", "\x07", "\u009b", "\u2066"} {
+		if strings.Contains(text, c) {
+			t.Errorf("the page shows %+q raw", c)
+		}
+	}
+	b.open(srv.URL+"/dead-letters?error="+url.QueryEscape("invoice\u202etxt"), `document.querySelector('input[name="error"]') !== null`)
+	v, err := chromedp.Run(b.ctx, chromedp.Evaluate[string](`document.querySelector('input[name="error"]').value`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v != "invoice\u202etxt" {
+		t.Errorf("the filter's field holds %+q, want the filter as asked, %+q", v, "invoice\u202etxt")
 	}
 }
