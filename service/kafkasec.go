@@ -6,12 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strings"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/sasl"
-	"github.com/twmb/franz-go/pkg/sasl/plain"
-	"github.com/twmb/franz-go/pkg/sasl/scram"
+
+	"github.com/kafkapg/kafkapg/internal/kafkalogin"
 )
 
 // kafkaSecurityEnv is how the processor authenticates to Kafka and encrypts its connections.
@@ -27,9 +26,6 @@ type kafkaSecurityEnv struct {
 	SASLUsername       string `envconfig:"KAFKA_SASL_USERNAME"`
 	SASLPassword       string `envconfig:"KAFKA_SASL_PASSWORD"`
 }
-
-// saslMechanisms are the accepted KAFKA_SASL_MECHANISM values.
-var saslMechanisms = []string{"PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"}
 
 // options returns the franz-go options for TLS and SASL. Errors name the variable at fault and
 // never contain the password.
@@ -87,22 +83,5 @@ func (e *kafkaSecurityEnv) tlsConfig() (*tls.Config, error) {
 }
 
 func (e *kafkaSecurityEnv) saslMechanism() (sasl.Mechanism, error) {
-	if e.SASLMechanism == "" {
-		if e.SASLUsername != "" || e.SASLPassword != "" {
-			return nil, fmt.Errorf("KAFKA_SASL_USERNAME/KAFKA_SASL_PASSWORD are set but KAFKA_SASL_MECHANISM is not (one of %s)", strings.Join(saslMechanisms, ", "))
-		}
-		return nil, nil
-	}
-	if e.SASLUsername == "" || e.SASLPassword == "" {
-		return nil, fmt.Errorf("KAFKA_SASL_MECHANISM=%s needs KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD", e.SASLMechanism)
-	}
-	switch strings.ToUpper(e.SASLMechanism) {
-	case "PLAIN":
-		return plain.Auth{User: e.SASLUsername, Pass: e.SASLPassword}.AsMechanism(), nil
-	case "SCRAM-SHA-256":
-		return scram.Auth{User: e.SASLUsername, Pass: e.SASLPassword}.AsSha256Mechanism(), nil
-	case "SCRAM-SHA-512":
-		return scram.Auth{User: e.SASLUsername, Pass: e.SASLPassword}.AsSha512Mechanism(), nil
-	}
-	return nil, fmt.Errorf("KAFKA_SASL_MECHANISM must be one of %s, got %q", strings.Join(saslMechanisms, ", "), e.SASLMechanism)
+	return kafkalogin.Mechanism(e.SASLMechanism, e.SASLUsername, e.SASLPassword)
 }

@@ -22,6 +22,7 @@ import (
 	"github.com/twmb/franz-go/pkg/sasl/plain"
 	"github.com/twmb/franz-go/pkg/sasl/scram"
 
+	"github.com/kafkapg/kafkapg/internal/kafkalogin"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 )
 
@@ -52,7 +53,7 @@ func saslKfake(t *testing.T, mechanism string, cluster []kfake.Opt, client []kgo
 // right credentials it processes records; with a wrong password it waits, says why on /readyz,
 // and never logs or shows the password.
 func TestKafkaSASL(t *testing.T) {
-	for _, mech := range saslMechanisms {
+	for _, mech := range kafkalogin.Mechanisms {
 		t.Run(mech, func(t *testing.T) {
 			pool, dbURL := testenv.Postgres(t)
 			k := saslKfake(t, mech, nil, nil)

@@ -1,15 +1,13 @@
 package main
 
 import (
-	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 
 	"github.com/twmb/franz-go/pkg/kgo"
-	"github.com/twmb/franz-go/pkg/sasl"
-	"github.com/twmb/franz-go/pkg/sasl/plain"
-	"github.com/twmb/franz-go/pkg/sasl/scram"
+
+	"github.com/kafkapg/kafkapg/internal/kafkalogin"
 )
 
 // Which broker the tool's clients reach, and how they log in to it.
@@ -25,10 +23,6 @@ const (
 	devKafkaMechanism = "SCRAM-SHA-256"
 	devKafkaUser      = "kafkapg"
 )
-
-// saslMechanisms are the accepted KAFKA_SASL_MECHANISM values, the service's
-// (service/kafkasec.go; TestSASLMechanismsAreTheService's compares them).
-var saslMechanisms = []string{"PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"}
 
 // kafkaConn is how a command reaches a broker: its addresses and its login.
 type kafkaConn struct {
@@ -95,26 +89,9 @@ func lookupIn(env [][2]string) func(string) string {
 // and KAFKA_SASL_PASSWORD of getenv say: none without a mechanism. Its errors name the
 // variable at fault, never the password.
 func saslLogin(getenv func(string) string) ([]kgo.Opt, error) {
-	mech, user, pass := getenv("KAFKA_SASL_MECHANISM"), getenv("KAFKA_SASL_USERNAME"), getenv("KAFKA_SASL_PASSWORD")
-	if mech == "" {
-		if user != "" || pass != "" {
-			return nil, fmt.Errorf("KAFKA_SASL_USERNAME/KAFKA_SASL_PASSWORD are set but KAFKA_SASL_MECHANISM is not (one of %s)", strings.Join(saslMechanisms, ", "))
-		}
-		return nil, nil
-	}
-	if user == "" || pass == "" {
-		return nil, fmt.Errorf("KAFKA_SASL_MECHANISM=%s needs KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD", mech)
-	}
-	var m sasl.Mechanism
-	switch strings.ToUpper(mech) {
-	case "PLAIN":
-		m = plain.Auth{User: user, Pass: pass}.AsMechanism()
-	case "SCRAM-SHA-256":
-		m = scram.Auth{User: user, Pass: pass}.AsSha256Mechanism()
-	case "SCRAM-SHA-512":
-		m = scram.Auth{User: user, Pass: pass}.AsSha512Mechanism()
-	default:
-		return nil, fmt.Errorf("KAFKA_SASL_MECHANISM must be one of %s, got %q", strings.Join(saslMechanisms, ", "), mech)
+	m, err := kafkalogin.Mechanism(getenv("KAFKA_SASL_MECHANISM"), getenv("KAFKA_SASL_USERNAME"), getenv("KAFKA_SASL_PASSWORD"))
+	if err != nil || m == nil {
+		return nil, err
 	}
 	return []kgo.Opt{kgo.SASL(m)}, nil
 }

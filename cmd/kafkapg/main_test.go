@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -13,6 +12,7 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/internal/kafkalogin"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 )
 
@@ -170,26 +170,17 @@ func TestSASLLogin(t *testing.T) {
 }
 
 // TestSASLMechanismsAreTheService: the tool takes the KAFKA_SASL_MECHANISM values the service
-// takes (service/kafkasec.go's saslMechanisms), so that one env works for both.
+// takes (both read them with internal/kafkalogin), so that one env works for both.
 func TestSASLMechanismsAreTheService(t *testing.T) {
-	src, err := os.ReadFile("../../service/kafkasec.go")
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := regexp.MustCompile(`var saslMechanisms = \[\]string\{(.*)\}`).FindSubmatch(src)
-	if m == nil {
-		t.Fatal("service/kafkasec.go has no saslMechanisms")
-	}
-	var theirs []string
-	for _, q := range strings.Split(string(m[1]), ",") {
-		s, err := strconv.Unquote(strings.TrimSpace(q))
-		if err != nil {
-			t.Fatalf("service/kafkasec.go's saslMechanisms: %s: %v", m[1], err)
+	for _, mech := range append(slices.Clone(kafkalogin.Mechanisms), "scram-sha-256") {
+		env := map[string]string{"KAFKA_SASL_MECHANISM": mech, "KAFKA_SASL_USERNAME": "u", "KAFKA_SASL_PASSWORD": "p"}
+		if login, err := saslLogin(func(k string) string { return env[k] }); err != nil || len(login) != 1 {
+			t.Errorf("KAFKA_SASL_MECHANISM=%s: %d options, %v; the service takes it", mech, len(login), err)
 		}
-		theirs = append(theirs, s)
 	}
-	if !slices.Equal(theirs, saslMechanisms) {
-		t.Errorf("the service takes KAFKA_SASL_MECHANISM %q, the tool %q", theirs, saslMechanisms)
+	env := map[string]string{"KAFKA_SASL_MECHANISM": "GSSAPI", "KAFKA_SASL_USERNAME": "u", "KAFKA_SASL_PASSWORD": "p"}
+	if _, err := saslLogin(func(k string) string { return env[k] }); err == nil {
+		t.Error("KAFKA_SASL_MECHANISM=GSSAPI: taken; the service refuses it")
 	}
 }
 
