@@ -3,14 +3,13 @@ package service
 import (
 	"bytes"
 	"encoding/json"
-	"fmt"
 	"reflect"
 	"strings"
 	"testing"
 	"time"
-	"unicode/utf8"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/processor"
 )
 
@@ -199,7 +198,7 @@ func TestConfigOutputEscaped(t *testing.T) {
 	if code := run([]string{"config"}, &out, &errOut, goHandlers...); code != 0 {
 		t.Fatalf("config: exit %d\n%s", code, errOut.String())
 	}
-	if bad := rawControl(out.String()); bad != "" {
+	if bad := testenv.RawControl(out.String()); bad != "" {
 		t.Errorf("config prints %s raw:\n%q", bad, out.String())
 	}
 	out.Reset()
@@ -209,7 +208,7 @@ func TestConfigOutputEscaped(t *testing.T) {
 	if !json.Valid(out.Bytes()) {
 		t.Fatalf("config --json is not JSON:\n%q", out.String())
 	}
-	if bad := rawControl(out.String()); bad != "" {
+	if bad := testenv.RawControl(out.String()); bad != "" {
 		t.Errorf("config --json prints %s raw:\n%q", bad, out.String())
 	}
 	var shown configShown
@@ -221,19 +220,4 @@ func TestConfigOutputEscaped(t *testing.T) {
 			t.Errorf("KAFKA_TLS_SERVER_NAME reads back as %q, want %q", v.Value, strings.ToValidUTF8(name, "\ufffd"))
 		}
 	}
-}
-
-// rawControl names the first character a terminal takes for a command (C0 but tab and newline,
-// DEL, C1, bidirectional formatting) or byte that is not UTF-8 in s, or returns "".
-func rawControl(s string) string {
-	for i, r := range s {
-		switch {
-		case r == utf8.RuneError && !strings.HasPrefix(s[i:], "\ufffd"):
-			return fmt.Sprintf("the byte %#x", s[i])
-		case r == '\t' || r == '\n':
-		case r < 0x20 || r == 0x7f || r >= 0x80 && r <= 0x9f || r >= 0x202a && r <= 0x202e || r >= 0x2066 && r <= 0x2069 || r == 0x200e || r == 0x200f || r == 0x061c:
-			return fmt.Sprintf("%U", r)
-		}
-	}
-	return ""
 }

@@ -2,10 +2,8 @@ package main
 
 import (
 	"encoding/json"
-	"fmt"
 	"strings"
 	"testing"
-	"unicode/utf8"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -31,7 +29,7 @@ func TestConsumeEscapesControls(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("consume: exit %d: %s", code, errOut)
 	}
-	if bad := rawControl(out); bad != "" {
+	if bad := testenv.RawControl(out); bad != "" {
 		t.Errorf("consume prints %s raw:\n%q", bad, out)
 	}
 	lines := strings.Split(strings.TrimSpace(out), "\n")
@@ -53,20 +51,4 @@ func TestConsumeEscapesControls(t *testing.T) {
 	if err := json.Unmarshal([]byte(lines[1]), &second); err != nil || second.Value != "text \u202e\x1b[2J\u009b" {
 		t.Errorf("the second record reads back as %+v, %v", second, err)
 	}
-}
-
-// rawControl names the first character a terminal takes for a command (C0 but tab and newline,
-// DEL, C1, bidirectional formatting) or byte that is not UTF-8 in s, or returns "".
-func rawControl(s string) string {
-	for i, r := range s {
-		switch {
-		case r == utf8.RuneError && !strings.HasPrefix(s[i:], "\ufffd"):
-			return fmt.Sprintf("the byte %#x", s[i])
-		case r == '\t' || r == '\n':
-		case r < 0x20 || r == 0x7f || r >= 0x80 && r <= 0x9f || r >= 0x202a && r <= 0x202e || r >= 0x2066 && r <= 0x2069 ||
-			r == 0x200e || r == 0x200f || r == 0x061c:
-			return fmt.Sprintf("%U", r)
-		}
-	}
-	return ""
 }
