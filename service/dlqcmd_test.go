@@ -208,7 +208,8 @@ func TestOperatorAPI(t *testing.T) {
 	}{{"?value_bytes=6", "secret", true}, {"?values=false", "", false}, {"?value_bytes=1000", "secret-value-2", false}} {
 		code, body := call("GET", "/api/v1/dead-letters/2"+c.query, token, "")
 		var dl ops.DeadLetter
-		if code != 200 || json.Unmarshal([]byte(body), &dl) != nil || string(dl.Value) != c.value || dl.ValueSize != 14 || dl.ValueTruncated != c.truncated {
+		if code != 200 || json.Unmarshal([]byte(body), &dl) != nil || string(dl.Value) != c.value || dl.ValueSize != 14 || dl.ValueTruncated != c.truncated ||
+			dl.ValueHidden != (c.query == "?values=false") {
 			t.Errorf("GET dead letter 2%s: %d %s; want value %q of 14 bytes, truncated %v", c.query, code, body, c.value, c.truncated)
 		}
 	}

@@ -276,6 +276,9 @@ func TestShowReadsOnlyWhatItShows(t *testing.T) {
 				t.Errorf("headers: %d, first %q of %d bytes read (size %d); want big with %d bytes read of %d, then small", len(dl.Headers),
 					dl.Headers[0].Key, len(dl.Headers[0].Value), dl.Headers[0].ValueSize, tc.wantHVal, 4<<20)
 			}
+			if dl.ValueHidden != tc.opt.HideValues {
+				t.Errorf("value_hidden %v, want %v: a hidden value and an empty one are both absent from the JSON", dl.ValueHidden, tc.opt.HideValues)
+			}
 			if alloc > tc.maxAlloc {
 				t.Errorf("Show allocated %d bytes for a %d-byte dead letter; want at most %d", alloc, size, tc.maxAlloc)
 			}

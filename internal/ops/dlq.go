@@ -98,11 +98,13 @@ type DeadLetter struct {
 	Offset    int64  `json:"offset"`
 	Key       []byte `json:"key"`
 	KeySize   int    `json:"key_size"`
-	// KeyTruncated: Key is the key's first ListedKeyBytes (in a list; Show gives it whole).
+	// KeyTruncated: Key is the key's first ListedKeyBytes (in a list) or ShownKeyBytes (Show).
 	KeyTruncated bool `json:"key_truncated,omitempty"`
-	// Value is the value's first bytes Show read (ShowOptions); nil when hidden or null.
-	Value     []byte `json:"value,omitempty"`
-	ValueSize int    `json:"value_size"`
+	// Value is the value's first bytes Show read (ShowOptions); nil when hidden or null
+	// (ValueHidden tells them apart, as omitempty in JSON does not).
+	Value       []byte `json:"value,omitempty"`
+	ValueSize   int    `json:"value_size"`
+	ValueHidden bool   `json:"value_hidden,omitempty"`
 	// ValueTruncated: Value is the value's first bytes, ValueSize is its length.
 	ValueTruncated  bool      `json:"value_truncated,omitempty"`
 	Headers         []Header  `json:"headers,omitempty"`
@@ -295,6 +297,7 @@ func (o *Ops) Show(ctx context.Context, id int64, opt ShowOptions) (DeadLetter, 
 		&dl.Key, &dl.Message, &dl.Value, &hkeys, &hvals, &hsizes, &dl.BlocksKey)
 	dl.KeyTruncated = dl.KeySize > len(dl.Key)
 	dl.ValueTruncated = !opt.HideValues && dl.ValueSize > len(dl.Value)
+	dl.ValueHidden = opt.HideValues
 	if err != nil {
 		return dl, fmt.Errorf("read dead letter %d: %w", id, err)
 	}
