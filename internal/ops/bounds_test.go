@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"runtime"
 	"strings"
 	"sync"
@@ -130,32 +131,49 @@ func TestTraceScanIsBoundedInBytes(t *testing.T) {
 	o := e.ops.WithTopics(topic)
 	kc := k.Client(t)
 
-	// What the result keeps alive (kfake's copy of the topic is older than before).
-	var before, after runtime.MemStats
-	runtime.GC()
-	runtime.ReadMemStats(&before)
-	byKey, err := o.Trace(ctx, ops.TraceQuery{Topic: topic, Key: []byte("k1")}, kc)
-	if err != nil {
-		t.Fatal(err)
+	// What the result keeps alive, measured as the heap the result alone holds: the difference
+	// made by dropping it, after the trace's clients closed. (The heap before and after the trace
+	// is noise: kfake and the clients allocate and free megabytes around it.) A key that is a
+	// slice of the fetched batch keeps the batch, values included (9 MB for these 12 records).
+	// The least of three traces, so that a stray allocation elsewhere cannot fail it.
+	retained := func(q ops.TraceQuery, check func(ops.TraceResult)) int64 {
+		t.Helper()
+		res, err := o.Trace(ctx, q, kc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		check(res)
+		var with, without runtime.MemStats
+		runtime.GC()
+		runtime.GC() // a sync.Pool's buffers (franz-go's) outlive one collection, then go
+		runtime.ReadMemStats(&with)
+		runtime.KeepAlive(res)
+		res = ops.TraceResult{} // the only reference to what the trace told
+		runtime.GC()
+		runtime.ReadMemStats(&without)
+		return int64(with.HeapAlloc) - int64(without.HeapAlloc)
 	}
-	runtime.GC()
-	runtime.ReadMemStats(&after)
-	if len(byKey.Records) != 12 || len(byKey.Notes) != 0 {
-		t.Errorf("trace of key k1: %d records, notes %q; want 12, none", len(byKey.Records), byKey.Notes)
+	keepsLittle := func(what string, q ops.TraceQuery, check func(ops.TraceResult)) {
+		t.Helper()
+		least := int64(math.MaxInt64)
+		for range 3 {
+			least = min(least, retained(q, check))
+		}
+		t.Logf("%s keeps %d bytes alive (the least of three)", what, least)
+		if least > 256<<10 { // one record of 256 KB; a copy of the keys is a few KB
+			t.Errorf("%s keeps %d bytes alive: its keys keep the fetched batches, values included", what, least)
+		}
 	}
-	kept := int64(after.HeapAlloc) - int64(before.HeapAlloc)
-	t.Logf("the trace of key k1 (12 records of 256 KB) keeps %d bytes alive", kept)
-	if kept > 2<<20 {
-		t.Errorf("the trace of 12 records of 256 KB keeps %d bytes alive: its keys keep the fetched batches, values included", kept)
-	}
-	runtime.KeepAlive(byKey)
-	one, err := o.Trace(ctx, ops.TraceQuery{Topic: topic, Partition: 1, Offset: 7}, kc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(one.Records) != 1 || one.Records[0].KeyText != "k2" { // record 22 of 60
-		t.Fatalf("trace of %s[1]@7: %+v, want key k2", topic, one.Records)
-	}
+	keepsLittle("the trace of key k1 (12 records of 256 KB)", ops.TraceQuery{Topic: topic, Key: []byte("k1")}, func(res ops.TraceResult) {
+		if len(res.Records) != 12 || len(res.Notes) != 0 {
+			t.Errorf("trace of key k1: %d records, notes %q; want 12, none", len(res.Records), res.Notes)
+		}
+	})
+	keepsLittle("the trace of one offset", ops.TraceQuery{Topic: topic, Partition: 1, Offset: 7}, func(res ops.TraceResult) {
+		if len(res.Records) != 1 || res.Records[0].KeyText != "k2" { // record 22 of 60
+			t.Errorf("trace of %s[1]@7: %+v, want key k2", topic, res.Records)
+		}
+	})
 	fetches.mu.Lock()
 	defer fetches.mu.Unlock()
 	if fetches.requests == 0 {
