@@ -16,9 +16,10 @@ import (
 )
 
 // TestDocsStateTheCodesNumbers: every number docs/guarantees.md, docs/DESIGN.md and
-// docs/retries.md state about the processor is rendered here from the constant, default or
-// client option the code uses, and must appear in the doc as written. Change either side alone
-// and this fails, naming the file and the phrase the doc should contain.
+// docs/retries.md state about the processor (and docs/handlers.md about the prepare window) is
+// rendered here from the constant, default or client option the code uses, and must appear in
+// the doc as written. Change either side alone and this fails, naming the file and the phrase
+// the doc should contain. docs/testing.md's count of these phrases is checked too.
 //
 // Numbers that are measurements (benchmarks, test runs) are not here; nor are those whose
 // constant lives unexported in another package: sink's outbox batch of 16 MiB and its minute
@@ -58,7 +59,7 @@ func TestDocsStateTheCodesNumbers(t *testing.T) {
 	jitter := retrytopics.DueAt(time.Time{}, time.Hour, 1).Sub(time.Time{}.Add(time.Hour))
 	jitterPercent := int(100 * jitter / time.Hour)
 
-	guarantees, design, retries := "../docs/guarantees.md", "../docs/DESIGN.md", "../docs/retries.md"
+	guarantees, design, retries, handlers := "../docs/guarantees.md", "../docs/DESIGN.md", "../docs/retries.md", "../docs/handlers.md"
 	claims := []struct{ file, phrase string }{
 		// The per-record cost counted against the budget.
 		{guarantees, fmt.Sprintf("plus %d bytes, and %d more for each header", recordOverhead, headerOverhead)},
@@ -106,7 +107,8 @@ func TestDocsStateTheCodesNumbers(t *testing.T) {
 		{design, fmt.Sprintf("exceed the %s handoff of a revoke", durText(def.HandoffTimeout))},
 		{design, fmt.Sprintf("after %s the processor sends LeaveGroup itself", durText(leaveGrace))},
 		{design, fmt.Sprintf("The group's rebalance timeout is %s", durText(def.RebalanceTimeout))},
-		{design, fmt.Sprintf("window (≤ %d × CONCURRENCY records", windowPerSlot)},
+		{design, fmt.Sprintf("window (≤ max(%d × CONCURRENCY, %d × BATCH_MAX_RECORDS) records", windowPerSlot, windowBatches)},
+		{handlers, fmt.Sprintf("holds up to %d records per unit of concurrency (at least %s batches)", windowPerSlot, numberText(windowBatches))},
 		{design, fmt.Sprintf("of %s generation tables", numberText(keyring.Generations))},
 		{retries, fmt.Sprintf("up to %d %% jitter", jitterPercent)},
 		{retries, fmt.Sprintf("at most %d bytes", retrytopics.MaxErrorMessage)},
@@ -128,6 +130,13 @@ func TestDocsStateTheCodesNumbers(t *testing.T) {
 		if !strings.Contains(docs[c.file], c.phrase) {
 			t.Errorf("%s does not say %q, which is what the code does", strings.TrimPrefix(c.file, "../"), c.phrase)
 		}
+	}
+	b, err := os.ReadFile("../docs/testing.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if count := fmt.Sprintf("`TestDocsStateTheCodesNumbers` renders %d phrases", len(claims)); !strings.Contains(oneLine(string(b)), count) {
+		t.Errorf("docs/testing.md does not say %q: the test renders that many", count)
 	}
 }
 
