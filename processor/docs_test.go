@@ -16,10 +16,11 @@ import (
 )
 
 // TestDocsStateTheCodesNumbers: every number docs/guarantees.md, docs/DESIGN.md and
-// docs/retries.md state about the processor (and docs/handlers.md about the prepare window) is
-// rendered here from the constant, default or client option the code uses, and must appear in
-// the doc as written. Change either side alone and this fails, naming the file and the phrase
-// the doc should contain. docs/testing.md's count of these phrases is checked too.
+// docs/retries.md state about the processor (and docs/handlers.md and docs/configuration.md
+// about the prepare window and the keys' lifetime) is rendered here from the constant, default
+// or client option the code uses, and must appear in the doc as written. Change either side
+// alone and this fails, naming the file and the phrase the doc should contain.
+// docs/testing.md's count of these phrases is checked too.
 //
 // Numbers that are measurements (benchmarks, test runs) are not here; nor are those whose
 // constant lives unexported in another package: sink's outbox batch of 16 MiB and its minute
@@ -60,6 +61,7 @@ func TestDocsStateTheCodesNumbers(t *testing.T) {
 	jitterPercent := int(100 * jitter / time.Hour)
 
 	guarantees, design, retries, handlers := "../docs/guarantees.md", "../docs/DESIGN.md", "../docs/retries.md", "../docs/handlers.md"
+	configuration := "../docs/configuration.md"
 	claims := []struct{ file, phrase string }{
 		// The per-record cost counted against the budget.
 		{guarantees, fmt.Sprintf("plus %d bytes, and %d more for each header", recordOverhead, headerOverhead)},
@@ -101,6 +103,8 @@ func TestDocsStateTheCodesNumbers(t *testing.T) {
 		{guarantees, fmt.Sprintf("every %s the processor reads its partitions' stored positions", durText(statsInterval))},
 		{design, fmt.Sprintf("each worker's progress every %s", durText(statsInterval))},
 		{guarantees, fmt.Sprintf("`IDEMPOTENCY_RETENTION` (%s by default)", durText(def.IdempotencyRetention))},
+		{configuration, fmt.Sprintf("at most %d/%d of the longest `IDEMPOTENCY_RETENTION` among the consumer groups that share the schema", keyring.Generations, keyring.Generations-1)},
+		{handlers, fmt.Sprintf("to %d/%d of the longest retention among the groups that share the schema", keyring.Generations, keyring.Generations-1)},
 		{design, fmt.Sprintf("The claim waits %s for its rows", durText(claimWait))},
 		{design, fmt.Sprintf("`OUTBOX_POLL_INTERVAL` (%s)", durText(def.OutboxPollInterval))},
 		{design, fmt.Sprintf("`HandoffTimeout` (%s)", durText(def.HandoffTimeout))},
