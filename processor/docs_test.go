@@ -2,6 +2,9 @@ package processor
 
 import (
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"os"
 	"regexp"
 	"strconv"
@@ -215,4 +218,55 @@ func numberText(n int) string {
 		return words[n]
 	}
 	return strconv.Itoa(n)
+}
+
+// TestDocCommentsSayWhatTheCodeDoes: the Go doc comments `go doc` shows on the size check and
+// on the keys' lifetime say what the code does: headers count toward MaxRecordBytes (as
+// Record.size counts them), and a generation of keys is emptied whole, not pruned in batches.
+func TestDocCommentsSayWhatTheCodeDoes(t *testing.T) {
+	t.Parallel()
+	r := &Record{Key: []byte("k"), Value: []byte("vv"), Headers: []kgo.RecordHeader{{Key: "h", Value: []byte("xyz")}}}
+	if got := r.size(); got != 7 {
+		t.Errorf("size of a 1-byte key, 2-byte value and a header of 1 + 3 bytes = %d, want 7", got)
+	}
+	fset := token.NewFileSet()
+	comments := map[string]string{} // name → its doc comment, words joined by one space
+	for _, file := range []string{"config.go", "error.go"} {
+		f, err := parser.ParseFile(fset, file, nil, parser.ParseComments)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ast.Inspect(f, func(n ast.Node) bool {
+			switch n := n.(type) {
+			case *ast.Field:
+				for _, name := range n.Names {
+					comments[name.Name] = oneLine(n.Doc.Text())
+				}
+			case *ast.GenDecl:
+				for _, s := range n.Specs {
+					if v, ok := s.(*ast.ValueSpec); ok && len(v.Names) == 1 {
+						comments[v.Names[0].Name] = oneLine(n.Doc.Text() + v.Doc.Text())
+					}
+				}
+			}
+			return true
+		})
+	}
+	for _, c := range []struct{ name, says, never string }{
+		{"ErrRecordTooLarge", "key, value and headers (each header's key and value)", "whose key and value are"},
+		{"MaxRecordBytes", "the key, value and headers of a record, together", ""},
+		{"IdempotencyRetention", fmt.Sprintf("emptied whole (TRUNCATE) every third of the longest retention among the groups that share the schema: a key lives at most %d/%d of that", keyring.Generations, keyring.Generations-1), "small batches"},
+	} {
+		doc, ok := comments[c.name]
+		if !ok {
+			t.Errorf("%s not found", c.name)
+			continue
+		}
+		if !strings.Contains(doc, c.says) {
+			t.Errorf("%s's doc comment does not say %q: %q", c.name, c.says, doc)
+		}
+		if c.never != "" && strings.Contains(doc, c.never) {
+			t.Errorf("%s's doc comment says %q, which the code does not do", c.name, c.never)
+		}
+	}
 }
