@@ -145,7 +145,7 @@ func TestIdempotencyKeys(t *testing.T) {
 	r := h.Start(cfg)
 	// The cost is said at startup, where the user decides: bytes per key and the formula.
 	testenv.Eventually(t, 10*time.Second, func() error {
-		for _, w := range []string{`idempotency keys are on: each key takes about 85 bytes of Postgres while its generation is current and 18 once compacted, kept for IDEMPOTENCY_RETENTION (6s) to 4/3 of it: at 1,000 keyed records/s that is up to 276 kB`,
+		for _, w := range []string{`idempotency keys are on: each key takes about 85 bytes of Postgres while its generation is current and 18 once compacted, kept for IDEMPOTENCY_RETENTION (6s) to 4/3 of it (of the longest retention among the schema's groups, if another's is longer): at 1,000 keyed records/s that is up to 276 kB`,
 			`size it as records/s x retention x 46 bytes`, `"bytes_per_key":46`} {
 			if !strings.Contains(logs.String(), w) {
 				return fmt.Errorf("the logs do not say %q:\n%s", w, logs.String())

@@ -240,7 +240,9 @@ type Config struct {
 
 	// IdempotencyRetention is how long the idempotency keys of applied records are kept
 	// (TopicPolicy.IdempotencyKey): a copy of a record arriving later than that after it is
-	// applied again. Keys are pruned in the background in small batches. Defaults to 7 days.
+	// applied again. Keys are kept in generations, and the oldest is emptied whole (TRUNCATE)
+	// every third of the longest retention among the groups that share the schema: a key lives
+	// at most 4/3 of that. Defaults to 7 days.
 	IdempotencyRetention time.Duration
 
 	// OutboxPollInterval is how often the outbox relay looks for records it was not woken for

@@ -2,6 +2,9 @@ package processor
 
 import (
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"os"
 	"regexp"
 	"strconv"
@@ -16,9 +19,11 @@ import (
 )
 
 // TestDocsStateTheCodesNumbers: every number docs/guarantees.md, docs/DESIGN.md and
-// docs/retries.md state about the processor is rendered here from the constant, default or
-// client option the code uses, and must appear in the doc as written. Change either side alone
-// and this fails, naming the file and the phrase the doc should contain.
+// docs/retries.md state about the processor (and docs/handlers.md and docs/configuration.md
+// about the prepare window and the keys' lifetime) is rendered here from the constant, default
+// or client option the code uses, and must appear in the doc as written. Change either side
+// alone and this fails, naming the file and the phrase the doc should contain.
+// docs/testing.md's count of these phrases is checked too.
 //
 // Numbers that are measurements (benchmarks, test runs) are not here; nor are those whose
 // constant lives unexported in another package: sink's outbox batch of 16 MiB and its minute
@@ -58,7 +63,8 @@ func TestDocsStateTheCodesNumbers(t *testing.T) {
 	jitter := retrytopics.DueAt(time.Time{}, time.Hour, 1).Sub(time.Time{}.Add(time.Hour))
 	jitterPercent := int(100 * jitter / time.Hour)
 
-	guarantees, design, retries := "../docs/guarantees.md", "../docs/DESIGN.md", "../docs/retries.md"
+	guarantees, design, retries, handlers := "../docs/guarantees.md", "../docs/DESIGN.md", "../docs/retries.md", "../docs/handlers.md"
+	configuration := "../docs/configuration.md"
 	claims := []struct{ file, phrase string }{
 		// The per-record cost counted against the budget.
 		{guarantees, fmt.Sprintf("plus %d bytes, and %d more for each header", recordOverhead, headerOverhead)},
@@ -100,13 +106,16 @@ func TestDocsStateTheCodesNumbers(t *testing.T) {
 		{guarantees, fmt.Sprintf("every %s the processor reads its partitions' stored positions", durText(statsInterval))},
 		{design, fmt.Sprintf("each worker's progress every %s", durText(statsInterval))},
 		{guarantees, fmt.Sprintf("`IDEMPOTENCY_RETENTION` (%s by default)", durText(def.IdempotencyRetention))},
+		{configuration, fmt.Sprintf("at most %d/%d of the longest `IDEMPOTENCY_RETENTION` among the consumer groups that share the schema", keyring.Generations, keyring.Generations-1)},
+		{handlers, fmt.Sprintf("to %d/%d of the longest retention among the groups that share the schema", keyring.Generations, keyring.Generations-1)},
 		{design, fmt.Sprintf("The claim waits %s for its rows", durText(claimWait))},
 		{design, fmt.Sprintf("`OUTBOX_POLL_INTERVAL` (%s)", durText(def.OutboxPollInterval))},
 		{design, fmt.Sprintf("`HandoffTimeout` (%s)", durText(def.HandoffTimeout))},
 		{design, fmt.Sprintf("exceed the %s handoff of a revoke", durText(def.HandoffTimeout))},
 		{design, fmt.Sprintf("after %s the processor sends LeaveGroup itself", durText(leaveGrace))},
 		{design, fmt.Sprintf("The group's rebalance timeout is %s", durText(def.RebalanceTimeout))},
-		{design, fmt.Sprintf("window (≤ %d × CONCURRENCY records", windowPerSlot)},
+		{design, fmt.Sprintf("window (≤ max(%d × CONCURRENCY, %d × BATCH_MAX_RECORDS) records", windowPerSlot, windowBatches)},
+		{handlers, fmt.Sprintf("holds up to %d records per unit of concurrency (at least %s batches)", windowPerSlot, numberText(windowBatches))},
 		{design, fmt.Sprintf("of %s generation tables", numberText(keyring.Generations))},
 		{retries, fmt.Sprintf("up to %d %% jitter", jitterPercent)},
 		{retries, fmt.Sprintf("at most %d bytes", retrytopics.MaxErrorMessage)},
@@ -128,6 +137,13 @@ func TestDocsStateTheCodesNumbers(t *testing.T) {
 		if !strings.Contains(docs[c.file], c.phrase) {
 			t.Errorf("%s does not say %q, which is what the code does", strings.TrimPrefix(c.file, "../"), c.phrase)
 		}
+	}
+	b, err := os.ReadFile("../docs/testing.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if count := fmt.Sprintf("`TestDocsStateTheCodesNumbers` renders %d phrases", len(claims)); !strings.Contains(oneLine(string(b)), count) {
+		t.Errorf("docs/testing.md does not say %q: the test renders that many", count)
 	}
 }
 
@@ -202,4 +218,55 @@ func numberText(n int) string {
 		return words[n]
 	}
 	return strconv.Itoa(n)
+}
+
+// TestDocCommentsSayWhatTheCodeDoes: the Go doc comments `go doc` shows on the size check and
+// on the keys' lifetime say what the code does: headers count toward MaxRecordBytes (as
+// Record.size counts them), and a generation of keys is emptied whole, not pruned in batches.
+func TestDocCommentsSayWhatTheCodeDoes(t *testing.T) {
+	t.Parallel()
+	r := &Record{Key: []byte("k"), Value: []byte("vv"), Headers: []kgo.RecordHeader{{Key: "h", Value: []byte("xyz")}}}
+	if got := r.size(); got != 7 {
+		t.Errorf("size of a 1-byte key, 2-byte value and a header of 1 + 3 bytes = %d, want 7", got)
+	}
+	fset := token.NewFileSet()
+	comments := map[string]string{} // name → its doc comment, words joined by one space
+	for _, file := range []string{"config.go", "error.go"} {
+		f, err := parser.ParseFile(fset, file, nil, parser.ParseComments)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ast.Inspect(f, func(n ast.Node) bool {
+			switch n := n.(type) {
+			case *ast.Field:
+				for _, name := range n.Names {
+					comments[name.Name] = oneLine(n.Doc.Text())
+				}
+			case *ast.GenDecl:
+				for _, s := range n.Specs {
+					if v, ok := s.(*ast.ValueSpec); ok && len(v.Names) == 1 {
+						comments[v.Names[0].Name] = oneLine(n.Doc.Text() + v.Doc.Text())
+					}
+				}
+			}
+			return true
+		})
+	}
+	for _, c := range []struct{ name, says, never string }{
+		{"ErrRecordTooLarge", "key, value and headers (each header's key and value)", "whose key and value are"},
+		{"MaxRecordBytes", "the key, value and headers of a record, together", ""},
+		{"IdempotencyRetention", fmt.Sprintf("emptied whole (TRUNCATE) every third of the longest retention among the groups that share the schema: a key lives at most %d/%d of that", keyring.Generations, keyring.Generations-1), "small batches"},
+	} {
+		doc, ok := comments[c.name]
+		if !ok {
+			t.Errorf("%s not found", c.name)
+			continue
+		}
+		if !strings.Contains(doc, c.says) {
+			t.Errorf("%s's doc comment does not say %q: %q", c.name, c.says, doc)
+		}
+		if c.never != "" && strings.Contains(doc, c.never) {
+			t.Errorf("%s's doc comment says %q, which the code does not do", c.name, c.never)
+		}
+	}
 }

@@ -208,8 +208,9 @@ type infrastructureError struct{ err error }
 func (e *infrastructureError) Error() string { return "infrastructure: " + e.err.Error() }
 func (e *infrastructureError) Unwrap() error { return e.err }
 
-// ErrRecordTooLarge is the (permanent) error of a record whose key and value are larger than
-// Config.MaxRecordBytes: it is dead-lettered without being handed to the handler.
+// ErrRecordTooLarge is the (permanent) error of a record whose key, value and headers (each
+// header's key and value) are larger together than Config.MaxRecordBytes: it is dead-lettered
+// without being handed to the handler.
 var ErrRecordTooLarge = errors.New("record too large")
 
 // RecordError says which record of a batch failed. See BatchHandler.

@@ -297,7 +297,7 @@ const keyBytesPeak = (keyBytesCurrent + (keyring.Generations-1)*keyBytesCompacte
 // (the startup log): the bytes per key, and what that comes to at a round rate.
 func keySizing(retention time.Duration) string {
 	perThousand := float64(keyBytesPeak) * 1000 * retention.Seconds()
-	return fmt.Sprintf("each key takes about %d bytes of Postgres while its generation is current and %d once compacted, kept for IDEMPOTENCY_RETENTION (%s) to 4/3 of it: at 1,000 keyed records/s that is up to %s; size it as records/s x retention x %d bytes (records a kafkapg service emitted take none: see docs/configuration.md)",
+	return fmt.Sprintf("each key takes about %d bytes of Postgres while its generation is current and %d once compacted, kept for IDEMPOTENCY_RETENTION (%s) to 4/3 of it (of the longest retention among the schema's groups, if another's is longer): at 1,000 keyed records/s that is up to %s; size it as records/s x retention x %d bytes (records a kafkapg service emitted take none: see docs/configuration.md)",
 		keyBytesCurrent, keyBytesCompacted, retention, humanBytes(perThousand), keyBytesPeak)
 }
 

@@ -327,7 +327,7 @@ func (h *slotHeap) Pop() any {
 func newWindow(w *worker, pol *policy) *window {
 	ctx, cancel := context.WithCancel(context.Background())
 	return &window{w: w, pol: pol, limit: pol.concurrency,
-		size: max(windowPerSlot*pol.concurrency, 4*w.p.cfg.BatchMaxRecords),
+		size: max(windowPerSlot*pol.concurrency, windowBatches*w.p.cfg.BatchMaxRecords),
 		ctx:  ctx, stop: cancel, keys: map[string]*keyQ{},
 		preparing: w.p.metrics.preparing.WithLabelValues(w.source)}
 }
@@ -335,6 +335,10 @@ func newWindow(w *worker, pol *policy) *window {
 // windowPerSlot is how many records the window holds per prepare it may run: enough that a slow
 // record at the head does not leave the others idle.
 const windowPerSlot = 32
+
+// windowBatches is how many batches of BatchMaxRecords the window holds at least, whatever the
+// concurrency: the worker takes a whole batch while the records behind it are being prepared.
+const windowBatches = 4
 
 // take returns the longest prepared prefix of the window (at most BatchMaxRecords), or the
 // window's first record alone if its Prepare failed. It refills the window from the queue and

@@ -11,6 +11,7 @@ import (
 	"math/big"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -114,7 +115,7 @@ func TestPoolMaxConnsFromTheURL(t *testing.T) {
 	}
 }
 
-// TestConsoleLoginEntries: CONSOLE_USERS and CONSOLE_TOKENS are comma-separated entries, trimmed;
+// TestConsoleLoginEntries: CONSOLE_USERS and CONSOLE_TOKENS are comma-separated entries, each trimmed;
 // a secret may hold colons but no comma, and an entry a comma split is refused with a message
 // that says so, naming the variable and the entry, never the secret.
 func TestConsoleLoginEntries(t *testing.T) {
@@ -176,6 +177,56 @@ func TestConsoleLoginEntries(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestConsoleLoginSpacesAsDocumented: only an entry of CONSOLE_USERS or CONSOLE_TOKENS is trimmed,
+// not its fields: spaces at a secret's start are part of it, those at its end go with the
+// entry's, and a space after a colon puts the role out. docs/configuration.md's rows say so.
+func TestConsoleLoginSpacesAsDocumented(t *testing.T) {
+	b, err := os.ReadFile("../docs/configuration.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows := map[string]string{}
+	for _, line := range strings.Split(string(b), "\n") {
+		for _, v := range []string{"CONSOLE_USERS", "CONSOLE_TOKENS"} {
+			if strings.HasPrefix(line, "| `"+v+"` |") {
+				rows[v] = line
+			}
+		}
+	}
+	secretSpaces := "spaces at its start are part of it, spaces at its end are trimmed away with the entry's"
+	for _, c := range []struct{ variable, phrase string }{
+		{"CONSOLE_USERS", "Each entry is trimmed of surrounding spaces, and nothing inside it is: the name and the role are read as written between the colons"},
+		{"CONSOLE_USERS", secretSpaces},
+		{"CONSOLE_TOKENS", secretSpaces},
+	} {
+		if !strings.Contains(rows[c.variable], c.phrase) {
+			t.Errorf("docs/configuration.md's %s row does not say %q", c.variable, c.phrase)
+		}
+	}
+
+	setEnv(t, with("CONSOLE_ADDR", "127.0.0.1:0",
+		"CONSOLE_USERS", " ann:viewer:  spaced password  ",
+		"CONSOLE_TOKENS", "bot:operator: a token with spaces "))
+	e, err := loadEnv(builtins())
+	if err != nil {
+		t.Fatal(err)
+	}
+	users, tokens, err := e.consoleLogins()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []console.User{{Name: "ann", Role: console.Viewer, Password: "  spaced password"}}; !equalUsers(users, want) {
+		t.Errorf("users = %+v, want %+v (the start's spaces kept, the end's trimmed)", users, want)
+	}
+	if want := []console.User{{Name: "bot", Role: console.Operator, Password: " a token with spaces"}}; !equalUsers(tokens, want) {
+		t.Errorf("tokens = %+v, want %+v (the start's spaces kept, the end's trimmed)", tokens, want)
+	}
+	setEnv(t, with("CONSOLE_ADDR", "127.0.0.1:0", "CONSOLE_USERS", "ann: viewer:long-enough-password"))
+	if _, err := loadEnv(builtins()); err == nil || !strings.Contains(err.Error(), "the role, must be viewer or operator") {
+		t.Errorf("a space after the first colon: %v; want the role refused (fields are not trimmed)", err)
 	}
 }
 

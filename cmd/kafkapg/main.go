@@ -3,7 +3,7 @@
 // records put on a topic, and what the service emitted read back. It needs Go and the
 // PostgreSQL server binaries, nothing running. It is for development and tests, not production.
 //
-// From a service's own module (Go 1.24 and later):
+// From a service's own module (Go 1.26 and later, as kafkapg's go.mod says):
 //
 //	go get -tool github.com/kafkapg/kafkapg/cmd/kafkapg
 //	go tool kafkapg dev -topics orders,inventory.reserved   # broker, Postgres, topics; Ctrl-C stops

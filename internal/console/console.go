@@ -50,8 +50,9 @@ type User struct {
 }
 
 // ParseUsers reads CONSOLE_USERS: comma-separated name:role:password entries (the password is
-// everything after the second colon). Names must be unique, roles viewer or operator, and
-// passwords at least 12 characters.
+// everything after the second colon). Each entry is trimmed of surrounding spaces, its fields are
+// not: a password keeps the spaces at its start and loses those at its end. Names must be
+// unique, roles viewer or operator, and passwords at least 12 characters.
 func ParseUsers(s string) ([]User, error) { return parseLogins(s, "user", "password", 12) }
 
 // ParseTokens reads CONSOLE_TOKENS: comma-separated name:role:token entries, like ParseUsers's,

@@ -236,3 +236,26 @@ func count(m map[string]bool, v bool) int {
 	}
 	return n
 }
+
+// TestKeyRingTurnsAtTheLongestRetention: the groups of a schema share one ring, which turns every
+// third of the longest retention among them, so a group with a shorter one keeps its keys that
+// long too (docs/configuration.md: at most 4/3 of the longest).
+func TestKeyRingTurnsAtTheLongestRetention(t *testing.T) {
+	t.Parallel()
+	pool := testenv.Migrated(t)
+	ctx := context.Background()
+	k := New("kafkapg")
+	if _, err := k.Keep(ctx, pool, "long", 10*threeDays, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	dueNow(t, pool) // a third of g's 3 days ago: due for g alone
+	if done, err := k.Keep(ctx, pool, "g", threeDays, 5*time.Second); err != nil || done.Rotated {
+		t.Errorf("keep of g beside a group keeping its keys 30 days = %+v, %v; want no turn", done, err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE kafkapg.idempotency_ring SET rotated_at = now() - interval '10 days 1 minute'`); err != nil {
+		t.Fatal(err)
+	}
+	if done, err := k.Keep(ctx, pool, "g", threeDays, 5*time.Second); err != nil || !done.Rotated {
+		t.Errorf("keep of g a third of the longest retention after the last turn = %+v, %v; want a turn", done, err)
+	}
+}

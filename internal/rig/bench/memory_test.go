@@ -106,8 +106,8 @@ func drainBacklogs(b *testing.B, k *testenv.Kafka, bin, baseline string, events,
 			v.rates = append(v.rates, rate)
 		}
 	}
-	budget := int64(setting(b, "MAX_BUFFERED_BYTES", 64<<20))
-	bound, poll := memoryBound(budget, len(k.Brokers), drainConns, setting(b, "BATCH_MAX_RECORDS", 500))
+	budget := int64(setting(b, "MAX_BUFFERED_BYTES", defaultBudget))
+	bound, poll := memoryBound(budget, len(k.Brokers), drainConns, setting(b, "BATCH_MAX_RECORDS", defaultBatch))
 	for _, v := range vs {
 		if v.name == "BENCH_BASELINE_BIN" {
 			continue // an earlier release: what it holds is measured, not promised
@@ -246,6 +246,13 @@ func produceLedger(b *testing.B, k *testenv.Kafka, topic string, events int) {
 
 // drainConns is the processor's DB_MAX_CONNS: how many transactions it has in flight at most.
 const drainConns = 8
+
+// defaultBudget and defaultBatch are the processor's MAX_BUFFERED_BYTES and BATCH_MAX_RECORDS
+// when the environment does not set them.
+const (
+	defaultBudget = 64 << 20
+	defaultBatch  = 500
+)
 
 // memoryUse is what drainBacklog measured of a processor, in bytes: its peak resident memory, the
 // most its heap held live (heapInUse, once a second), and the most its buffered records cost

@@ -78,3 +78,46 @@ func TestLinksLeadSomewhere(t *testing.T) {
 		t.Errorf("only %d relative links checked", checked)
 	}
 }
+
+// goLine returns the go directive of the go.mod at path (relative to the repository root).
+func goLine(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("../../..", path))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`(?m)^go ([0-9.]+)\s*$`).FindSubmatch(b)
+	if m == nil {
+		t.Fatalf("%s has no go line", path)
+	}
+	return string(m[1])
+}
+
+// TestGoVersionIsGoMods: every "Go 1.N" the documents (and cmd/kafkapg's doc comment, what
+// `go doc` shows a user who installs the tool) say a user needs is the go line of kafkapg's
+// go.mod, the version the go command asks for. deploy/README.md may also name the go line of
+// deploy/validate's own module.
+func TestGoVersionIsGoMods(t *testing.T) {
+	module := goLine(t, "go.mod")
+	minor := regexp.MustCompile(`^1\.[0-9]+`).FindString(module)
+	allowed := map[string]bool{module: true, minor: true}
+	validate := goLine(t, "deploy/validate/go.mod")
+	version := regexp.MustCompile(`\bGo \(?(1\.[0-9]+(?:\.[0-9]+)?)`)
+	found := 0
+	for _, f := range append(markdown(t), "cmd/kafkapg/main.go") {
+		b, err := os.ReadFile(filepath.Join("../../..", f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range version.FindAllStringSubmatch(strings.Join(strings.Fields(string(b)), " "), -1) {
+			found++
+			if allowed[m[1]] || (f == "deploy/README.md" && m[1] == validate) {
+				continue
+			}
+			t.Errorf("%s says %q; go.mod's go line is %s", f, m[0], module)
+		}
+	}
+	if found < 3 {
+		t.Errorf("only %d mentions of a Go version found: README.md, docs/develop.md and cmd/kafkapg say which Go they need", found)
+	}
+}
