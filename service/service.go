@@ -77,6 +77,8 @@ type Handler struct {
 	Setup func(ctx context.Context, tx pgx.Tx) error
 	// IdempotencyKey, if set, deduplicates the records of every topic this handler handles (see
 	// processor.TopicPolicy.IdempotencyKey), unless TOPIC_<topic>_IDEMPOTENCY_KEY says otherwise.
+	// `<binary> config` and the startup log name it as it was built (IdempotencyKey.String):
+	// KeyFromJSON("order_id"), KeyFromHeader("x-id"), or "a function of yours".
 	IdempotencyKey processor.IdempotencyKey
 	// RetryTiers, LocalAttempts, OnDeadLetter and MaxRecordBytes, if set (not zero; RetryTiers
 	// not nil), are the retry and dead-letter settings of every topic this handler handles, in
