@@ -67,8 +67,10 @@ import (
 type Handler struct {
 	// Name selects the handler. Required, and unique within a binary.
 	Name string
-	// Handler applies records. It may also be a processor.BatchHandler or a
-	// processor.ErrorClassifier. Required.
+	// Handler applies records. It may also be a processor.BatchHandler, a
+	// processor.ErrorClassifier, or a processor.Preparer: its Prepare runs outside the
+	// transaction, before Handle, for up to CONCURRENCY records of a partition at once (see
+	// Concurrency). Required.
 	Handler processor.Handler
 	// Setup, if set, creates or upgrades the handler's own tables. It runs at startup, after
 	// kafkapg's migrations, inside a transaction that holds an advisory lock for the handler's
