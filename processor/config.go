@@ -76,7 +76,7 @@ type TopicPolicy struct {
 	// whose key was applied before (within Config.IdempotencyRetention) is not given to the
 	// handler; its offset advances and it is counted as a duplicate. The key is recorded in the
 	// transaction that applies the record, so it is recorded if and only if the record's effects
-	// are. See KeyFromHeader, KeyFromJSON.
+	// are. See KeyFromHeader, KeyFromJSON. The startup log names it (IdempotencyKey.String).
 	IdempotencyKey IdempotencyKey
 	// Concurrency replaces Config.Concurrency.
 	Concurrency int

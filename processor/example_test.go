@@ -115,3 +115,17 @@ func ExampleRecord_Emit() {
 	fmt.Println(cfg.Validate())
 	// Output: <nil>
 }
+
+// A key is named as it was built, in the startup log and the service's config command; a
+// function of your own is named as such, and not called to find out.
+func ExampleIdempotencyKey_String() {
+	mine := func(rec *processor.Record) ([]byte, error) { return rec.Key, nil }
+	for _, k := range []processor.IdempotencyKey{processor.KeyFromJSON("payment_id"), processor.KeyFromHeader("x-id"), mine, nil} {
+		fmt.Println(k)
+	}
+	// Output:
+	// KeyFromJSON("payment_id")
+	// KeyFromHeader("x-id")
+	// a function of yours
+	// none
+}

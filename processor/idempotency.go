@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 	"slices"
 	"strings"
 	"time"
@@ -31,17 +32,68 @@ type IdempotencyKey func(rec *Record) ([]byte, error)
 // key in.
 var ErrNoIdempotencyKey = errors.New("no idempotency key")
 
+// String names the key as it was built, for the startup log and the service's config command:
+// KeyFromJSON("order.id"), KeyFromHeader("x-id"), "none" for a nil key, and "a function of
+// yours" for any other function, which String never calls.
+func (k IdempotencyKey) String() string {
+	// A func value cannot be compared, nor looked up in a map, so kafkapg cannot remember which
+	// key it built from which argument (and keying a registry on a closure's address would lean
+	// on how the runtime lays out func values). What reflect does give is a func value's code
+	// pointer: the function or function literal it runs, the same for every closure of one
+	// literal whatever it captured. It tells KeyFromJSON's closures from KeyFromHeader's and
+	// from a function of the user's, but not KeyFromJSON("a.b") from KeyFromJSON("c"). So
+	// String recognises kafkapg's own closures by their code pointer, and calls only those,
+	// with a record no one else can hold (describeKey), which they answer with what they were
+	// built from. A function of the user's has another code pointer and is never called: it
+	// may have effects, or panic on a record it was not written for. KeyFromJSON and
+	// KeyFromHeader are not inlined: the compiler copies an inlined call's function literal
+	// into the caller, with a code pointer of its own, which String would take for a function
+	// of the user's (TestIdempotencyKeyString, outside the package, would catch it).
+	switch code := codeOf(k); {
+	case k == nil:
+		return "none"
+	case code == messageIDKeyCode:
+		return fmt.Sprintf("KeyFromHeader(%q)", sink.HeaderMessageID)
+	case code == headerKeyCode || code == jsonKeyCode:
+		d, _ := k(describeKey)
+		return string(d)
+	}
+	return "a function of yours"
+}
+
+// describeKey is the record a closure of KeyFromHeader or KeyFromJSON answers with what it was
+// built from (see IdempotencyKey.String). No record from Kafka, nor any of a user's, is it.
+var describeKey = new(Record)
+
+// codeOf is the code pointer of key (see IdempotencyKey.String).
+func codeOf(key IdempotencyKey) uintptr { return reflect.ValueOf(key).Pointer() }
+
+// The code pointers of kafkapg's idempotency keys: messageIDKey, and every closure of
+// KeyFromHeader and of KeyFromJSON.
+var (
+	messageIDKeyCode = codeOf(messageIDKey)
+	headerKeyCode    = codeOf(KeyFromHeader(""))
+	jsonKeyCode      = codeOf(KeyFromJSON(""))
+)
+
 // KeyFromHeader takes the idempotency key from the record's header name (the last one, if it has
 // several). A record without it, or with an empty one, fails with ErrNoIdempotencyKey.
 // KeyFromHeader(sink.HeaderMessageID) deduplicates what a kafkapg outbox emitted.
 //
 // KeyFromHeader(sink.HeaderMessageID) deduplicates the events a kafkapg service emitted by their
 // streams (see sink.Event.Source): a few numbers per stream instead of a key per event.
+//
+//go:noinline
 func KeyFromHeader(name string) IdempotencyKey {
 	if name == sink.HeaderMessageID {
 		return messageIDKey
 	}
-	return func(rec *Record) ([]byte, error) { return headerKey(name, rec) }
+	return func(rec *Record) ([]byte, error) {
+		if rec == describeKey {
+			return fmt.Appendf(nil, "KeyFromHeader(%q)", name), nil
+		}
+		return headerKey(name, rec)
+	}
 }
 
 // headerKey is KeyFromHeader(name)'s key of rec.
@@ -63,9 +115,14 @@ const nonStringKey = 0xff
 // is its JSON, compacted, after a byte no string's text has (0xff, not UTF-8), so that the string
 // "1" and the number 1 are different keys. A value that is not a JSON object, or lacks the field
 // (or has it null or ""), fails with ErrNoIdempotencyKey.
+//
+//go:noinline
 func KeyFromJSON(path string) IdempotencyKey {
 	fields := strings.Split(path, ".")
 	return func(rec *Record) ([]byte, error) {
+		if rec == describeKey {
+			return fmt.Appendf(nil, "KeyFromJSON(%q)", path), nil
+		}
 		raw := json.RawMessage(rec.Value)
 		for _, f := range fields {
 			var obj map[string]json.RawMessage

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"log/slog"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -102,5 +104,30 @@ func TestHumanBytes(t *testing.T) {
 	}
 	if got := keySizing(168 * time.Hour); !strings.Contains(got, "at 1,000 keyed records/s that is up to 27.8 GB") {
 		t.Errorf("keySizing(7 days) = %q, want the default's 27.8 GB", got)
+	}
+}
+
+// TestLogPolicyNamesKey: the startup log names each topic's idempotency key as it was built.
+func TestLogPolicyNamesKey(t *testing.T) {
+	t.Parallel()
+	var logs bytes.Buffer
+	p := &Processor{cfg: &Config{Group: "g"}, log: slog.New(slog.NewJSONHandler(&logs, nil)), policies: map[string]*policy{
+		"payments": {idempotencyKey: KeyFromJSON("payment_id")},
+		"refunds":  {idempotencyKey: KeyFromHeader("x-id")},
+		"orders":   {idempotencyKey: func(*Record) ([]byte, error) { panic("the user's key function was called") }},
+		"returns":  {},
+	}}
+	for _, topic := range []string{"payments", "refunds", "orders", "returns"} {
+		p.logPolicy(topic)
+	}
+	for _, want := range []string{
+		`"topic":"payments",` + `.*"idempotency_key":"KeyFromJSON\(\\"payment_id\\"\)"`,
+		`"topic":"refunds",` + `.*"idempotency_key":"KeyFromHeader\(\\"x-id\\"\)"`,
+		`"topic":"orders",` + `.*"idempotency_key":"a function of yours"`,
+		`"topic":"returns",` + `.*"idempotency_key":"none"`,
+	} {
+		if !regexp.MustCompile(want).MatchString(logs.String()) {
+			t.Errorf("the startup log does not match %s:\n%s", want, logs.String())
+		}
 	}
 }

@@ -68,7 +68,7 @@ func TestTopicPoliciesApplyPerTopic(t *testing.T) {
 		// Each topic's settings in force are logged at startup, the policy's and the defaults.
 		testenv.Eventually(t, 30*time.Second, func() error {
 			want := []string{
-				`"topic":"` + payments + `","handler":"processor.HandlerFunc","retry_tiers":"[]","tier_topics":[],"dlq_topic":"` + retrytopics.DLQTopic(payments, h.Group) + `","local_attempts":1,"on_dead_letter":"skip","max_record_bytes":100,"idempotency_key":false`,
+				`"topic":"` + payments + `","handler":"processor.HandlerFunc","retry_tiers":"[]","tier_topics":[],"dlq_topic":"` + retrytopics.DLQTopic(payments, h.Group) + `","local_attempts":1,"on_dead_letter":"skip","max_record_bytes":100,"idempotency_key":"none"`,
 				`"topic":"` + h.Topic + `","handler":"processor.HandlerFunc","retry_tiers":"[50ms 50ms]","tier_topics":["` + retrytopics.TierTopic(h.Topic, h.Group, 1) + ` after 50ms","` + retrytopics.TierTopic(h.Topic, h.Group, 2) + ` after 50ms"]`,
 				`"local_attempts":2,"on_dead_letter":"block","max_record_bytes":1048576`, `"msg":"topic settings"`,
 			}

@@ -511,7 +511,7 @@ func (p *Processor) logPolicy(topic string) {
 	p.log.Info("topic settings", "topic", topic, "handler", fmt.Sprintf("%T", pol.handler),
 		"retry_tiers", fmt.Sprint(pol.tiers), "tier_topics", tiers, "dlq_topic", retrytopics.DLQTopic(topic, p.cfg.Group),
 		"local_attempts", pol.localAttempts, "on_dead_letter", pol.onDeadLetter, "max_record_bytes", pol.maxRecordBytes,
-		"idempotency_key", pol.idempotencyKey != nil)
+		"idempotency_key", pol.idempotencyKey.String())
 }
 
 // tierCounts returns the number of retry tiers of each source topic.

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"reflect"
 	"slices"
 	"sync/atomic"
 	"time"
@@ -50,7 +49,7 @@ func messageIDKey(rec *Record) ([]byte, error) { return headerKey(sink.HeaderMes
 // isMessageIDKey reports whether key is messageIDKey (a function, not a closure: its code
 // pointer is its own).
 func isMessageIDKey(key IdempotencyKey) bool {
-	return key != nil && reflect.ValueOf(key).Pointer() == reflect.ValueOf(IdempotencyKey(messageIDKey)).Pointer()
+	return key != nil && codeOf(key) == messageIDKeyCode
 }
 
 // streamEvent is r as the core sees it, if r carries a stream header that fits where r is (its

@@ -445,8 +445,8 @@ func (e *env) topicShown(hs *registry, topic string) topicSettingsShown {
 	case te.idempotencyKeySet:
 		ts.IdempotencyKey = strings.TrimSpace(os.Getenv(src))
 		ts.From["idempotency_key"] = src
-	default:
-		ts.IdempotencyKey = "a Go function"
+	default: // the handler's Go field: named as it was built, a function of the user's never called
+		ts.IdempotencyKey = tp.IdempotencyKey.String()
 		ts.From["idempotency_key"] = src
 	}
 	return ts

@@ -90,7 +90,7 @@ func TestConfigCommand(t *testing.T) {
 		"dead-letter topic  returns.billing.dlq",
 		"local attempts     7", "TOPIC_RETURNS_RETRY_LOCAL_ATTEMPTS",
 		`retry tiers        2s, 30s`, `service.Handler{Name: "inventory"}.RetryTiers`,
-		`idempotency key    a Go function`, `service.Handler{Name: "inventory"}.IdempotencyKey`,
+		`idempotency key    KeyFromJSON("order_id")`, `service.Handler{Name: "inventory"}.IdempotencyKey`,
 		"HANDLER                          inventory",
 	} {
 		if !strings.Contains(text, want) {
@@ -219,5 +219,66 @@ func TestConfigOutputEscaped(t *testing.T) {
 		if v.Name == "KAFKA_TLS_SERVER_NAME" && v.Value != strings.ToValidUTF8(name, "\ufffd") {
 			t.Errorf("KAFKA_TLS_SERVER_NAME reads back as %q, want %q", v.Value, strings.ToValidUTF8(name, "\ufffd"))
 		}
+	}
+}
+
+// TestConfigNamesIdempotencyKeys: config names each topic's idempotency key as it was built —
+// the processor's constructor with its argument, the variable's own form, or "a function of
+// yours" for the user's own function, which config never calls — in text and in --json.
+func TestConfigNamesIdempotencyKeys(t *testing.T) {
+	called := false
+	hs := []Handler{
+		{Name: "by-json", Handler: ledger.Handler{}, IdempotencyKey: processor.KeyFromJSON("payment.id")},
+		{Name: "by-header", Handler: ledger.Handler{}, IdempotencyKey: processor.KeyFromHeader("x-id")},
+		{Name: "by-func", Handler: ledger.Handler{}, IdempotencyKey: func(*processor.Record) ([]byte, error) {
+			called = true
+			return []byte("k"), nil
+		}},
+	}
+	setEnv(t, with("KAFKA_TOPICS", "payments,refunds,orders,returns", "HANDLER", "by-json",
+		"TOPIC_REFUNDS_HANDLER", "by-header", "TOPIC_ORDERS_HANDLER", "by-func",
+		"TOPIC_RETURNS_HANDLER", "by-func", "TOPIC_RETURNS_IDEMPOTENCY_KEY", "header:x-return-id"))
+	want := map[string][2]string{ // topic: the key shown, its source
+		"payments": {`KeyFromJSON("payment.id")`, `service.Handler{Name: "by-json"}.IdempotencyKey`},
+		"refunds":  {`KeyFromHeader("x-id")`, `service.Handler{Name: "by-header"}.IdempotencyKey`},
+		"orders":   {"a function of yours", `service.Handler{Name: "by-func"}.IdempotencyKey`},
+		"returns":  {"header:x-return-id", "TOPIC_RETURNS_IDEMPOTENCY_KEY"},
+	}
+	var out, errOut bytes.Buffer
+	if code := run([]string{"config"}, &out, &errOut, hs...); code != 0 {
+		t.Fatalf("config: exit %d\n%s", code, errOut.String())
+	}
+	for topic, w := range want {
+		_, section, _ := strings.Cut(out.String(), "topic "+topic+"\n")
+		section, _, _ = strings.Cut(section, "\ntopic ")
+		line := ""
+		for l := range strings.Lines(section) {
+			if strings.HasPrefix(strings.TrimSpace(l), "idempotency key ") {
+				line = l
+			}
+		}
+		if f := strings.Fields(line); len(f) < 3 || !strings.Contains(line, "key    "+w[0]+"  ") || !strings.HasSuffix(strings.TrimSpace(line), w[1]) {
+			t.Errorf("config, topic %s: %q; want %s from %s\n%s", topic, line, w[0], w[1], out.String())
+		}
+	}
+
+	out.Reset()
+	if code := run([]string{"config", "--json"}, &out, &errOut, hs...); code != 0 {
+		t.Fatalf("config --json: exit %d\n%s", code, errOut.String())
+	}
+	var shown configShown
+	if err := json.Unmarshal(out.Bytes(), &shown); err != nil {
+		t.Fatalf("config --json: %v\n%s", err, out.String())
+	}
+	for _, ts := range shown.Topics {
+		if w := want[ts.Topic]; ts.IdempotencyKey != w[0] || ts.From["idempotency_key"] != w[1] {
+			t.Errorf("config --json, topic %s: idempotency key %q from %q; want %q from %q", ts.Topic, ts.IdempotencyKey, ts.From["idempotency_key"], w[0], w[1])
+		}
+	}
+	if len(shown.Topics) != len(want) {
+		t.Errorf("config --json: %d topics, want %d", len(shown.Topics), len(want))
+	}
+	if called {
+		t.Error("config called the user's idempotency key function")
 	}
 }

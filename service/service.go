@@ -67,8 +67,10 @@ import (
 type Handler struct {
 	// Name selects the handler. Required, and unique within a binary.
 	Name string
-	// Handler applies records. It may also be a processor.BatchHandler or a
-	// processor.ErrorClassifier. Required.
+	// Handler applies records. It may also be a processor.BatchHandler, a
+	// processor.ErrorClassifier, or a processor.Preparer: its Prepare runs outside the
+	// transaction, before Handle, for up to CONCURRENCY records of a partition at once (see
+	// Concurrency). Required.
 	Handler processor.Handler
 	// Setup, if set, creates or upgrades the handler's own tables. It runs at startup, after
 	// kafkapg's migrations, inside a transaction that holds an advisory lock for the handler's
@@ -77,6 +79,8 @@ type Handler struct {
 	Setup func(ctx context.Context, tx pgx.Tx) error
 	// IdempotencyKey, if set, deduplicates the records of every topic this handler handles (see
 	// processor.TopicPolicy.IdempotencyKey), unless TOPIC_<topic>_IDEMPOTENCY_KEY says otherwise.
+	// `<binary> config` and the startup log name it as it was built (IdempotencyKey.String):
+	// KeyFromJSON("order_id"), KeyFromHeader("x-id"), or "a function of yours".
 	IdempotencyKey processor.IdempotencyKey
 	// RetryTiers, LocalAttempts, OnDeadLetter and MaxRecordBytes, if set (not zero; RetryTiers
 	// not nil), are the retry and dead-letter settings of every topic this handler handles, in

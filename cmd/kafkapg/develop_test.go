@@ -243,7 +243,7 @@ func TestDevelopYourService(t *testing.T) {
 		return nil
 	})
 	config := run(env, page("KAFKA_GROUP_ID=inventory KAFKA_TOPICS=orders go run . config"))
-	for _, want := range []string{`1s, 30s, 5m0s`, `service.Handler{Name: "inventory"}.RetryTiers`, `service.Handler{Name: "inventory"}.IdempotencyKey`, "orders.inventory.dlq"} {
+	for _, want := range []string{`1s, 30s, 5m0s`, `service.Handler{Name: "inventory"}.RetryTiers`, `service.Handler{Name: "inventory"}.IdempotencyKey`, `KeyFromJSON("order_id")`, "orders.inventory.dlq"} {
 		if !strings.Contains(config, want) {
 			t.Errorf("config does not say %q:\n%s", want, config)
 		}
