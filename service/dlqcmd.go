@@ -322,15 +322,30 @@ func dlqAct(ctx context.Context, c *opsCmd, act ops.Action, args []string) error
 		return usagef("--execute needs --reason: why you %s these dead letters (kept in the audit table)", act)
 	}
 	// Rows the filter names that are not new are refused; say so before acting on the others.
-	if p, err := c.ops.Preview(ctx, act, f, 0); err == nil && p.NotNew > 0 {
+	if p, err := c.ops.Preview(ctx, act, f, 0); err == nil && p.NotNew > 0 && p.Matched > 0 {
 		fmt.Fprintf(c.err, "refused: %d matching dead letters are not new (replaying, replayed or discarded); they are left alone\n", p.NotNew)
 	}
 	t, err := c.ops.StartTask(ctx, act, f, ops.Actor{Name: *actor, Reason: *reason}, rate)
+	var nothing *ops.NothingNewError
+	if errors.As(err, &nothing) {
+		// The same replay run again: nothing new to act on is what a safe repeat finds.
+		if *asJSON {
+			return c.json(nothingNewJSON(nothing))
+		}
+		fmt.Fprintln(c.out, nothing.Error())
+		return nil
+	}
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(c.err, "task %d: %s %d dead letters (actor %s)\n", t.ID, act, t.Matched, safetext.Text(oneLine(t.Actor), 80))
 	return runTask(ctx, c, t.ID, wait, *asJSON)
+}
+
+// nothingNewJSON is what the CLI's --json and the API answer when a replay or discard finds no new
+// dead letter among those its filter matches: a success, saying so.
+func nothingNewJSON(e *ops.NothingNewError) map[string]any {
+	return map[string]any{"nothing_new": true, "message": e.Error(), "action": e.Action, "not_new": e.NotNew, "replaying": e.Replaying}
 }
 
 // unconsumed warns of the topics among counts that this service does not consume: a replayed

@@ -50,7 +50,8 @@ const lease = 15 * time.Second
 const chunk = 200
 
 // StartTask creates a task that applies act to the new dead letters f matches, audited with a.
-// RunTask runs it.
+// RunTask runs it. If f matches dead letters but none is new (the same replay run again), it
+// creates nothing and returns a *NothingNewError; if f matches none at all, bad usage.
 func (o *Ops) StartTask(ctx context.Context, act Action, f Filter, a Actor, rate float64) (Task, error) {
 	if act != Replay && act != Discard {
 		return Task{}, usage("unknown action %q", act)
@@ -81,7 +82,7 @@ func (o *Ops) StartTask(ctx context.Context, act Action, f Filter, a Actor, rate
 			return fmt.Errorf("count matching dead letters: %w", err)
 		}
 		if matched == 0 {
-			return usage("no new dead letter matches the filter: nothing to %s", act)
+			return o.nothingNew(ctx, tx, act, f)
 		}
 		var r *float64
 		if rate > 0 {
@@ -97,6 +98,44 @@ func (o *Ops) StartTask(ctx context.Context, act Action, f Filter, a Actor, rate
 		return Task{}, err
 	}
 	return o.Task(ctx, id)
+}
+
+// NothingNewError is StartTask's answer when the filter matches dead letters but none of them is
+// new: they were replayed or discarded before (or are being replayed). Running the same replay
+// again is safe, and finding nothing new is its success, not a mistake: callers report it and
+// succeed. A filter that matches no dead letter at all is bad usage instead (ErrUsage).
+type NothingNewError struct {
+	Action Action `json:"action"`
+	// NotNew is how many dead letters the filter matches, none of them new; Replaying how many of
+	// them a replay brought back and has not settled yet.
+	NotNew    int64 `json:"not_new"`
+	Replaying int64 `json:"replaying"`
+}
+
+func (e *NothingNewError) Error() string {
+	msg := fmt.Sprintf("nothing to %s: %d matching dead letters were already replayed or discarded", e.Action, e.NotNew)
+	if e.Replaying > 0 {
+		msg += fmt.Sprintf(" (%d of them still being replayed)", e.Replaying)
+	}
+	return msg
+}
+
+// nothingNew is StartTask's error when f matches no new dead letter: a *NothingNewError if it
+// matches some that are not new, bad usage if it matches none.
+func (o *Ops) nothingNew(ctx context.Context, tx pgx.Tx, act Action, f Filter) error {
+	all := f
+	all.Status = ""
+	args := []any{o.group}
+	where := all.where(&args)
+	e := &NothingNewError{Action: act}
+	if err := tx.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE d.status = 'replaying') FROM `+o.table("dead_letters")+` d WHERE `+where,
+		args...).Scan(&e.NotNew, &e.Replaying); err != nil {
+		return fmt.Errorf("count matching dead letters: %w", err)
+	}
+	if e.NotNew == 0 {
+		return usage("no dead letter matches the filter: nothing to %s", act)
+	}
+	return e
 }
 
 // taskColumns are a Task's columns, in scanTask's order.
