@@ -413,7 +413,7 @@ func runTask(ctx context.Context, c *opsCmd, id int64, wait time.Duration, asJSO
 		}
 		if t2, err := c.ops.Task(ctx, id); err == nil {
 			if t2.Pending != t.Pending {
-				fmt.Fprintf(c.err, "task %d: %d applied, %d dead again, %d on their way\n", id, t2.Applied, t2.DeadAgain, t2.Pending)
+				fmt.Fprintf(c.err, "task %d: %d applied, %d skipped as duplicates, %d dead again, %d on their way\n", id, t2.Applied, t2.SkippedDuplicate, t2.DeadAgain, t2.Pending)
 			}
 			t = t2
 		}
@@ -442,8 +442,8 @@ func printTask(c *opsCmd, t ops.Task) {
 	}
 	fmt.Fprintf(w, "\n  %d matched, %d done, %d skipped (no longer new when reached)\n", t.Matched, t.Done, t.Skipped)
 	if t.Action == ops.Replay {
-		fmt.Fprintf(w, "  %d applied, %d dead-lettered again, %d still on their way (held behind their key or in the retry tiers)\n",
-			t.Applied, t.DeadAgain, t.Pending)
+		fmt.Fprintf(w, "  %d applied, %d skipped as duplicates (a copy with their idempotency key was applied before), %d dead-lettered again, %d still on their way (held behind their key or in the retry tiers)\n",
+			t.Applied, t.SkippedDuplicate, t.DeadAgain, t.Pending)
 		if t.Pending > 0 {
 			fmt.Fprintf(w, "  follow them with: dlq tasks, or dlq list --status replaying\n")
 		}
@@ -475,14 +475,14 @@ func dlqTasks(ctx context.Context, c *opsCmd, args []string) error {
 		return nil
 	}
 	tw := c.table()
-	fmt.Fprintln(tw, "ID\tACTION\tSTATUS\tMATCHED\tDONE\tAPPLIED\tDEAD-AGAIN\tPENDING\tACTOR\tCREATED\tREASON")
+	fmt.Fprintln(tw, "ID\tACTION\tSTATUS\tMATCHED\tDONE\tAPPLIED\tSKIPPED-DUPLICATE\tDEAD-AGAIN\tPENDING\tACTOR\tCREATED\tREASON")
 	for _, t := range ts {
 		status := t.Status
 		if t.Interrupted {
 			status = "interrupted"
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", t.ID, t.Action, status, t.Matched, t.Done,
-			t.Applied, t.DeadAgain, t.Pending, safetext.Text(oneLine(t.Actor), 40), t.CreatedAt.UTC().Format(time.RFC3339), safetext.Text(oneLine(t.Reason), 50))
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", t.ID, t.Action, status, t.Matched, t.Done,
+			t.Applied, t.SkippedDuplicate, t.DeadAgain, t.Pending, safetext.Text(oneLine(t.Actor), 40), t.CreatedAt.UTC().Format(time.RFC3339), safetext.Text(oneLine(t.Reason), 50))
 	}
 	return tw.Flush()
 }

@@ -36,11 +36,13 @@ type Task struct {
 	CreatedAt   time.Time  `json:"created_at"`
 	FinishedAt  *time.Time `json:"finished_at,omitempty"`
 	CancelledBy string     `json:"cancelled_by,omitempty"`
-	// What became of a replay's records so far: applied, dead-lettered again, or still on their
-	// way (held behind their key, or in the retry tiers).
-	Applied   int64 `json:"applied"`
-	DeadAgain int64 `json:"dead_again"`
-	Pending   int64 `json:"pending"`
+	// What became of a replay's records so far: applied, skipped as a duplicate by its
+	// idempotency key (a copy was applied before), dead-lettered again, or still on their way
+	// (held behind their key, or in the retry tiers).
+	Applied          int64 `json:"applied"`
+	SkippedDuplicate int64 `json:"skipped_duplicate"`
+	DeadAgain        int64 `json:"dead_again"`
+	Pending          int64 `json:"pending"`
 }
 
 // lease is how long a runner may go without a heartbeat before its task counts as interrupted.
@@ -160,16 +162,18 @@ func (o *Ops) scanTasks(rows pgx.Rows) ([]Task, error) {
 }
 
 // outcomes fills in what became of the records t replayed: for each it queued, the first of
-// replayed or dead_lettered that followed in its history.
+// replayed, skipped_duplicate or dead_lettered that followed in its history.
 func (o *Ops) outcomes(ctx context.Context, t *Task) error {
 	if t.Action != Replay {
 		return nil
 	}
 	ev := o.table("dead_letter_events")
-	return o.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE next = 'replayed'), count(*) FILTER (WHERE next = 'dead_lettered'), count(*) FILTER (WHERE next IS NULL)
-		FROM (SELECT (SELECT n.event FROM `+ev+` n WHERE n.dead_letter_id = q.dead_letter_id AND n.id > q.id AND n.event IN ('replayed', 'dead_lettered')
+	return o.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE next = 'replayed'), count(*) FILTER (WHERE next = 'skipped_duplicate'),
+			count(*) FILTER (WHERE next = 'dead_lettered'), count(*) FILTER (WHERE next IS NULL)
+		FROM (SELECT (SELECT n.event FROM `+ev+` n WHERE n.dead_letter_id = q.dead_letter_id AND n.id > q.id
+					AND n.event IN ('replayed', 'skipped_duplicate', 'dead_lettered')
 				ORDER BY n.id LIMIT 1) AS next
-			FROM `+ev+` q WHERE q.task_id = $1 AND q.event = 'replay_queued') x`, t.ID).Scan(&t.Applied, &t.DeadAgain, &t.Pending)
+			FROM `+ev+` q WHERE q.task_id = $1 AND q.event = 'replay_queued') x`, t.ID).Scan(&t.Applied, &t.SkippedDuplicate, &t.DeadAgain, &t.Pending)
 }
 
 // Task returns task id, with its outcomes so far.
