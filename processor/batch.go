@@ -19,7 +19,6 @@ type outcome struct {
 	applied    int // handled
 	held       int // held behind their keys
 	duplicates int // copies of retry records that had moved on
-	replayed   int // dead letters a replay brought back, applied
 }
 
 // applyRange applies recs, isolating the ones that fail: the whole range is tried in one
@@ -113,11 +112,6 @@ func (w *worker) handleOnce(recs []*Record) error {
 			return own(fmt.Errorf("streams: %w", err))
 		}
 		out.applied = len(live)
-		for _, r := range live {
-			if r.deadLetter != 0 {
-				out.replayed++
-			}
-		}
 		return nil
 	}, true)
 	tracing.End(span, err, batchErrorType(err))
@@ -125,9 +119,7 @@ func (w *worker) handleOnce(recs []*Record) error {
 	if err == nil {
 		out.applied -= w.p.committed(w.source, live)
 		w.applied.Add(float64(out.applied))
-		if out.replayed > 0 {
-			w.p.metrics.replayed.WithLabelValues(w.source, "applied").Add(float64(out.replayed))
-		}
+		w.p.countReplayed(w.source, live)
 		w.p.breaker.succeeded(out.applied)
 		if w.tier > 0 && out.applied > 0 {
 			w.p.heldApplier.notify() // the records' keys may have become ready
@@ -224,7 +216,9 @@ func (w *worker) settle(ctx context.Context, tx pgx.Tx, live []*Record) error {
 	var held []bool
 	for _, r := range live {
 		if r.stage == retrytopics.FromTier {
-			recs = append(recs, r.rec())
+			rec := r.rec()
+			rec.Duplicate = r.duplicate != nil
+			recs = append(recs, rec)
 			held = append(held, r.ordered)
 		}
 	}

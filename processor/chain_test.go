@@ -241,6 +241,37 @@ func TestIdempotencyKeys(t *testing.T) {
 		}
 		return nil
 	})
+	// What the replay says it did is what it did: f1 applied, g1 skipped as a duplicate — in the
+	// task's outcomes, the metric, g1's history and its trace.
+	if got := r.Labeled("kafkapg_replayed_records_total", "outcome", "applied"); got != 1 {
+		t.Errorf("kafkapg_replayed_records_total{outcome=applied} = %v, want 1 (f1)", got)
+	}
+	if got := r.Labeled("kafkapg_replayed_records_total", "outcome", "skipped_duplicate"); got != 1 {
+		t.Errorf("kafkapg_replayed_records_total{outcome=skipped_duplicate} = %v, want 1 (g1)", got)
+	}
+	if tk, err := o.Task(ctx, task.ID); err != nil || tk.Applied != 1 || tk.SkippedDuplicate != 1 || tk.DeadAgain != 0 || tk.Pending != 0 {
+		t.Errorf("task outcomes %+v, %v; want 1 applied, 1 skipped as a duplicate", tk, err)
+	}
+	var g1Offset int64
+	var history string
+	if err := h.Pool.QueryRow(ctx, `SELECT "offset", (SELECT string_agg(event, ',' ORDER BY e.id) FROM kafkapg.dead_letter_events e WHERE e.dead_letter_id = d.id)
+		FROM kafkapg.dead_letters d WHERE consumer_group = $1 AND convert_from(value, 'UTF8')::json->>'event_id' = 'g1'`, h.Group).Scan(&g1Offset, &history); err != nil {
+		t.Fatal(err)
+	}
+	if history != "dead_lettered,replay_queued,skipped_duplicate" {
+		t.Errorf("g1's history %s; want it skipped as a duplicate, not replayed", history)
+	}
+	tr, err := o.Trace(ctx, ops.TraceQuery{Topic: h.Topic, Offset: g1Offset}, nil)
+	if err != nil || len(tr.Records) != 1 {
+		t.Fatalf("trace of g1: %+v, %v", tr, err)
+	}
+	g1 := tr.Records[0]
+	i := slices.IndexFunc(g1.Steps, func(s ops.TraceStep) bool { return s.Kind == ops.StepSkippedDuplicate })
+	if g1.State != ops.TraceSkippedDuplicate || !strings.HasPrefix(g1.Now, "skipped as a duplicate by a replay of dead letter #") || i < 0 ||
+		!strings.Contains(g1.Steps[i].What, "skipped as a duplicate by the replay by task") || !strings.Contains(g1.Steps[i].What, "idempotency key hash ") ||
+		slices.ContainsFunc(g1.Steps, func(s ops.TraceStep) bool { return s.Kind == ops.StepReplayed }) {
+		t.Errorf("trace of g1: %s: %s, steps %+v; want it skipped as a duplicate, naming its key's hash, and not applied", g1.State, g1.Now, g1.Steps)
+	}
 
 	// After the retention the keys are pruned, and a late copy is applied again.
 	testenv.Eventually(t, 30*time.Second, func() error {

@@ -271,6 +271,7 @@ func (d *heldApplier) applyBundle(keys []retrytopics.Key) (more []retrytopics.Ke
 			d.keepPrepared(recs)
 			return err // retried here if Postgres failed (see Processor.inPlace)
 		}
+		markDuplicates(held, recs)
 		return own(d.p.retry.AppliedHeldKeys(ctx, tx, keys, held))
 	}, topic)
 	var herr *sink.HandlerError
@@ -354,6 +355,7 @@ func (d *heldApplier) applyHeld(k retrytopics.Key, limit int) (int, *Record, err
 			d.keepPrepared(recs)
 			return err
 		}
+		markDuplicates([][]retrytopics.Rec{held}, recs)
 		return own(d.p.retry.AppliedHeld(ctx, tx, k, held))
 	}, k.Topic)
 	var first *Record
@@ -367,6 +369,25 @@ func (d *heldApplier) applyHeld(k retrytopics.Key, limit int) (int, *Record, err
 	return len(recs), first, nil
 }
 
+// markDuplicates says, in held, which of the replayed records among recs (the same records,
+// handled) were skipped as duplicates: their dead letters' history says so.
+func markDuplicates(held [][]retrytopics.Rec, recs []*Record) {
+	var dups map[retrytopics.Origin]bool
+	for _, r := range recs {
+		if r.deadLetter != 0 && r.duplicate != nil {
+			if dups == nil {
+				dups = map[retrytopics.Origin]bool{}
+			}
+			dups[r.origin()] = true
+		}
+	}
+	for _, h := range held {
+		for i := range h {
+			h[i].Duplicate = dups[h[i].Origin]
+		}
+	}
+}
+
 // applied counts held records of topic that a transaction just applied.
 func (d *heldApplier) applied(topic string, recs []*Record) {
 	if len(recs) == 0 {
@@ -374,15 +395,7 @@ func (d *heldApplier) applied(topic string, recs []*Record) {
 	}
 	d.forgetPrepared(recs)
 	d.p.metrics.applied.WithLabelValues(topic).Add(float64(len(recs) - d.p.committed(topic, recs)))
-	replayed := 0
-	for _, r := range recs {
-		if r.deadLetter != 0 {
-			replayed++
-		}
-	}
-	if replayed > 0 {
-		d.p.metrics.replayed.WithLabelValues(topic, "applied").Add(float64(replayed))
-	}
+	d.p.countReplayed(topic, recs)
 	d.p.breaker.succeeded(len(recs))
 }
 

@@ -326,6 +326,28 @@ func (p *Processor) committed(source string, recs []*Record) int {
 	return n
 }
 
+// countReplayed counts, in kafkapg_replayed_records_total, the records of dead letters among
+// recs (of source, handled in a transaction that committed) that a replay brought back: applied,
+// or skipped as duplicates by their idempotency key.
+func (p *Processor) countReplayed(source string, recs []*Record) {
+	applied, skipped := 0, 0
+	for _, r := range recs {
+		switch {
+		case r.deadLetter == 0:
+		case r.duplicate != nil:
+			skipped++
+		default:
+			applied++
+		}
+	}
+	if applied > 0 {
+		p.metrics.replayed.WithLabelValues(source, "applied").Add(float64(applied))
+	}
+	if skipped > 0 {
+		p.metrics.replayed.WithLabelValues(source, "skipped_duplicate").Add(float64(skipped))
+	}
+}
+
 // keysOn reports whether a topic of the processor has idempotency keys.
 func (p *Processor) keysOn() bool {
 	for _, pol := range p.policies {

@@ -190,7 +190,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"topic"}),
 		replayed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: ns, Name: "replayed_records_total",
-			Help: "Dead letters brought back by a replay that settled here, by outcome: applied, or dead_lettered again.",
+			Help: "Dead letters brought back by a replay that settled here, by outcome: applied, skipped_duplicate (by its idempotency key: a copy was applied before), or dead_lettered again.",
 		}, []string{"topic", "outcome"}),
 		deadLetters: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Name: "dead_letters",
@@ -304,6 +304,7 @@ func (m *metrics) initLabels(t string, group string, tiers int) {
 	m.dupKeys.WithLabelValues(t)
 	m.preparing.WithLabelValues(t)
 	m.replayed.WithLabelValues(t, "applied")
+	m.replayed.WithLabelValues(t, "skipped_duplicate")
 	m.replayed.WithLabelValues(t, "dead_lettered")
 	for _, c := range classes {
 		m.failures.WithLabelValues(t, c)

@@ -84,6 +84,10 @@ type Rec struct {
 	Attempt int
 	// DeadLetter is the dead_letters row of a record a replay brought back; 0 otherwise.
 	DeadLetter int64
+	// Duplicate is said by the caller of Applied, AppliedHeld and AppliedHeldKeys: the handler
+	// did not get the record, skipped as a duplicate of a record with its idempotency key. A
+	// replayed dead letter's history then says skipped_duplicate instead of replayed.
+	Duplicate bool
 }
 
 // Key names a key of a source partition.
@@ -230,17 +234,13 @@ func (s *Store) Applied(ctx context.Context, tx pgx.Tx, recs []Rec, held []bool)
 		return nil
 	}
 	b := &pgx.Batch{}
-	var replayed []int64
+	var replayed settled
 	for _, r := range recs {
 		b.Queue(`DELETE FROM `+s.retries+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4`,
 			s.group, r.Topic, r.Partition, r.Offset)
-		if r.DeadLetter != 0 {
-			replayed = append(replayed, r.DeadLetter)
-		}
+		replayed.add(r)
 	}
-	if len(replayed) > 0 {
-		s.queueReplayed(b, replayed)
-	}
+	s.queueReplayed(b, replayed)
 	for i, r := range recs {
 		if held[i] {
 			s.queueRelease(b, Key{r.Topic, r.Partition, r.Key})
@@ -486,7 +486,7 @@ func (s *Store) AppliedHeld(ctx context.Context, tx pgx.Tx, k Key, recs []Rec) e
 // records of keys[i]; a key without any is left alone.
 func (s *Store) AppliedHeldKeys(ctx context.Context, tx pgx.Tx, keys []Key, recs [][]Rec) error {
 	b := &pgx.Batch{}
-	var replayed []int64
+	var replayed settled
 	var stale error
 	for i, k := range keys {
 		applied := recs[i]
@@ -509,15 +509,11 @@ func (s *Store) AppliedHeldKeys(ctx context.Context, tx pgx.Tx, keys []Key, recs
 			return nil
 		})
 		for _, r := range applied {
-			if r.DeadLetter != 0 {
-				replayed = append(replayed, r.DeadLetter)
-			}
+			replayed.add(r)
 		}
 		s.queueRelease(b, k)
 	}
-	if len(replayed) > 0 {
-		s.queueReplayed(b, replayed)
-	}
+	s.queueReplayed(b, replayed)
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("delete applied held records of %d keys: %w", len(keys), err)
 	}
@@ -536,25 +532,38 @@ func (s *Store) AnalyzeHeld(ctx context.Context, db Execer) error {
 	return nil
 }
 
-// replayed records that the records of dead letters ids, brought back by a replay, were applied.
-func (s *Store) replayed(ctx context.Context, tx pgx.Tx, ids []int64) error {
-	b := &pgx.Batch{}
-	s.queueReplayed(b, ids)
-	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return fmt.Errorf("mark %d replayed dead letters: %w", len(ids), err)
-	}
-	return nil
+// settled are the dead letters a replay brought back whose records a transaction settled: ids,
+// and among them the skipped ones (duplicates by their idempotency key).
+type settled struct {
+	ids, skipped []int64
 }
 
-// queueReplayed queues replayed's statement in b.
-func (s *Store) queueReplayed(b *pgx.Batch, ids []int64) {
+// add adds r, if a replay brought it back.
+func (d *settled) add(r Rec) {
+	if r.DeadLetter == 0 {
+		return
+	}
+	d.ids = append(d.ids, r.DeadLetter)
+	if r.Duplicate {
+		d.skipped = append(d.skipped, r.DeadLetter)
+	}
+}
+
+// queueReplayed queues, in b, the statement that records that the records of the dead letters d
+// names were settled by their replay: their status becomes replayed, and their history says
+// replayed (applied) or skipped_duplicate. Nothing if d is empty.
+func (s *Store) queueReplayed(b *pgx.Batch, d settled) {
+	if len(d.ids) == 0 {
+		return
+	}
 	b.Queue(`WITH d AS (
 			UPDATE `+s.deadLetters+` SET status = 'replayed', status_changed_at = now()
 			WHERE consumer_group = $1 AND id = ANY($2) AND `+statusIs("replaying")+`
 			RETURNING id)
 		INSERT INTO `+s.events+` (dead_letter_id, event, task_id)
-			SELECT d.id, 'replayed', (SELECT task_id FROM `+s.events+` e WHERE e.dead_letter_id = d.id AND e.event = 'replay_queued' ORDER BY e.id DESC LIMIT 1) FROM d`,
-		s.group, ids)
+			SELECT d.id, CASE WHEN d.id = ANY($3) THEN 'skipped_duplicate' ELSE 'replayed' END,
+				(SELECT task_id FROM `+s.events+` e WHERE e.dead_letter_id = d.id AND e.event = 'replay_queued' ORDER BY e.id DESC LIMIT 1) FROM d`,
+		s.group, d.ids, d.skipped)
 }
 
 // statusIs is SQL that a dead_letters row's status is status, written so that the planner
@@ -638,7 +647,8 @@ type Stats struct {
 }
 
 // DeadLetterStatuses are the statuses of a dead_letters row: new (dead), replaying (brought
-// back by a replay, not settled yet), replayed (applied by a replay), discarded.
+// back by a replay, not settled yet), replayed (settled by a replay: applied, or skipped as a
+// duplicate by its idempotency key, as its history says), discarded.
 var DeadLetterStatuses = []string{"new", "replaying", "replayed", "discarded"}
 
 // TierStats describes the records waiting in one retry tier.

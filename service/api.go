@@ -371,6 +371,11 @@ func (a *api) act(act ops.Action) http.HandlerFunc {
 			return
 		}
 		t, err := a.ops.StartTask(r.Context(), act, req.Filter, ops.Actor{Name: who, Reason: req.Reason}, req.Rate)
+		var nothing *ops.NothingNewError
+		if errors.As(err, &nothing) {
+			writeJSON(w, http.StatusOK, nothingNewJSON(nothing)) // the same replay again: nothing new, no task
+			return
+		}
 		if err != nil {
 			fail(w, err)
 			return

@@ -322,15 +322,30 @@ func dlqAct(ctx context.Context, c *opsCmd, act ops.Action, args []string) error
 		return usagef("--execute needs --reason: why you %s these dead letters (kept in the audit table)", act)
 	}
 	// Rows the filter names that are not new are refused; say so before acting on the others.
-	if p, err := c.ops.Preview(ctx, act, f, 0); err == nil && p.NotNew > 0 {
+	if p, err := c.ops.Preview(ctx, act, f, 0); err == nil && p.NotNew > 0 && p.Matched > 0 {
 		fmt.Fprintf(c.err, "refused: %d matching dead letters are not new (replaying, replayed or discarded); they are left alone\n", p.NotNew)
 	}
 	t, err := c.ops.StartTask(ctx, act, f, ops.Actor{Name: *actor, Reason: *reason}, rate)
+	var nothing *ops.NothingNewError
+	if errors.As(err, &nothing) {
+		// The same replay run again: nothing new to act on is what a safe repeat finds.
+		if *asJSON {
+			return c.json(nothingNewJSON(nothing))
+		}
+		fmt.Fprintln(c.out, nothing.Error())
+		return nil
+	}
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(c.err, "task %d: %s %d dead letters (actor %s)\n", t.ID, act, t.Matched, safetext.Text(oneLine(t.Actor), 80))
 	return runTask(ctx, c, t.ID, wait, *asJSON)
+}
+
+// nothingNewJSON is what the CLI's --json and the API answer when a replay or discard finds no new
+// dead letter among those its filter matches: a success, saying so.
+func nothingNewJSON(e *ops.NothingNewError) map[string]any {
+	return map[string]any{"nothing_new": true, "message": e.Error(), "action": e.Action, "not_new": e.NotNew, "replaying": e.Replaying}
 }
 
 // unconsumed warns of the topics among counts that this service does not consume: a replayed
@@ -398,7 +413,7 @@ func runTask(ctx context.Context, c *opsCmd, id int64, wait time.Duration, asJSO
 		}
 		if t2, err := c.ops.Task(ctx, id); err == nil {
 			if t2.Pending != t.Pending {
-				fmt.Fprintf(c.err, "task %d: %d applied, %d dead again, %d on their way\n", id, t2.Applied, t2.DeadAgain, t2.Pending)
+				fmt.Fprintf(c.err, "task %d: %d applied, %d skipped as duplicates, %d dead again, %d on their way\n", id, t2.Applied, t2.SkippedDuplicate, t2.DeadAgain, t2.Pending)
 			}
 			t = t2
 		}
@@ -427,8 +442,8 @@ func printTask(c *opsCmd, t ops.Task) {
 	}
 	fmt.Fprintf(w, "\n  %d matched, %d done, %d skipped (no longer new when reached)\n", t.Matched, t.Done, t.Skipped)
 	if t.Action == ops.Replay {
-		fmt.Fprintf(w, "  %d applied, %d dead-lettered again, %d still on their way (held behind their key or in the retry tiers)\n",
-			t.Applied, t.DeadAgain, t.Pending)
+		fmt.Fprintf(w, "  %d applied, %d skipped as duplicates (a copy with their idempotency key was applied before), %d dead-lettered again, %d still on their way (held behind their key or in the retry tiers)\n",
+			t.Applied, t.SkippedDuplicate, t.DeadAgain, t.Pending)
 		if t.Pending > 0 {
 			fmt.Fprintf(w, "  follow them with: dlq tasks, or dlq list --status replaying\n")
 		}
@@ -460,14 +475,14 @@ func dlqTasks(ctx context.Context, c *opsCmd, args []string) error {
 		return nil
 	}
 	tw := c.table()
-	fmt.Fprintln(tw, "ID\tACTION\tSTATUS\tMATCHED\tDONE\tAPPLIED\tDEAD-AGAIN\tPENDING\tACTOR\tCREATED\tREASON")
+	fmt.Fprintln(tw, "ID\tACTION\tSTATUS\tMATCHED\tDONE\tAPPLIED\tSKIPPED-DUPLICATE\tDEAD-AGAIN\tPENDING\tACTOR\tCREATED\tREASON")
 	for _, t := range ts {
 		status := t.Status
 		if t.Interrupted {
 			status = "interrupted"
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", t.ID, t.Action, status, t.Matched, t.Done,
-			t.Applied, t.DeadAgain, t.Pending, safetext.Text(oneLine(t.Actor), 40), t.CreatedAt.UTC().Format(time.RFC3339), safetext.Text(oneLine(t.Reason), 50))
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", t.ID, t.Action, status, t.Matched, t.Done,
+			t.Applied, t.SkippedDuplicate, t.DeadAgain, t.Pending, safetext.Text(oneLine(t.Actor), 40), t.CreatedAt.UTC().Format(time.RFC3339), safetext.Text(oneLine(t.Reason), 50))
 	}
 	return tw.Flush()
 }

@@ -116,8 +116,16 @@ func TestDlqCommands(t *testing.T) {
 	if got := statuses(t, pool); got != "1:replaying 2:new 3:replaying" {
 		t.Fatalf("after the replay: %s", got)
 	}
-	check(2, "no new dead letter matches the filter", "dlq", "replay", "--id", "1,3", "--execute", "--reason", "again")
-	check(2, "refused: 2 matching dead letters are not new", "dlq", "replay", "--id", "1,3", "--execute", "--reason", "again")
+	// The same replay again is safe: nothing new, said, and a success; a filter that matches no
+	// dead letter at all is a mistake (a typo).
+	out = check(0, "nothing to replay: 2 matching dead letters were already replayed or discarded (2 of them still being replayed)",
+		"dlq", "replay", "--id", "1,3", "--execute", "--reason", "again")
+	if code, out, errOut := cli("dlq", "replay", "--id", "1,3", "--execute", "--reason", "again"); strings.Contains(out+errOut, "refused") || strings.Contains(out+errOut, "task ") {
+		t.Errorf("a replay that finds nothing new (exit %d) says more than that:\n%s%s", code, out, errOut)
+	}
+	check(0, `"nothing_new": true`, "dlq", "replay", "--id", "1,3", "--execute", "--reason", "again", "--json")
+	check(2, "no dead letter matches the filter", "dlq", "replay", "--id", "99", "--execute", "--reason", "typo")
+	check(2, "no dead letter matches the filter", "dlq", "replay", "--topic", "ordres", "--execute", "--reason", "typo")
 	check(0, "dry run: discard would act on 1 new dead letters", "dlq", "discard")
 	check(0, "1 matched, 1 done", "dlq", "discard", "--id", "2", "--execute", "--reason", "poison")
 	if got := statuses(t, pool); got != "1:replaying 2:discarded 3:replaying" {
@@ -266,6 +274,14 @@ func TestOperatorAPI(t *testing.T) {
 	})
 	if got := statuses(t, pool); got != "1:replaying 2:new 3:replaying" {
 		t.Errorf("after the API's replay: %s", got)
+	}
+	// The same replay again: 200, nothing new, no task; a filter matching nothing is still 400.
+	code, body = call("POST", "/api/v1/dead-letters/replay", token, `{"filter": {"ids": [1, 3]}, "execute": true, "reason": "again"}`)
+	if code != http.StatusOK || !strings.Contains(body, `"nothing_new": true`) || !strings.Contains(body, "nothing to replay: 2 matching dead letters were already replayed or discarded") {
+		t.Errorf("the same replay again: %d %s; want 200 saying nothing new", code, body)
+	}
+	if code, body := call("POST", "/api/v1/dead-letters/replay", token, `{"filter": {"ids": [99]}, "execute": true, "reason": "typo"}`); code != http.StatusBadRequest || !strings.Contains(body, "no dead letter matches the filter") {
+		t.Errorf("a replay matching no dead letter: %d %s; want 400", code, body)
 	}
 	if code, body := call("GET", "/api/v1/audit", token, ""); code != 200 || !strings.Contains(body, `"actor": "api:alice (claimed)"`) || !strings.Contains(body, "dependency back") {
 		t.Errorf("audit: %d %s; want the replay by api:alice (claimed): OPERATOR_TOKEN is anyone's who holds it", code, body)

@@ -155,7 +155,7 @@ func New(cfg Config) (*Console, error) {
 	for _, u := range cfg.Tokens {
 		c.tokens = append(c.tokens, hashedUser{u.Name, u.Role, sha256.Sum256([]byte(u.Password))})
 	}
-	for _, page := range []string{"overview", "deadletters", "deadletter", "confirm", "task", "retrypath", "release", "trace", "error"} {
+	for _, page := range []string{"overview", "deadletters", "deadletter", "confirm", "task", "retrypath", "release", "trace", "error", "nothing"} {
 		t, err := template.New("layout.html").Funcs(funcs).ParseFS(files, "templates/layout.html", "templates/"+page+".html")
 		if err != nil {
 			return nil, fmt.Errorf("console template %s: %w", page, err)
@@ -595,6 +595,12 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request) {
 	}
 	t, err := c.cfg.Ops.StartTask(r.Context(), act, f,
 		ops.Actor{Name: "console:" + userOf(r).name, Reason: strings.TrimSpace(r.PostForm.Get("reason"))}, 0)
+	var nothing *ops.NothingNewError
+	if errors.As(err, &nothing) {
+		// The same replay again: not a mistake, and no task to show.
+		c.render(w, r, "nothing", "Nothing to "+string(act), errorData{Message: nothing.Error(), Back: "/dead-letters"})
+		return
+	}
 	if err != nil {
 		c.fail(w, r, err)
 		return

@@ -273,6 +273,15 @@ func TestConsoleCarriesTheFilterToTheAction(t *testing.T) {
 		}
 		return nil
 	})
+	// The same action again finds nothing new: said, and not an error; ids of no dead letter are.
+	code, page = send(t, "POST", srv.URL+"/dead-letters/act", operatorToken, carried.Encode())
+	if want := "nothing to discard: 2 matching dead letters were already replayed or discarded"; code != http.StatusOK || !strings.Contains(page, want) {
+		t.Errorf("the same discard again: %d, says %q? %v", code, want, strings.Contains(page, want))
+	}
+	carried["id"] = []string{"999999"}
+	if code, page = send(t, "POST", srv.URL+"/dead-letters/act", operatorToken, carried.Encode()); code != http.StatusBadRequest || !strings.Contains(page, "no dead letter matches the filter") {
+		t.Errorf("a discard of no dead letter: %d; want 400 saying so", code)
+	}
 }
 
 // TestConsoleRefusesBadFilters: a filter Postgres could not compare (a NUL, invalid UTF-8) or a

@@ -137,11 +137,12 @@ func stepLabel(s ops.TraceStep) string {
 
 // stateLabel is where a record is now, on its path.
 var stateLabel = map[string]string{
-	ops.TraceNotConsumed:     "not consumed",
-	ops.TraceApplied:         "applied",
-	ops.TraceInTier:          "in a tier",
-	ops.TraceOutbox:          "in the outbox",
-	ops.TraceHeld:            "held",
-	ops.TraceDeadLettered:    "dead",
-	ops.TraceBeyondRetention: "beyond retention",
+	ops.TraceNotConsumed:      "not consumed",
+	ops.TraceApplied:          "applied",
+	ops.TraceSkippedDuplicate: "skipped (duplicate)",
+	ops.TraceInTier:           "in a tier",
+	ops.TraceOutbox:           "in the outbox",
+	ops.TraceHeld:             "held",
+	ops.TraceDeadLettered:     "dead",
+	ops.TraceBeyondRetention:  "beyond retention",
 }

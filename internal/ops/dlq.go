@@ -132,7 +132,7 @@ type Header struct {
 // Event is a step of a dead letter's history.
 type Event struct {
 	At      time.Time `json:"at"`
-	Event   string    `json:"event"` // dead_lettered, replay_queued, replayed, discarded
+	Event   string    `json:"event"` // dead_lettered, replay_queued, replayed, skipped_duplicate, discarded
 	TaskID  int64     `json:"task_id,omitempty"`
 	Attempt int       `json:"attempt,omitempty"`
 	Class   string    `json:"error_class,omitempty"`

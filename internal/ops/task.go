@@ -36,11 +36,13 @@ type Task struct {
 	CreatedAt   time.Time  `json:"created_at"`
 	FinishedAt  *time.Time `json:"finished_at,omitempty"`
 	CancelledBy string     `json:"cancelled_by,omitempty"`
-	// What became of a replay's records so far: applied, dead-lettered again, or still on their
-	// way (held behind their key, or in the retry tiers).
-	Applied   int64 `json:"applied"`
-	DeadAgain int64 `json:"dead_again"`
-	Pending   int64 `json:"pending"`
+	// What became of a replay's records so far: applied, skipped as a duplicate by its
+	// idempotency key (a copy was applied before), dead-lettered again, or still on their way
+	// (held behind their key, or in the retry tiers).
+	Applied          int64 `json:"applied"`
+	SkippedDuplicate int64 `json:"skipped_duplicate"`
+	DeadAgain        int64 `json:"dead_again"`
+	Pending          int64 `json:"pending"`
 }
 
 // lease is how long a runner may go without a heartbeat before its task counts as interrupted.
@@ -50,7 +52,8 @@ const lease = 15 * time.Second
 const chunk = 200
 
 // StartTask creates a task that applies act to the new dead letters f matches, audited with a.
-// RunTask runs it.
+// RunTask runs it. If f matches dead letters but none is new (the same replay run again), it
+// creates nothing and returns a *NothingNewError; if f matches none at all, bad usage.
 func (o *Ops) StartTask(ctx context.Context, act Action, f Filter, a Actor, rate float64) (Task, error) {
 	if act != Replay && act != Discard {
 		return Task{}, usage("unknown action %q", act)
@@ -81,7 +84,7 @@ func (o *Ops) StartTask(ctx context.Context, act Action, f Filter, a Actor, rate
 			return fmt.Errorf("count matching dead letters: %w", err)
 		}
 		if matched == 0 {
-			return usage("no new dead letter matches the filter: nothing to %s", act)
+			return o.nothingNew(ctx, tx, act, f)
 		}
 		var r *float64
 		if rate > 0 {
@@ -97,6 +100,44 @@ func (o *Ops) StartTask(ctx context.Context, act Action, f Filter, a Actor, rate
 		return Task{}, err
 	}
 	return o.Task(ctx, id)
+}
+
+// NothingNewError is StartTask's answer when the filter matches dead letters but none of them is
+// new: they were replayed or discarded before (or are being replayed). Running the same replay
+// again is safe, and finding nothing new is its success, not a mistake: callers report it and
+// succeed. A filter that matches no dead letter at all is bad usage instead (ErrUsage).
+type NothingNewError struct {
+	Action Action `json:"action"`
+	// NotNew is how many dead letters the filter matches, none of them new; Replaying how many of
+	// them a replay brought back and has not settled yet.
+	NotNew    int64 `json:"not_new"`
+	Replaying int64 `json:"replaying"`
+}
+
+func (e *NothingNewError) Error() string {
+	msg := fmt.Sprintf("nothing to %s: %d matching dead letters were already replayed or discarded", e.Action, e.NotNew)
+	if e.Replaying > 0 {
+		msg += fmt.Sprintf(" (%d of them still being replayed)", e.Replaying)
+	}
+	return msg
+}
+
+// nothingNew is StartTask's error when f matches no new dead letter: a *NothingNewError if it
+// matches some that are not new, bad usage if it matches none.
+func (o *Ops) nothingNew(ctx context.Context, tx pgx.Tx, act Action, f Filter) error {
+	all := f
+	all.Status = ""
+	args := []any{o.group}
+	where := all.where(&args)
+	e := &NothingNewError{Action: act}
+	if err := tx.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE d.status = 'replaying') FROM `+o.table("dead_letters")+` d WHERE `+where,
+		args...).Scan(&e.NotNew, &e.Replaying); err != nil {
+		return fmt.Errorf("count matching dead letters: %w", err)
+	}
+	if e.NotNew == 0 {
+		return usage("no dead letter matches the filter: nothing to %s", act)
+	}
+	return e
 }
 
 // taskColumns are a Task's columns, in scanTask's order.
@@ -121,16 +162,18 @@ func (o *Ops) scanTasks(rows pgx.Rows) ([]Task, error) {
 }
 
 // outcomes fills in what became of the records t replayed: for each it queued, the first of
-// replayed or dead_lettered that followed in its history.
+// replayed, skipped_duplicate or dead_lettered that followed in its history.
 func (o *Ops) outcomes(ctx context.Context, t *Task) error {
 	if t.Action != Replay {
 		return nil
 	}
 	ev := o.table("dead_letter_events")
-	return o.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE next = 'replayed'), count(*) FILTER (WHERE next = 'dead_lettered'), count(*) FILTER (WHERE next IS NULL)
-		FROM (SELECT (SELECT n.event FROM `+ev+` n WHERE n.dead_letter_id = q.dead_letter_id AND n.id > q.id AND n.event IN ('replayed', 'dead_lettered')
+	return o.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE next = 'replayed'), count(*) FILTER (WHERE next = 'skipped_duplicate'),
+			count(*) FILTER (WHERE next = 'dead_lettered'), count(*) FILTER (WHERE next IS NULL)
+		FROM (SELECT (SELECT n.event FROM `+ev+` n WHERE n.dead_letter_id = q.dead_letter_id AND n.id > q.id
+					AND n.event IN ('replayed', 'skipped_duplicate', 'dead_lettered')
 				ORDER BY n.id LIMIT 1) AS next
-			FROM `+ev+` q WHERE q.task_id = $1 AND q.event = 'replay_queued') x`, t.ID).Scan(&t.Applied, &t.DeadAgain, &t.Pending)
+			FROM `+ev+` q WHERE q.task_id = $1 AND q.event = 'replay_queued') x`, t.ID).Scan(&t.Applied, &t.SkippedDuplicate, &t.DeadAgain, &t.Pending)
 }
 
 // Task returns task id, with its outcomes so far.

@@ -118,8 +118,20 @@ func TestReplayTaskResumesWhereItsRunnerStopped(t *testing.T) {
 	if err != nil || again.Done != 450 || again.Status != "done" {
 		t.Errorf("running a finished task: %+v, %v; want it unchanged", again, err)
 	}
-	if _, err := o.StartTask(ctx, ops.Replay, ops.Filter{}, tester, 0); !errors.Is(err, ops.ErrUsage) {
-		t.Errorf("a second replay of the same rows: %v; want refused, nothing new matches", err)
+	// The same replay again is safe, and finding nothing new is not a mistake; a filter that
+	// matches nothing at all is (a typo).
+	var nothing *ops.NothingNewError
+	if _, err := o.StartTask(ctx, ops.Replay, ops.Filter{}, tester, 0); !errors.As(err, &nothing) || errors.Is(err, ops.ErrUsage) ||
+		nothing.NotNew != 450 || nothing.Replaying != 450 {
+		t.Errorf("a second replay of the same rows: %v (%+v); want a *NothingNewError of 450, 450 of them replaying, not bad usage", err, nothing)
+	} else if want := "nothing to replay: 450 matching dead letters were already replayed or discarded (450 of them still being replayed)"; err.Error() != want {
+		t.Errorf("a second replay of the same rows says %q; want %q", err, want)
+	}
+	if _, err := o.StartTask(ctx, ops.Replay, ops.Filter{Topic: "no-such-topic"}, tester, 0); !errors.Is(err, ops.ErrUsage) || errors.As(err, &nothing) {
+		t.Errorf("a replay whose filter matches no dead letter: %v; want bad usage", err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM kafkapg.tasks`); n != 1 {
+		t.Errorf("%d tasks; want the first only", n)
 	}
 }
 

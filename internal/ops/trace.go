@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"cmp"
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"maps"
@@ -29,6 +30,9 @@ const (
 	// TraceApplied: the partition's position passed the record and no table of the retry path
 	// holds it; or a replay of its dead letter applied it.
 	TraceApplied = "applied"
+	// TraceSkippedDuplicate: a replay of its dead letter skipped it as a duplicate by its
+	// idempotency key: a copy of it was applied before, and the record itself never was.
+	TraceSkippedDuplicate = "skipped_duplicate"
 	// TraceInTier: the record is in a retry tier, waiting for its due time.
 	TraceInTier = "in_tier"
 	// TraceOutbox: a copy of the record waits in the outbox to be published (to its next retry
@@ -174,8 +178,11 @@ const (
 	StepDeadLettered = "dead_lettered" // dead-lettered
 	StepReplayQueued = "replay_queued" // a replay brought it back
 	StepReplayed     = "replayed"      // applied by a replay
-	StepDiscarded    = "discarded"     // its dead letter discarded
-	StepApplied      = "applied"       // the partition's position passed it
+	// StepSkippedDuplicate: a replay brought it back, and it was skipped as a duplicate by its
+	// idempotency key (a copy was applied before).
+	StepSkippedDuplicate = "skipped_duplicate"
+	StepDiscarded        = "discarded" // its dead letter discarded
+	StepApplied          = "applied"   // the partition's position passed it
 )
 
 // Trace answers, for the records q chooses, where each is now and how it got there, from the
@@ -755,9 +762,10 @@ func (o *Ops) traceEvents(ctx context.Context, tx pgx.Tx, f *traceFacts) error {
 		byID[d.id] = org
 		ids = append(ids, d.id)
 	}
-	rows, err := tx.Query(ctx, `SELECT dead_letter_id, at, event, coalesce(task_id, 0), coalesce(attempt, 0), coalesce(error_class, ''),
-			coalesce(error_message, '')
-		FROM `+o.table("dead_letter_events")+` WHERE dead_letter_id = ANY($1) ORDER BY id`, ids)
+	rows, err := tx.Query(ctx, `SELECT e.dead_letter_id, e.at, e.event, coalesce(e.task_id, 0), coalesce(e.attempt, 0), coalesce(e.error_class, ''),
+			coalesce(e.error_message, ''), d.idempotency_key_hash
+		FROM `+o.table("dead_letter_events")+` e JOIN `+o.table("dead_letters")+` d ON d.id = e.dead_letter_id
+		WHERE e.dead_letter_id = ANY($1) ORDER BY e.id`, ids)
 	if err != nil {
 		return fmt.Errorf("trace: read dead letter history: %w", err)
 	}
@@ -765,7 +773,8 @@ func (o *Ops) traceEvents(ctx context.Context, tx pgx.Tx, f *traceFacts) error {
 	var at time.Time
 	var event, class, msg string
 	var attempt int
-	_, err = pgx.ForEachRow(rows, []any{&id, &at, &event, &task, &attempt, &class, &msg}, func() error {
+	var keyHash []byte
+	_, err = pgx.ForEachRow(rows, []any{&id, &at, &event, &task, &attempt, &class, &msg, &keyHash}, func() error {
 		by := ""
 		if task != 0 {
 			by = fmt.Sprintf(" by task %d", task)
@@ -779,6 +788,8 @@ func (o *Ops) traceEvents(ctx context.Context, tx pgx.Tx, f *traceFacts) error {
 			what = fmt.Sprintf("replay queued%s: back in held_records, to be handled as attempt %d", by, attempt)
 		case "replayed":
 			what = "applied by the replay" + by
+		case "skipped_duplicate":
+			what = "skipped as a duplicate by the replay" + by + " (" + idempotencyKeyText(keyHash) + "): a copy with its key was applied before"
 		case "discarded":
 			what = "dead letter discarded" + by
 		default:
@@ -793,6 +804,15 @@ func (o *Ops) traceEvents(ctx context.Context, tx pgx.Tx, f *traceFacts) error {
 		return fmt.Errorf("trace: read dead letter history: %w", err)
 	}
 	return nil
+}
+
+// idempotencyKeyText names an idempotency key by the start of its hash (as dead_letters keeps it:
+// the record's key itself is not kept), as the processor's log does.
+func idempotencyKeyText(hash []byte) string {
+	if len(hash) == 0 {
+		return "its idempotency key"
+	}
+	return "idempotency key hash " + hex.EncodeToString(hash[:min(len(hash), 8)]) + "…"
 }
 
 // traceKeys reads the held keys of the keys of the records in f.
@@ -968,6 +988,9 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *scanned
 				t.State, t.Now = TraceOutbox, fmt.Sprintf("waits in the outbox to be published to %s (retry tier %d): %s", tierTopic, tier, detail)
 			}
 		}
+	case dead && dl.status == "replayed" && len(dl.events) > 0 && dl.events[len(dl.events)-1].Kind == StepSkippedDuplicate:
+		t.State, t.Now = TraceSkippedDuplicate, fmt.Sprintf("skipped as a duplicate by a replay of dead letter #%d (%s): a copy with its idempotency key was applied before",
+			dl.id, timeText(dl.statusAt))
 	case dead && dl.status == "replayed":
 		t.State, t.Now = TraceApplied, fmt.Sprintf("applied by a replay of dead letter #%d (%s)", dl.id, timeText(dl.statusAt))
 	case dead:
