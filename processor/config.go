@@ -281,6 +281,20 @@ type Config struct {
 	// KafkaOptions are extra franz-go options (TLS, SASL, ...), applied after kafkapg's own.
 	// Options that change group callbacks, offsets or commits break the guarantees.
 	KafkaOptions []kgo.Opt
+
+	// Test holds hooks for tests of a service (package servicetest); leave it zero in production.
+	Test TestConfig
+}
+
+// TestConfig is Config.Test: what a test may change of a processor that production never does.
+type TestConfig struct {
+	// Now, if set, is the retry path's clock in place of time.Now: when a record that fails is
+	// due in its next retry tier (Now + the tier's delay, in its kafkapg-due-at header) and
+	// whether a tier's record is due. A test moves it forward to have a record tried again
+	// without waiting for its tier's delay; while it is set, a tier's partition that waits for
+	// a record to be due looks at the clock again at least every 20ms. Everything else (batch
+	// waits, backoff between local attempts, timeouts) keeps the real clock.
+	Now func() time.Time
 }
 
 func (c *Config) withDefaults() *Config {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -108,7 +107,7 @@ type move struct {
 func (p *Processor) plan(rec *Record, source string, f failure) move {
 	cause, class := f.cause, f.class
 	pol := p.policy(source)
-	now := time.Now()
+	now := p.now()
 	first := rec.firstFailed
 	if first.IsZero() {
 		first = now

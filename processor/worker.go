@@ -208,7 +208,7 @@ func (w *worker) take() []*kgo.Record {
 			limit := w.p.cfg.BatchMaxRecords
 			ready, nextDue := min(n, limit), time.Time{}
 			if w.tier > 0 {
-				ready, nextDue = duePrefix(w.queue[:min(n, limit)], time.Now())
+				ready, nextDue = duePrefix(w.queue[:min(n, limit)], w.p.now())
 			}
 			if w.waiting != (ready == 0) {
 				w.waiting = ready == 0
@@ -218,8 +218,8 @@ func (w *worker) take() []*kgo.Record {
 			switch {
 			case ready == 0:
 				w.prog.idle() // nothing is due
-				wait = max(time.Until(nextDue), time.Millisecond)
-				if wait > tierHold {
+				wait = max(w.p.untilDue(nextDue), time.Millisecond)
+				if nextDue.Sub(w.p.now()) > tierHold {
 					w.dropWaiting(nextDue)
 				}
 			case ready >= limit || ready < n || linger <= 0 || !w.p.dbBusy():
@@ -247,7 +247,7 @@ func (w *worker) take() []*kgo.Record {
 		} else {
 			w.prog.idle()
 			if w.dropped && !w.rewinding {
-				if wait = time.Until(w.dueAt); wait <= 0 {
+				if wait = w.p.untilDue(w.dueAt); wait <= 0 {
 					w.rewinding, wait = true, -1
 					rewindTo = w.rewindTo
 				}
