@@ -89,6 +89,7 @@ type env struct {
 	kafkaOpts []kgo.Opt              // KAFKA_TLS_*, KAFKA_SASL_*, parsed
 	tracing   tracingSetup           // OTEL_*, parsed
 	topics    map[string]topicPolicy // TOPIC_<topic>_*, parsed, by topic
+	test      processor.TestConfig   // a test harness's hooks (package servicetest); zero in a service
 }
 
 // batchWait is BATCH_MAX_WAIT: a duration, or none (processor.NoBatchWait).
@@ -641,6 +642,7 @@ func (e *env) processorConfig(hs *registry, log *slog.Logger, reg prometheus.Reg
 		KafkaOptions:           e.kafkaOpts,
 		Logger:                 log,
 		Registerer:             reg,
+		Test:                   e.test,
 	}
 	if h := hs.get(e.Handler); h != nil {
 		c.Handler = h.Handler

@@ -59,12 +59,9 @@ func (c *opsCmd) kafka(extra ...kgo.Opt) (*kgo.Client, error) {
 	return kgo.NewClient(append(opts, extra...)...)
 }
 
-// operate runs the operator command cmd (dlq, keys, trace) with args.
-func operate(ctx context.Context, cmd string, args []string, hs *registry, stdout, stderr io.Writer) error {
-	e, err := loadOpsEnv(hs)
-	if err != nil {
-		return err
-	}
+// operate runs the operator command cmd (dlq, keys, trace) with args, configured by e
+// (loadOpsEnv).
+func operate(ctx context.Context, e *env, cmd string, args []string, hs *registry, stdout, stderr io.Writer) error {
 	pool, adapt, err := openPool(ctx, &e.dbEnv)
 	if err != nil {
 		return err

@@ -202,6 +202,14 @@ func Run(args []string, stderr io.Writer, handlers ...Handler) int {
 
 // run is Run writing the results of operator commands to stdout.
 func run(args []string, stdout, stderr io.Writer, handlers ...Handler) int {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	return runIn(ctx, args, stdout, stderr, nil, handlers...)
+}
+
+// runIn is run until ctx ends. A harness, if not nil, gives the configuration in place of the
+// process's environment (package servicetest).
+func runIn(ctx context.Context, args []string, stdout, stderr io.Writer, h *harness, handlers ...Handler) int {
 	prog := progName()
 	hs, err := newRegistry(handlers)
 	if err != nil {
@@ -218,8 +226,10 @@ func run(args []string, stdout, stderr io.Writer, handlers ...Handler) int {
 		help()
 		return 2
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
+	if h != nil && !h.supports(cmd) {
+		fmt.Fprintf(stderr, "%s: command %q is not run in a test harness (it runs run, config, dlq, keys and trace)\n", prog, cmd)
+		return 2
+	}
 
 	switch cmd {
 	case "help", "-h", "-help", "--help":
@@ -231,14 +241,23 @@ func run(args []string, stdout, stderr io.Writer, handlers ...Handler) int {
 		stderr = safetext.TerminalWriter(stderr) // a refusal names members as the broker describes them (client ids, hosts: anyone's)
 		err = upgradeCmd(ctx, args[1:], stdout, stderr)
 	case "config":
-		err = configCmd(args[1:], hs, stdout, stderr) // it escapes for the terminal or for JSON
+		h.read(func() { err = configCmd(args[1:], hs, stdout, stderr) }) // it escapes for the terminal or for JSON
 	case "dlq", "keys", "trace":
 		stderr = safetext.TerminalWriter(stderr) // the errors below may quote what came from outside
-		err = operate(ctx, cmd, args[1:], hs, stdout, stderr)
+		var e *env
+		if h.read(func() { e, err = loadOpsEnv(hs) }); err == nil {
+			err = operate(ctx, e, cmd, args[1:], hs, stdout, stderr)
+		}
 	case "run":
 		var e *env
-		if e, err = loadEnv(hs); err == nil {
-			err = serve(ctx, e, hs, newLogger(e, stderr))
+		if h.read(func() { e, err = loadEnv(hs) }); err == nil {
+			log := newLogger(e, stderr)
+			if h == nil {
+				setMemoryLimit(log, e.MaxBufferedBytes)
+			} else {
+				e.test = h.test
+			}
+			err = serve(ctx, e, hs, log)
 		}
 	default:
 		fmt.Fprintf(stderr, "%s: unknown command %q\n", prog, cmd)
@@ -376,11 +395,6 @@ func openPool(ctx context.Context, env *dbEnv, opts ...func(*pgxpool.Config)) (p
 // serve runs the processor service until ctx is done: it waits for Postgres, migrates, sets up
 // the handlers' tables, serves /metrics, /healthz and /readyz on HTTP_ADDR, and processes records.
 func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error {
-	if limit, gogc, err := setSoftMemoryLimit(memlimit.FromCgroup, log); err != nil {
-		log.Warn("cannot read the container's memory limit; GOMEMLIMIT not set", "err", err)
-	} else if limit < math.MaxInt64 {
-		log.Info("soft memory limit", "gomemlimit_bytes", limit, "gogc", gogc, "max_buffered_bytes", env.MaxBufferedBytes)
-	}
 	// The shutdown bound is the binary's: SHUTDOWN_TIMEOUT from the signal to the exit, whatever
 	// is stuck. What follows the processor's own shutdown (closing the pool waits for the
 	// connections handed out, one of them perhaps to a handler that ignores its context) gets
@@ -627,6 +641,16 @@ func serveConsole(ctx context.Context, env *env, concurrency map[string]int, poo
 		tasks.wait() // before the pool closes: running tasks stop after their chunk in flight
 		cl.Close()
 	}, nil
+}
+
+// setMemoryLimit sets the process's soft memory limit from its container's (setSoftMemoryLimit),
+// and logs it.
+func setMemoryLimit(log *slog.Logger, maxBuffered int) {
+	if limit, gogc, err := setSoftMemoryLimit(memlimit.FromCgroup, log); err != nil {
+		log.Warn("cannot read the container's memory limit; GOMEMLIMIT not set", "err", err)
+	} else if limit < math.MaxInt64 {
+		log.Info("soft memory limit", "gomemlimit_bytes", limit, "gogc", gogc, "max_buffered_bytes", maxBuffered)
+	}
 }
 
 // The soft memory limit's share of the container's, and the garbage collector's GOGC under a soft
