@@ -6,10 +6,13 @@
 // from the PostgreSQL binaries). No Docker, nothing to run beforehand.
 //
 //	func TestOrders(t *testing.T) {
-//		svc := servicetest.Start(t, servicetest.Options{Env: map[string]string{
-//			"KAFKA_TOPICS": "orders",
-//			"CONCURRENCY":  "4",
-//		}}, inventory)
+//		svc := servicetest.Start(t, servicetest.Options{
+//			Env: map[string]string{
+//				"KAFKA_TOPICS":         "orders",
+//				"RETRY_LOCAL_ATTEMPTS": "1",
+//			},
+//			Topics: []string{"inventory.reserved"}, // where it emits
+//		}, inventory)
 //		svc.Produce("orders", "o-1", `{"order_id":"o-1","sku":"apple","qty":2}`)
 //		svc.WaitQuery(8, `SELECT qty FROM stock WHERE sku = 'apple'`)
 //		events := svc.WaitRecords("inventory.reserved", 1)
@@ -23,9 +26,9 @@
 // retry path's clock: a record waiting in a retry tier for 30s or 5m is tried again at once,
 // without the test waiting for it.
 //
-// What it does not do: it runs one replica (start two Services on one Options.Env with
-// DATABASE_URL and KAFKA_BROKERS of the first to have two); it does not serve the operator API
-// or the console unless the environment asks for them; the service's log is kept, and printed
-// when the test fails. Each Start takes about a second (the broker, a database, the group);
+// A Service is one replica: a second one, on the same broker and database, in the same group, is
+// started with the first's environment (Start(t, Options{Env: first.Env()}, ...)), and Stop
+// stops one. The operator API and the console are served only if the environment asks for them.
+// The service's log is kept, and printed when the test fails. Each Start takes about a second (the broker, a database, the group);
 // tests that each Start their own may run in parallel.
 package servicetest

@@ -194,6 +194,11 @@ func (s *Service) Stop() {
 	})
 }
 
+// Env returns the environment the service runs with: Options.Env and what Start filled in. A
+// second replica started with it (Options.Env) joins the first's group on its broker and
+// database.
+func (s *Service) Env() map[string]string { return maps.Clone(s.env) }
+
 // Logs returns what the service has logged so far.
 func (s *Service) Logs() string { return s.logs.String() }
 

@@ -202,3 +202,33 @@ func TestEnvironmentIsTheOptions(t *testing.T) {
 	svc.Produce("notes", "a", note("n-1"))
 	svc.WaitQuery("n-1", `SELECT string_agg(id, ',') FROM applied`)
 }
+
+// TestExample runs the package example's test.
+func TestExample(t *testing.T) {
+	t.Parallel()
+	testPayments(t)
+}
+
+// TestTwoReplicas: a second Service started with the first's environment joins its group, on its
+// broker and database; once the first stops, the second applies every record.
+func TestTwoReplicas(t *testing.T) {
+	t.Parallel()
+	a := servicetest.Start(t, servicetest.Options{Partitions: 4, Topics: []string{"payments.credited"},
+		Env: map[string]string{"KAFKA_TOPICS": "payments"}}, payments)
+	b := servicetest.Start(t, servicetest.Options{Env: a.Env()}, payments)
+	if b.Group != a.Group || b.Brokers[0] != a.Brokers[0] {
+		t.Fatalf("b in group %q on %v, want a's %q on %v", b.Group, b.Brokers, a.Group, a.Brokers)
+	}
+	for i := range 8 {
+		a.Produce("payments", fmt.Sprintf("acct-%d", i), fmt.Sprintf(`{"payment_id":"p-%d","account":"all","cents":1}`, i))
+	}
+	b.WaitQuery(8, `SELECT cents FROM balances WHERE account = 'all'`)
+	a.Stop()
+	for i := range 8 {
+		b.Produce("payments", fmt.Sprintf("acct-%d", i), fmt.Sprintf(`{"payment_id":"q-%d","account":"all","cents":1}`, i))
+	}
+	b.WaitQuery(16, `SELECT cents FROM balances WHERE account = 'all'`)
+	if got := len(b.WaitRecords("payments.credited", 16)); got != 16 {
+		t.Fatalf("%d events, want 16", got)
+	}
+}
