@@ -55,7 +55,8 @@ func docFiles(t *testing.T, page string) (files map[string]string, shell string)
 
 // TestDevelopYourService walks docs/develop.md as a user would, in a module of its own outside
 // this repository (a replace directive pointing here, for want of a published version): its
-// files, its commands, nothing else. The handler tests run with no database set up; the dev
+// files, its commands, nothing else. The handler tests and the end-to-end test of the service
+// (servicetest: its own broker and database) run with no database set up; the dev
 // loop starts a broker and Postgres and creates the topics; the service runs on them, is fed
 // with produce, and what it emitted is read with consume; its dlq and config commands answer.
 func TestDevelopYourService(t *testing.T) {
@@ -71,7 +72,7 @@ func TestDevelopYourService(t *testing.T) {
 		}
 		return cmd
 	}
-	for _, f := range []string{"main.go", "main_test.go", "orders.jsonl"} {
+	for _, f := range []string{"main.go", "main_test.go", "e2e_test.go", "orders.jsonl"} {
 		if files[f] == "" {
 			t.Fatalf("docs/develop.md has no %q block", f)
 		}
@@ -142,8 +143,14 @@ func TestDevelopYourService(t *testing.T) {
 	run(nil, page("go get -tool github.com/kafkapg/kafkapg/cmd/kafkapg"))
 	run(nil, "go mod tidy")
 	start := time.Now()
-	out := run(nil, page("go test ./..."))
-	t.Logf("the handler tests, a throwaway Postgres included: %s\n%s", time.Since(start).Round(time.Second), out)
+	out := run(nil, page("go test ./..."), "-v")
+	t.Logf("the handler tests and the end-to-end test (servicetest), a throwaway Postgres included: %s\n%s", time.Since(start).Round(time.Second), out)
+	// The page's tests all ran, and passed: the end-to-end one too (servicetest).
+	for _, test := range []string{"TestReserve", "TestInventoryEndToEnd"} {
+		if !regexp.MustCompile(`(?m)^--- PASS: ` + test + ` `).MatchString(out) {
+			t.Errorf("go test ./... did not pass %s:\n%s", test, out)
+		}
+	}
 
 	// The dev loop, on free ports (the page's defaults may be taken on a test machine).
 	devOut := &syncBuffer{}
