@@ -6,11 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/service"
@@ -230,5 +232,42 @@ func TestTwoReplicas(t *testing.T) {
 	b.WaitQuery(16, `SELECT cents FROM balances WHERE account = 'all'`)
 	if got := len(b.WaitRecords("payments.credited", 16)); got != 16 {
 		t.Fatalf("%d events, want 16", got)
+	}
+}
+
+// slowPreparer is a handler whose Prepare takes 100ms and counts how many run at once.
+type slowPreparer struct {
+	running, most atomic.Int32
+}
+
+func (h *slowPreparer) Prepare(ctx context.Context, rec *processor.Record) error {
+	n := h.running.Add(1)
+	defer h.running.Add(-1)
+	for m := h.most.Load(); n > m && !h.most.CompareAndSwap(m, n); m = h.most.Load() {
+	}
+	time.Sleep(100 * time.Millisecond)
+	return nil
+}
+
+func (h *slowPreparer) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+	_, err := tx.Exec(ctx, `INSERT INTO prepared VALUES ($1)`, string(rec.Key))
+	return err
+}
+
+// TestConcurrencyFromTheEnvironment: TOPIC_<topic>_CONCURRENCY, as in a Deployment, has a
+// Preparer's records of one partition prepared side by side.
+func TestConcurrencyFromTheEnvironment(t *testing.T) {
+	t.Parallel()
+	h := &slowPreparer{}
+	svc := servicetest.Start(t, servicetest.Options{Env: map[string]string{"KAFKA_TOPICS": "slow", "TOPIC_SLOW_CONCURRENCY": "8"}},
+		service.Handler{Name: "slow", Handler: h, Setup: service.SetupSQL(`CREATE TABLE prepared (key text PRIMARY KEY)`)})
+	var recs []*kgo.Record
+	for i := range 16 {
+		recs = append(recs, &kgo.Record{Topic: "slow", Key: fmt.Appendf(nil, "k-%d", i)})
+	}
+	svc.ProduceRecords(recs...)
+	svc.WaitQuery(16, `SELECT count(*) FROM prepared`)
+	if most := h.most.Load(); most < 4 {
+		t.Fatalf("at most %d Prepare calls at once, want up to 8", most)
 	}
 }
