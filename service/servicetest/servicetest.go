@@ -68,14 +68,14 @@ type Service struct {
 	env      map[string]string
 	handlers []service.Handler
 	timeout  time.Duration
-	schema   string
 	client   *kgo.Client
 	logs     *logBuffer
 	offset   atomic.Int64 // the retry path's clock, ahead of the real one by this many nanoseconds
 	cancel   context.CancelFunc
-	done     chan int // the service's exit status
-	stopOnce sync.Once
+	exited   chan struct{} // closed when the service has exited, with status
 	status   int
+	reported atomic.Bool // a failure of the test said that the service exited
+	stopOnce sync.Once
 }
 
 // Start starts an in-process Kafka broker (franz-go's kfake) and a database of the test's own
@@ -89,7 +89,7 @@ type Service struct {
 // on a broker that outlives the test they would hold the records of the runs before.
 func Start(t testing.TB, opts Options, handlers ...service.Handler) *Service {
 	t.Helper()
-	s := &Service{t: t, handlers: handlers, timeout: opts.Timeout, logs: &logBuffer{}, done: make(chan int, 1)}
+	s := &Service{t: t, handlers: handlers, timeout: opts.Timeout, logs: &logBuffer{}, exited: make(chan struct{})}
 	if s.timeout <= 0 {
 		s.timeout = 30 * time.Second
 	}
@@ -155,16 +155,14 @@ func Start(t testing.TB, opts Options, handlers ...service.Handler) *Service {
 	addr := ln.Addr().String()
 	ln.Close()
 	env["HTTP_ADDR"] = addr
-	s.env, s.Group, s.schema = env, env["KAFKA_GROUP_ID"], env["DB_SCHEMA"]
-	if s.schema == "" {
-		s.schema = "kafkapg"
-	}
+	s.env, s.Group = env, env["KAFKA_GROUP_ID"]
 
 	ctx, cancel := context.WithCancel(context.WithoutCancel(t.Context()))
 	s.cancel = cancel
 	test := processor.TestConfig{Now: s.Now}
 	go func() {
-		s.done <- servicehook.Run(ctx, nil, env, handlers, test, s.logs, s.logs)
+		s.status = servicehook.Run(ctx, nil, env, handlers, test, s.logs, s.logs)
+		close(s.exited)
 	}()
 	t.Cleanup(func() {
 		s.Stop()
@@ -183,12 +181,12 @@ func (s *Service) Stop() {
 	s.stopOnce.Do(func() {
 		s.cancel()
 		select {
-		case s.status = <-s.done:
+		case <-s.exited:
 		case <-time.After(s.timeout):
 			s.t.Errorf("servicetest: the service did not stop within %v", s.timeout)
 			return
 		}
-		if s.status != 0 {
+		if s.status != 0 && !s.reported.Load() {
 			s.t.Errorf("servicetest: the service exited with status %d:\n%s", s.status, s.logs.tail(30))
 		}
 	})
@@ -320,11 +318,14 @@ func (s *Service) DeadLetterTopic(topic string) string { return retrytopics.DLQT
 // DeadLetter is a dead letter of the service: a record of a source topic that failed for good,
 // as `dlq list` shows it.
 type DeadLetter struct {
-	ID        int64
+	// ID names it to ReplayDeadLetters.
+	ID int64
+	// Topic, Partition and Offset are the record's in its source topic.
 	Topic     string
 	Partition int32
 	Offset    int64
-	Key       []byte
+	// Key is the record's key: its first 1024 bytes, as `dlq list` shows them.
+	Key []byte
 	// Class is the class of the last error (permanent, retryable, ...), and Error its message.
 	Class, Error string
 	Attempts     int
@@ -442,9 +443,9 @@ func (s *Service) wait(what string, cond func() error) {
 			return
 		}
 		select {
-		case status := <-s.done:
-			s.done <- status // for Stop
-			s.t.Fatalf("servicetest: waiting for %s: the service exited with status %d:\n%s", what, status, s.logs.tail(30))
+		case <-s.exited:
+			s.reported.Store(true)
+			s.t.Fatalf("servicetest: waiting for %s: the service exited with status %d:\n%s", what, s.status, s.logs.tail(30))
 		default:
 		}
 		if time.Now().After(deadline) {
