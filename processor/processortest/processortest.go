@@ -26,6 +26,9 @@
 // applied before is skipped), and, for a failure, where the record would go under its policy
 // (Result.Next: retried in place, through which retry tiers, to which dead-letter topic).
 // It commits what succeeds, as the service does, so that a later Run sees it.
+//
+// To run the whole service on a broker instead — its consumer group, retry tiers, dead letters
+// and published events — see package service/servicetest.
 package processortest
 
 import (
