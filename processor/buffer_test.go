@@ -3,6 +3,7 @@ package processor
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"testing"
 	"time"
 
@@ -75,5 +76,53 @@ func TestBufferWaitsForRelease(t *testing.T) {
 	}
 	if got := b.share(1000); got != minPartitionShare {
 		t.Errorf("share of 1000 partitions = %d, want the minimum %d", got, minPartitionShare)
+	}
+}
+
+// TestHeaderOverheadIsWhatAHeaderCosts: the buffer budget counts a header as its key and value
+// plus headerOverhead (56 bytes), and docs/configuration.md says so. Measured here as the heap
+// that detached records keep: records with eight headers each, less the same records without
+// them, per header. A traceparent header (an 11-byte key) costs the most a short key does: its
+// struct (40 bytes) and its key's allocation (16).
+func TestHeaderOverheadIsWhatAHeaderCosts(t *testing.T) {
+	const records, headers = 4096, 8
+	fetched := func(withHeaders bool) []*kgo.Record {
+		recs := make([]*kgo.Record, records)
+		for i := range recs {
+			recs[i] = &kgo.Record{Topic: "t", Key: []byte("key"), Value: []byte("value")}
+			if withHeaders {
+				for range headers {
+					recs[i].Headers = append(recs[i].Headers, kgo.RecordHeader{Key: "traceparent", Value: []byte("00-0123456789abcdef")})
+				}
+			}
+		}
+		return recs
+	}
+	// kept is the heap that detach's copies of recs keep alive.
+	kept := func(recs []*kgo.Record) int64 {
+		var with, without runtime.MemStats
+		d := detach(recs)
+		runtime.GC()
+		runtime.ReadMemStats(&with)
+		runtime.KeepAlive(d)
+		d = nil
+		runtime.GC()
+		runtime.ReadMemStats(&without)
+		return int64(with.HeapAlloc) - int64(without.HeapAlloc)
+	}
+	plain, withHeaders := fetched(false), fetched(true)
+	var valueBytes int64 // the headers' values, which the budget counts by their length
+	for _, r := range withHeaders {
+		for _, h := range r.Headers {
+			valueBytes += int64(len(h.Value))
+		}
+	}
+	perHeader := float64(kept(withHeaders)-kept(plain)-valueBytes) / (records * headers)
+	t.Logf("a detached header keeps %.1f bytes besides its value (counted as %d and its key's %d)", perHeader, headerOverhead, len("traceparent"))
+	if perHeader > float64(headerOverhead+len("traceparent")) {
+		t.Errorf("a header keeps %.1f bytes besides its value, more than the %d + its key's length the budget counts", perHeader, headerOverhead)
+	}
+	if perHeader < 40 {
+		t.Errorf("a header keeps %.1f bytes besides its value: less than its struct (40), so the measure is wrong", perHeader)
 	}
 }

@@ -92,9 +92,6 @@ func TestRetryRecordWaitsUntilDue(t *testing.T) {
 		if waited < time.Second {
 			t.Errorf("attempt 2 started %v after the failure, before the 1s tier delay", waited)
 		}
-		if waited > 5*time.Second {
-			t.Errorf("attempt 2 started %v after the failure; the record waited far past its due time", waited)
-		}
 
 		recs := k.ReadAll(t, retrytopics.TierTopic(h.Topic, h.Group, 1))
 		if len(recs) != 1 {
@@ -122,7 +119,15 @@ func TestRetryRecordWaitsUntilDue(t *testing.T) {
 		if second.Before(f.DueAt) {
 			t.Errorf("attempt 2 started at %v, %v before its due time %v", second, f.DueAt.Sub(second), f.DueAt)
 		}
-		t.Logf("attempt 2 started %v after its due time", second.Sub(f.DueAt).Round(time.Millisecond))
+		// And soon after it (retries.md: "within milliseconds after it when the partition is
+		// idle"; 2–3 ms here). The bound is a wake-up's, not a speed target: a worker that
+		// waited for its next fetch or poll instead of waking at the due time would be seconds
+		// late, which a bound of 5 s after the failure let pass.
+		late := second.Sub(f.DueAt)
+		t.Logf("attempt 2 started %v after its due time", late.Round(time.Millisecond))
+		if late > time.Second {
+			t.Errorf("attempt 2 started %v after its due time, on an idle partition: the tier worker did not wake at the due time", late)
+		}
 		var trace bool
 		for _, hd := range rr.Headers {
 			trace = trace || (hd.Key == "trace" && string(hd.Value) == "abc")

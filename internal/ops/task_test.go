@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/kafkapg/kafkapg/internal/ops"
@@ -316,5 +318,32 @@ func TestReplayLeavesTierRecordsAlone(t *testing.T) {
 	}
 	if n := count(t, pool, `SELECT count(*) FROM kafkapg.held_records WHERE topic = 't.g.retry.1'`); n != 0 {
 		t.Errorf("%d held records under the tier's topic; no processor would apply them", n)
+	}
+}
+
+// TestTaskActsOn200DeadLettersPerTransaction: a task works through its dead letters 200 to a
+// transaction (the runbook says so): a failure or a cancel loses at most one chunk's work, and a
+// chunk's locks stay few. Told by the rows themselves: the rows one transaction wrote carry its
+// id (xmin), so 450 replayed dead letters carry three, of 200, 200 and 50 rows.
+func TestTaskActsOn200DeadLettersPerTransaction(t *testing.T) {
+	pool, o := deadLetters(t, 450)
+	ctx := context.Background()
+	task, err := o.StartTask(ctx, ops.Replay, ops.Filter{}, tester, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if task, err = o.RunTask(ctx, task.ID, "r", nil); err != nil || task.Done != 450 {
+		t.Fatalf("RunTask = %+v, %v; want 450 done", task, err)
+	}
+	rows, err := pool.Query(ctx, `SELECT count(*) FROM kafkapg.dead_letters GROUP BY xmin::text ORDER BY 1 DESC`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	perTx, err := pgx.CollectRows(rows, pgx.RowTo[int])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(perTx, []int{200, 200, 50}) {
+		t.Errorf("the task changed its 450 dead letters in transactions of %v rows; want 200, 200, 50", perTx)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/processor"
@@ -78,6 +79,12 @@ func TestRunReportsWhatTheProcessorWouldDo(t *testing.T) {
 		}), recs: []*processor.Record{rec}, class: processor.ClassRetryable, errIs: sink.ErrConnClosedByHandler},
 		{name: "too large", h: insert, recs: []*processor.Record{processortest.NewRecord("orders", "big", strings.Repeat("x", 2<<20))},
 			class: processor.ClassPermanent, errIs: processor.ErrRecordTooLarge},
+		// MAX_RECORD_BYTES (1 MiB by default) bounds key, value and headers together: a small
+		// value with 1.2 MB of headers is too large, 0.9 MB of them is not.
+		{name: "too large by its headers", h: insert, recs: []*processor.Record{withHeaders(processortest.NewRecord("orders", "hdr", "{}"), 2, 600<<10)},
+			class: processor.ClassPermanent, errIs: processor.ErrRecordTooLarge},
+		{name: "headers within the bound", h: insert, recs: []*processor.Record{withHeaders(processortest.NewRecord("orders", "hdr", "{}"), 2, 450<<10)},
+			applied: true},
 		{name: "an ErrorClassifier decides", h: classified{}, recs: []*processor.Record{rec}, class: processor.ClassPermanent},
 		{name: "a batch names its failing record", h: batchFunc(func(ctx context.Context, tx pgx.Tx, recs []*processor.Record) error {
 			return processor.RecordFailed(1, processor.Permanent(errors.New("second is bad")))
@@ -205,4 +212,12 @@ func TestCopyFailedNamesTheRecord(t *testing.T) {
 	if res := processortest.Run(t, pool, copyViews, processortest.NewRecord("views", "", "/ok")); !res.Applied() {
 		t.Fatal(res)
 	}
+}
+
+// withHeaders gives r n headers of size bytes each.
+func withHeaders(r *processor.Record, n, size int) *processor.Record {
+	for i := range n {
+		r.Headers = append(r.Headers, kgo.RecordHeader{Key: fmt.Sprintf("h%d", i), Value: []byte(strings.Repeat("h", size))})
+	}
+	return r
 }
