@@ -270,3 +270,26 @@ func TestDocCommentsSayWhatTheCodeDoes(t *testing.T) {
 		}
 	}
 }
+
+// TestConfigurationStatesTheConcurrencyBound: docs/configuration.md's CONCURRENCY row and
+// Config.Concurrency's doc give maxConcurrency, the bound validate enforces.
+func TestConfigurationStatesTheConcurrencyBound(t *testing.T) {
+	t.Parallel()
+	for file, want := range map[string]string{
+		"../docs/configuration.md": fmt.Sprintf("At most %d. See [Slow handlers]", maxConcurrency),
+		"config.go":                fmt.Sprintf("// More than 1 needs a Preparer. At most %d. Defaults to 1.", maxConcurrency),
+	} {
+		b, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(string(b), want) {
+			t.Errorf("%s does not say %q", file, want)
+		}
+	}
+	c := validConfig()
+	c.Concurrency = maxConcurrency + 1
+	if err := c.Validate(); err == nil {
+		t.Errorf("Concurrency %d is accepted", c.Concurrency)
+	}
+}

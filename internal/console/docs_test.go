@@ -97,3 +97,14 @@ func TestAlertThresholdsAgree(t *testing.T) {
 		t.Errorf("docs/operations.md does not say %q", want)
 	}
 }
+
+// TestRunbookStatesThePage: docs/runbook.md's page of dead letters is listPage.
+func TestRunbookStatesThePage(t *testing.T) {
+	b, err := os.ReadFile("../../docs/runbook.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := fmt.Sprintf("counts; pages of %d;", listPage); !strings.Contains(string(b), want) {
+		t.Errorf("docs/runbook.md does not say %q", want)
+	}
+}
