@@ -293,3 +293,35 @@ func TestConfigurationStatesTheConcurrencyBound(t *testing.T) {
 		t.Errorf("Concurrency %d is accepted", c.Concurrency)
 	}
 }
+
+// TestReadmeStatesTheCodesNumbers: the numbers README.md's guarantees quote from the code are
+// the code's: the buffer's budget and per-record cost, the keys' retention, the ring's
+// generations; and the keys' size it states (up to N GB at 1,000 records/s) follows from the
+// bytes per key it states for that retention.
+func TestReadmeStatesTheCodesNumbers(t *testing.T) {
+	t.Parallel()
+	def := validConfig().withDefaults()
+	b, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := oneLine(string(b))
+	for _, want := range []string{
+		fmt.Sprintf("count against `MAX_BUFFERED_BYTES` (%s)", bytesText(def.MaxBufferedBytes)),
+		fmt.Sprintf("plus %d bytes (and %d a header)", recordOverhead, headerOverhead),
+		fmt.Sprintf("for `IDEMPOTENCY_RETENTION` (%s:", durText(def.IdempotencyRetention)),
+		fmt.Sprintf("dropped %s at a time", partText(keyring.Generations)),
+	} {
+		if !strings.Contains(doc, want) {
+			t.Errorf("README.md does not say %q", want)
+		}
+	}
+	m := regexp.MustCompile(`at most about (\d+) bytes of Postgres for .IDEMPOTENCY_RETENTION. \([^:]*: up to (\d+) GB at 1,000 records/s`).FindStringSubmatch(doc)
+	if m == nil {
+		t.Fatal("README.md no longer says what a key costs, and what that makes at 1,000 records/s")
+	}
+	perKey, _ := strconv.Atoi(m[1])
+	if gb := float64(perKey) * 1000 * def.IdempotencyRetention.Seconds() / 1e9; fmt.Sprintf("%.0f", gb) != m[2] {
+		t.Errorf("README.md: %d bytes a key for %s at 1,000 records/s is %.1f GB, not %s", perKey, durText(def.IdempotencyRetention), gb, m[2])
+	}
+}
