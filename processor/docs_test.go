@@ -325,3 +325,26 @@ func TestReadmeStatesTheCodesNumbers(t *testing.T) {
 		t.Errorf("README.md: %d bytes a key for %s at 1,000 records/s is %.1f GB, not %s", perKey, durText(def.IdempotencyRetention), gb, m[2])
 	}
 }
+
+// TestIdempotencyKeyHashAsDocumented: docs/handlers.md says what idempotency_key_hash hashes:
+// the group, the topic and the key, so the same key of another group or topic is another key.
+func TestIdempotencyKeyHashAsDocumented(t *testing.T) {
+	t.Parallel()
+	p := func(group string) *Processor { return &Processor{cfg: &Config{Group: group}} }
+	k := []byte("o-1")
+	if p("a").keyHash("orders", k) == p("b").keyHash("orders", k) || p("a").keyHash("orders", k) == p("a").keyHash("payments", k) {
+		t.Fatal("keyHash does not depend on the group and the topic")
+	}
+	b, err := os.ReadFile("../docs/handlers.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"as the SHA-256 of the consumer group, the topic and the key (of which the first 16 bytes are kept)",
+		"`idempotency_key_hash`: of the group, the topic and the key, not of the key alone",
+	} {
+		if !strings.Contains(oneLine(string(b)), want) {
+			t.Errorf("docs/handlers.md does not say %q", want)
+		}
+	}
+}
