@@ -271,26 +271,61 @@ func TestDocCommentsSayWhatTheCodeDoes(t *testing.T) {
 	}
 }
 
-// TestConfigurationStatesTheConcurrencyBound: docs/configuration.md's CONCURRENCY row and
-// Config.Concurrency's doc give maxConcurrency, the bound validate enforces.
-func TestConfigurationStatesTheConcurrencyBound(t *testing.T) {
+// TestConfigurationStatesTheCodesNumbers: the numbers docs/configuration.md's Meaning column
+// quotes from the processor are rendered from the code (rows are whitespace-joined): a record's
+// cost, the fetch rule and the least budget (MAX_BUFFERED_BYTES), the tiers' bound and jitter
+// (RETRY_TIERS), CONCURRENCY's bound (also in Config.Concurrency's doc), the handoff a rebalance
+// timeout must exceed. The bounds are the ones validate enforces.
+func TestConfigurationStatesTheCodesNumbers(t *testing.T) {
 	t.Parallel()
-	for file, want := range map[string]string{
-		"../docs/configuration.md": fmt.Sprintf("At most %d. See [Slow handlers]", maxConcurrency),
-		"config.go":                fmt.Sprintf("// More than 1 needs a Preparer. At most %d. Defaults to 1.", maxConcurrency),
+	def := validConfig().withDefaults()
+	fetch1G, _ := fetchLimits(promiseClient(t, 1*gib))
+	floorFetch, _ := fetchLimits(promiseClient(t, 1*mib))
+	jitter := retrytopics.DueAt(time.Time{}, time.Hour, 1).Sub(time.Time{}.Add(time.Hour))
+	leastBudget := 1 * mib
+	for file, wants := range map[string][]string{
+		"../docs/configuration.md": {
+			fmt.Sprintf("A record counts as its key, value and headers plus %d bytes, and %d more for each header.", recordOverhead, headerOverhead),
+			fmt.Sprintf("of at most `max(MAX_BUFFERED_BYTES/%d, %s)`. At least %s.", 1*gib/int(fetch1G), bytesText(int(floorFetch)), bytesText(leastBudget)),
+			fmt.Sprintf("comma-separated Go durations (at most %d).", retrytopics.MaxTiers),
+			fmt.Sprintf("once the delay plus up to %d %% jitter has passed", int(100*jitter/time.Hour)),
+			fmt.Sprintf("At most %d. See [Slow handlers]", maxConcurrency),
+			fmt.Sprintf("Must exceed the %s handoff of a revoked partition (`HandoffTimeout`).", durText(def.HandoffTimeout)),
+		},
+		"config.go": {fmt.Sprintf("// More than 1 needs a Preparer. At most %d. Defaults to 1.", maxConcurrency)},
 	} {
 		b, err := os.ReadFile(file)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !strings.Contains(string(b), want) {
-			t.Errorf("%s does not say %q", file, want)
+		for _, want := range wants {
+			if !strings.Contains(oneLine(string(b)), want) {
+				t.Errorf("%s does not say %q", file, want)
+			}
 		}
 	}
-	c := validConfig()
-	c.Concurrency = maxConcurrency + 1
-	if err := c.Validate(); err == nil {
-		t.Errorf("Concurrency %d is accepted", c.Concurrency)
+	for _, c := range []struct {
+		name string
+		set  func(*Config)
+		ok   bool
+	}{
+		{"the most concurrency", func(c *Config) { c.Handler, c.Concurrency = blockingPreparer{}, maxConcurrency }, true},
+		{"more", func(c *Config) { c.Handler, c.Concurrency = blockingPreparer{}, maxConcurrency+1 }, false},
+		{"the least budget", func(c *Config) { c.MaxBufferedBytes = leastBudget }, true},
+		{"less", func(c *Config) { c.MaxBufferedBytes = leastBudget - 1 }, false},
+		{"the most tiers", func(c *Config) { c.RetryTiers = make([]time.Duration, retrytopics.MaxTiers) }, true},
+		{"more tiers", func(c *Config) { c.RetryTiers = make([]time.Duration, retrytopics.MaxTiers+1) }, false},
+	} {
+		cfg := validConfig()
+		c.set(cfg)
+		if c.name == "the most tiers" || c.name == "more tiers" {
+			for i := range cfg.RetryTiers {
+				cfg.RetryTiers[i] = time.Second
+			}
+		}
+		if err := cfg.Validate(); (err == nil) != c.ok {
+			t.Errorf("%s: Validate = %v", c.name, err)
+		}
 	}
 }
 
