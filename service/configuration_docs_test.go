@@ -76,3 +76,28 @@ func TestConfigurationStatesTheLimits(t *testing.T) {
 		}
 	}
 }
+
+// TestReadmeStatesTheServiceDefaults: what README.md says the ten-line service does with no more
+// than the required variables — where it serves its endpoints, the exit status of a wrong
+// value — is what loadEnv and Run do.
+func TestReadmeStatesTheServiceDefaults(t *testing.T) {
+	b, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	readme := strings.Join(strings.Fields(string(b)), " ")
+	setEnv(t, minimal())
+	e, err := loadEnv(builtins())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "serves `/metrics`, `/healthz` and `/readyz` on `" + e.HTTPAddr + "`"; !strings.Contains(readme, want) {
+		t.Errorf("README.md does not say %q (HTTP_ADDR's default)", want)
+	}
+	setEnv(t, with("RETRY_TIER", "1s"))
+	var out strings.Builder
+	code := Run(nil, &out, builtinHandlers...)
+	if want := "stops it with exit status " + strconv.Itoa(code) + " and a message naming it"; !strings.Contains(readme, want) || !strings.Contains(out.String(), "RETRY_TIER") {
+		t.Errorf("README.md does not say %q, or the message (%q) does not name RETRY_TIER", want, out.String())
+	}
+}
