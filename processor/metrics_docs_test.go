@@ -42,7 +42,7 @@ var serviceMetrics = map[string][]string{"kafkapg_ready": nil}
 // registeredMetrics returns the metrics New registers, by name, with their labels (sorted), and
 // their types as the registry gathers them (histogram, counter, gauge), franz-go's kprom family
 // aside.
-func registeredMetrics(t *testing.T) (labels map[string][]string, types map[string]string) {
+func registeredMetrics(t *testing.T) (labels map[string][]string, types map[string]string, values map[string][]string) {
 	t.Helper()
 	pcfg, err := pgxpool.ParseConfig("postgres://kafkapg@127.0.0.1:1/kafkapg?sslmode=disable")
 	if err != nil {
@@ -60,7 +60,7 @@ func registeredMetrics(t *testing.T) (labels map[string][]string, types map[stri
 		t.Fatal(err)
 	}
 	desc := regexp.MustCompile(`fqName: "([^"]+)".*variableLabels: \{([^}]*)\}`)
-	labels = map[string][]string{}
+	labels, values = map[string][]string{}, map[string][]string{}
 	for _, col := range reg.collectors {
 		ch := make(chan *prometheus.Desc, 16)
 		go func() { col.Describe(ch); close(ch) }()
@@ -87,6 +87,16 @@ func registeredMetrics(t *testing.T) (labels map[string][]string, types map[stri
 	types = map[string]string{}
 	for _, f := range families {
 		types[f.GetName()] = strings.ToLower(f.GetType().String())
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if enumerated[l.GetName()] {
+					key := f.GetName() + "{" + l.GetName() + "}"
+					if !slices.Contains(values[key], l.GetValue()) {
+						values[key] = append(values[key], l.GetValue())
+					}
+				}
+			}
+		}
 	}
 	for _, col := range reg.collectors { // the vectors New left without a series
 		var kind string
@@ -106,20 +116,24 @@ func registeredMetrics(t *testing.T) (labels map[string][]string, types map[stri
 			types[m[1]] = kind
 		}
 	}
-	return labels, types
+	return labels, types, values
 }
+
+// enumerated are the labels whose values are a fixed set, which New creates at zero and
+// docs/operations.md's rows list.
+var enumerated = map[string]bool{"outcome": true, "cause": true, "reason": true, "event": true}
 
 // documentedMetrics reads docs/operations.md's table of metrics: each name of a row's first
 // cell, with the labels it lists, and the row's type.
-func documentedMetrics(t *testing.T) (labels map[string][]string, types map[string]string) {
+func documentedMetrics(t *testing.T) (labels map[string][]string, types map[string]string, rows map[string]string) {
 	t.Helper()
 	b, err := os.ReadFile("../docs/operations.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	row := regexp.MustCompile("(?m)^\\| (`kafkapg_[^|]*) \\| (\\w+) \\|")
+	row := regexp.MustCompile("(?m)^\\| (`kafkapg_[^|]*) \\| (\\w+) \\|.*$")
 	name := regexp.MustCompile("`(kafkapg_\\w+)(?:\\{([a-z_,]*)\\})?`")
-	labels, types = map[string][]string{}, map[string]string{}
+	labels, types, rows = map[string][]string{}, map[string]string{}, map[string]string{}
 	for _, r := range row.FindAllStringSubmatch(string(b), -1) {
 		for _, n := range name.FindAllStringSubmatch(r[1], -1) {
 			var ls []string
@@ -130,21 +144,22 @@ func documentedMetrics(t *testing.T) (labels map[string][]string, types map[stri
 			if _, dup := labels[n[1]]; dup {
 				t.Errorf("docs/operations.md has two rows for %s", n[1])
 			}
-			labels[n[1]], types[n[1]] = ls, r[2]
+			labels[n[1]], types[n[1]], rows[n[1]] = ls, r[2], r[0]
 		}
 	}
-	return labels, types
+	return labels, types, rows
 }
 
 // TestMetricsAsDocumented: docs/operations.md's table of metrics and the metrics the processor
 // registers (New, on a real registry) are the same, both ways: every metric registered has a
-// row with its type and exactly its labels, and every row names a metric registered (or one
-// package service adds). Every other mention of a kafkapg metric in README.md, docs/ and
+// row with its type and exactly its labels (and the values of an enumerated label, those New
+// creates at zero: outcome, cause, reason, event), and every row names a metric registered (or
+// one package service adds). Every other mention of a kafkapg metric in README.md, docs/ and
 // deploy/README.md names one that exists, with labels it has.
 func TestMetricsAsDocumented(t *testing.T) {
 	t.Parallel()
-	reg, regTypes := registeredMetrics(t)
-	doc, docTypes := documentedMetrics(t)
+	reg, regTypes, values := registeredMetrics(t)
+	doc, docTypes, rows := documentedMetrics(t)
 	if len(reg) < 40 {
 		t.Fatalf("only %d metrics registered: %v", len(reg), reg)
 	}
@@ -162,6 +177,18 @@ func TestMetricsAsDocumented(t *testing.T) {
 		}
 		if docTypes[name] != regTypes[name] {
 			t.Errorf("docs/operations.md says %s is a %s; it is a %s", name, docTypes[name], regTypes[name])
+		}
+	}
+	// The values of an enumerated label, each named in its metric's row, in backquotes.
+	if len(values) < 4 {
+		t.Errorf("only %d enumerated labels with values: %v", len(values), values)
+	}
+	for key, vs := range values {
+		name, _, _ := strings.Cut(key, "{")
+		for _, v := range vs {
+			if !strings.Contains(rows[name], "`"+v+"`") {
+				t.Errorf("docs/operations.md's row of %s does not name the value %q of %s", name, v, key)
+			}
 		}
 	}
 	for name := range doc {
