@@ -270,3 +270,116 @@ func TestDocCommentsSayWhatTheCodeDoes(t *testing.T) {
 		}
 	}
 }
+
+// TestConfigurationStatesTheCodesNumbers: the numbers docs/configuration.md's Meaning column
+// quotes from the processor are rendered from the code (rows are whitespace-joined): a record's
+// cost, the fetch rule and the least budget (MAX_BUFFERED_BYTES), the tiers' bound and jitter
+// (RETRY_TIERS), CONCURRENCY's bound (also in Config.Concurrency's doc), the handoff a rebalance
+// timeout must exceed. The bounds are the ones validate enforces.
+func TestConfigurationStatesTheCodesNumbers(t *testing.T) {
+	t.Parallel()
+	def := validConfig().withDefaults()
+	fetch1G, _ := fetchLimits(promiseClient(t, 1*gib))
+	floorFetch, _ := fetchLimits(promiseClient(t, 1*mib))
+	jitter := retrytopics.DueAt(time.Time{}, time.Hour, 1).Sub(time.Time{}.Add(time.Hour))
+	leastBudget := 1 * mib
+	for file, wants := range map[string][]string{
+		"../docs/configuration.md": {
+			fmt.Sprintf("A record counts as its key, value and headers plus %d bytes, and %d more for each header.", recordOverhead, headerOverhead),
+			fmt.Sprintf("of at most `max(MAX_BUFFERED_BYTES/%d, %s)`. At least %s.", 1*gib/int(fetch1G), bytesText(int(floorFetch)), bytesText(leastBudget)),
+			fmt.Sprintf("comma-separated Go durations (at most %d).", retrytopics.MaxTiers),
+			fmt.Sprintf("once the delay plus up to %d %% jitter has passed", int(100*jitter/time.Hour)),
+			fmt.Sprintf("At most %d. See [Slow handlers]", maxConcurrency),
+			fmt.Sprintf("Must exceed the %s handoff of a revoked partition (`HandoffTimeout`).", durText(def.HandoffTimeout)),
+		},
+		"config.go": {fmt.Sprintf("// More than 1 needs a Preparer. At most %d. Defaults to 1.", maxConcurrency)},
+	} {
+		b, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, want := range wants {
+			if !strings.Contains(oneLine(string(b)), want) {
+				t.Errorf("%s does not say %q", file, want)
+			}
+		}
+	}
+	for _, c := range []struct {
+		name string
+		set  func(*Config)
+		ok   bool
+	}{
+		{"the most concurrency", func(c *Config) { c.Handler, c.Concurrency = blockingPreparer{}, maxConcurrency }, true},
+		{"more", func(c *Config) { c.Handler, c.Concurrency = blockingPreparer{}, maxConcurrency+1 }, false},
+		{"the least budget", func(c *Config) { c.MaxBufferedBytes = leastBudget }, true},
+		{"less", func(c *Config) { c.MaxBufferedBytes = leastBudget - 1 }, false},
+		{"the most tiers", func(c *Config) { c.RetryTiers = make([]time.Duration, retrytopics.MaxTiers) }, true},
+		{"more tiers", func(c *Config) { c.RetryTiers = make([]time.Duration, retrytopics.MaxTiers+1) }, false},
+	} {
+		cfg := validConfig()
+		c.set(cfg)
+		if c.name == "the most tiers" || c.name == "more tiers" {
+			for i := range cfg.RetryTiers {
+				cfg.RetryTiers[i] = time.Second
+			}
+		}
+		if err := cfg.Validate(); (err == nil) != c.ok {
+			t.Errorf("%s: Validate = %v", c.name, err)
+		}
+	}
+}
+
+// TestReadmeStatesTheCodesNumbers: the numbers README.md's guarantees quote from the code are
+// the code's: the buffer's budget and per-record cost, the keys' retention, the ring's
+// generations; and the keys' size it states (up to N GB at 1,000 records/s) follows from the
+// bytes per key it states for that retention.
+func TestReadmeStatesTheCodesNumbers(t *testing.T) {
+	t.Parallel()
+	def := validConfig().withDefaults()
+	b, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := oneLine(string(b))
+	for _, want := range []string{
+		fmt.Sprintf("count against `MAX_BUFFERED_BYTES` (%s)", bytesText(def.MaxBufferedBytes)),
+		fmt.Sprintf("plus %d bytes (and %d a header)", recordOverhead, headerOverhead),
+		fmt.Sprintf("for `IDEMPOTENCY_RETENTION` (%s:", durText(def.IdempotencyRetention)),
+		fmt.Sprintf("dropped %s at a time", partText(keyring.Generations)),
+	} {
+		if !strings.Contains(doc, want) {
+			t.Errorf("README.md does not say %q", want)
+		}
+	}
+	m := regexp.MustCompile(`at most about (\d+) bytes of Postgres for .IDEMPOTENCY_RETENTION. \([^:]*: up to (\d+) GB at 1,000 records/s`).FindStringSubmatch(doc)
+	if m == nil {
+		t.Fatal("README.md no longer says what a key costs, and what that makes at 1,000 records/s")
+	}
+	perKey, _ := strconv.Atoi(m[1])
+	if gb := float64(perKey) * 1000 * def.IdempotencyRetention.Seconds() / 1e9; fmt.Sprintf("%.0f", gb) != m[2] {
+		t.Errorf("README.md: %d bytes a key for %s at 1,000 records/s is %.1f GB, not %s", perKey, durText(def.IdempotencyRetention), gb, m[2])
+	}
+}
+
+// TestIdempotencyKeyHashAsDocumented: docs/handlers.md says what idempotency_key_hash hashes:
+// the group, the topic and the key, so the same key of another group or topic is another key.
+func TestIdempotencyKeyHashAsDocumented(t *testing.T) {
+	t.Parallel()
+	p := func(group string) *Processor { return &Processor{cfg: &Config{Group: group}} }
+	k := []byte("o-1")
+	if p("a").keyHash("orders", k) == p("b").keyHash("orders", k) || p("a").keyHash("orders", k) == p("a").keyHash("payments", k) {
+		t.Fatal("keyHash does not depend on the group and the topic")
+	}
+	b, err := os.ReadFile("../docs/handlers.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"as the SHA-256 of the consumer group, the topic and the key (of which the first 16 bytes are kept)",
+		"`idempotency_key_hash`: of the group, the topic and the key, not of the key alone",
+	} {
+		if !strings.Contains(oneLine(string(b)), want) {
+			t.Errorf("docs/handlers.md does not say %q", want)
+		}
+	}
+}

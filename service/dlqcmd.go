@@ -30,9 +30,9 @@ const dlqUsage = `usage: %[1]s dlq COMMAND [flags]
   cancel   TASK [--reason R]                             stop a running task
   resume   TASK                                          go on with a task whose runner stopped
 
-Filters: --topic T, --key K (or --key-hex H), --class C, --status S, --since T,
---until T (RFC 3339, or a duration ago such as 24h), --error TEXT, --id N (repeatable,
-or comma-separated).
+Filters: --topic T, --key K (or --key-hex H), --class C, --status S (repeatable, or
+comma-separated: any of them), --since T, --until T (RFC 3339, or a duration ago such as
+24h), --error TEXT, --id N (repeatable, or comma-separated).
 
 replay and discard are dry runs without --execute: they print what they would do and
 change nothing. With --execute they need --reason; --actor defaults to the OS user.
@@ -76,14 +76,15 @@ func filterFlags(fs *flag.FlagSet) func() (ops.Filter, error) {
 	key := fs.String("key", "", "record `key`, as text")
 	keyHex := fs.String("key-hex", "", "record key, in `hex`")
 	class := fs.String("class", "", "error `class`: retryable, permanent, lost, ...")
-	status := fs.String("status", "", "`status`: new, replaying, replayed, discarded")
+	var status statusList
+	fs.Var(&status, "status", "`status`: new, replaying, replayed, discarded (repeatable, or comma-separated)")
 	since := fs.String("since", "", "dead-lettered at or after `time` (RFC 3339, or a duration ago: 24h)")
 	until := fs.String("until", "", "dead-lettered before `time` (RFC 3339, or a duration ago)")
 	errText := fs.String("error", "", "a `substring` of the error message")
 	var ids idList
 	fs.Var(&ids, "id", "dead letter `id` (repeatable, or comma-separated)")
 	return func() (ops.Filter, error) {
-		f := ops.Filter{Topic: *topic, Class: *class, Status: *status, Error: *errText, IDs: ids}
+		f := ops.Filter{Topic: *topic, Class: *class, Status: ops.JoinStatuses(status), Error: *errText, IDs: ids}
 		set := map[string]bool{}
 		fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
 		switch {
@@ -115,6 +116,15 @@ func parseWhen(name, s string) (time.Time, error) {
 		return time.Time{}, nil
 	}
 	return ops.ParseWhen("--"+name, s, time.Now())
+}
+
+// statusList is a repeatable, comma-separated list of statuses.
+type statusList []string
+
+func (l *statusList) String() string { return strings.Join(*l, ",") }
+func (l *statusList) Set(s string) error {
+	*l = append(*l, s)
+	return nil
 }
 
 // idList is a repeatable, comma-separated list of ids.

@@ -131,6 +131,16 @@ func TestDlqCommands(t *testing.T) {
 	if got := statuses(t, pool); got != "1:replaying 2:discarded 3:replaying" {
 		t.Fatalf("after the discard: %s", got)
 	}
+	// --status takes several statuses, repeated or comma-separated.
+	for _, args := range [][]string{{"--status", "discarded,replaying"}, {"--status", "discarded", "--status", "replaying"}} {
+		if out := check(0, "discarded", append([]string{"dlq", "list"}, args...)...); strings.Count(out, "\n") != 4 {
+			t.Errorf("dlq list %q:\n%s\nwant a header and three rows", args, out)
+		}
+	}
+	if out := check(0, "discarded", "dlq", "list", "--status", "discarded"); strings.Count(out, "\n") != 2 {
+		t.Errorf("dlq list --status discarded:\n%s\nwant a header and one row", out)
+	}
+	check(2, "only new dead letters can be replayed", "dlq", "replay", "--status", "new,discarded")
 	out = check(0, "ops-1", "dlq", "tasks")
 	if !strings.Contains(out, "discard  done") || !strings.Contains(out, "replay   done") {
 		t.Errorf("dlq tasks:\n%s", out)

@@ -35,7 +35,9 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"regexp"
 	"runtime/debug"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -273,12 +275,46 @@ func runIn(ctx context.Context, args []string, stdout, stderr io.Writer, h *harn
 		fmt.Fprintf(stderr, "%s %s: %v\n", prog, cmd, err)
 		return 2
 	case errors.As(err, &cerr):
-		fmt.Fprintf(stderr, "%s: configuration error: %s\n", prog, strings.ReplaceAll(err.Error(), "\n", "; "))
+		fmt.Fprintf(stderr, "%s: configuration error: %s%s\n", prog, strings.ReplaceAll(err.Error(), "\n", "; "), devEnvHint(err))
 		return 2
 	default:
 		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
 		return 1
 	}
+}
+
+// devEnvFile is where the dev loop (`go tool kafkapg dev`) writes the environment of its
+// broker and database, "export NAME=VALUE" lines, in the directory it runs in.
+const devEnvFile = ".kafkapg/env"
+
+// requiredVar finds the variables a configuration error says are required.
+var requiredVar = regexp.MustCompile(`\b([A-Z][A-Z0-9_]*) is required`)
+
+// devEnvHint is what a configuration error adds when a variable it says is required is one that
+// .kafkapg/env, in the working directory, sets: the dev loop runs (or ran) here, and the shell
+// that started the service has not sourced its file. It reads the variables' names only.
+func devEnvHint(err error) string {
+	b, rerr := os.ReadFile(devEnvFile)
+	if rerr != nil {
+		return ""
+	}
+	sets := map[string]bool{}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "export "); ok {
+			name, _, _ := strings.Cut(rest, "=")
+			sets[name] = true
+		}
+	}
+	var names []string
+	for _, m := range requiredVar.FindAllStringSubmatch(err.Error(), -1) {
+		if sets[m[1]] && !slices.Contains(names, m[1]) {
+			names = append(names, m[1])
+		}
+	}
+	if len(names) == 0 {
+		return ""
+	}
+	return fmt.Sprintf(" (%s, which the dev loop wrote here, sets %s: source it first, `. %s`)", devEnvFile, strings.Join(names, ", "), devEnvFile)
 }
 
 func migrateOnly(ctx context.Context, stderr io.Writer) error {

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -291,5 +292,51 @@ func TestPrepareDatabaseWaitsThroughACutSetup(t *testing.T) {
 	defer cancel()
 	if err := prepareDatabase(stopped, pool, noPooler, "kafkapg", hs, []string{"slow"}, policy, log); err != nil {
 		t.Errorf("SIGTERM during a Setup: %v, want a clean stop", err)
+	}
+}
+
+// TestMissingVariableNamesTheDevEnvFile: when a variable the service requires is one that
+// .kafkapg/env in the working directory sets (the dev loop runs there), the error says to source
+// it; without the file, or for a variable it does not set, nothing is added.
+func TestMissingVariableNamesTheDevEnvFile(t *testing.T) {
+	hint := "source it first, `. .kafkapg/env`"
+	for _, tt := range []struct {
+		name     string
+		file     string // .kafkapg/env's content; none if empty
+		vars     map[string]string
+		want     string
+		wantNone bool
+	}{
+		{name: "no file", vars: nil, wantNone: true},
+		{name: "the file sets both", file: "# kafkapg dev, pid 1: source it\nexport KAFKA_BROKERS='127.0.0.1:9092'\nexport DATABASE_URL='postgres://u:secret@h/d'\n",
+			want: "(.kafkapg/env, which the dev loop wrote here, sets DATABASE_URL, KAFKA_BROKERS: " + hint + ")"},
+		{name: "the file sets the one missing", file: "export KAFKA_BROKERS='127.0.0.1:9092'\nexport DATABASE_URL='postgres://u:secret@h/d'\n",
+			vars: map[string]string{"DATABASE_URL": "postgres://a@b/c"}, want: "sets KAFKA_BROKERS: " + hint},
+		{name: "the file does not set what is missing", file: "export KAFKA_BROKERS='127.0.0.1:9092'\n",
+			vars: map[string]string{"DATABASE_URL": "postgres://a@b/c", "KAFKA_BROKERS": "k:9092", "KAFKA_TOPICS": "orders"}, wantNone: true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			setEnv(t, tt.vars)
+			t.Chdir(t.TempDir())
+			if tt.file != "" {
+				if err := os.Mkdir(".kafkapg", 0o700); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.WriteFile(".kafkapg/env", []byte(tt.file), 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var out bytes.Buffer
+			if code := Run([]string{"run"}, &out, builtinHandlers...); code != 2 {
+				t.Fatalf("Run = %d, want 2: %s", code, out.String())
+			}
+			s := out.String()
+			if strings.Contains(s, "secret") {
+				t.Errorf("the error shows what the file holds: %s", s)
+			}
+			if tt.wantNone && strings.Contains(s, ".kafkapg/env") || !tt.wantNone && !strings.Contains(s, tt.want) {
+				t.Errorf("output:\n%s\nwant it to contain %q (none: %v)", s, tt.want, tt.wantNone)
+			}
+		})
 	}
 }

@@ -122,6 +122,20 @@ func TestManifests(t *testing.T) {
 			t.Errorf("%s probe %+v, want GET %s on the metrics port", name, probe, want)
 		}
 	}
+	// deploy/README.md: the startup probe gives the binary a minute to serve /healthz (every 2 s,
+	// 30 failures), and nothing more: it does not wait for Postgres or Kafka.
+	if sp := c.StartupProbe; sp != nil {
+		readme, err := os.ReadFile("../README.md")
+		if err != nil {
+			t.Fatal(err)
+		}
+		window := time.Duration(sp.PeriodSeconds*sp.FailureThreshold) * time.Second
+		want := fmt.Sprintf("(every %d s, %d failures: %s for the binary to start serving HTTP)", sp.PeriodSeconds, sp.FailureThreshold,
+			map[time.Duration]string{time.Minute: "a minute"}[window])
+		if !strings.Contains(strings.Join(strings.Fields(string(readme)), " "), want) {
+			t.Errorf("deploy/README.md does not say %q, the startup probe's settings", want)
+		}
+	}
 	if len(m.service.Spec.Ports) != 1 || m.service.Spec.Ports[0].TargetPort.String() != "metrics" || m.monitor.Spec.Endpoints[0].Port != m.service.Spec.Ports[0].Name {
 		t.Errorf("Service ports %+v and ServiceMonitor endpoints %+v do not lead to the metrics port", m.service.Spec.Ports, m.monitor.Spec.Endpoints)
 	}

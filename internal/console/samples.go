@@ -514,6 +514,20 @@ type rule struct {
 	holds func(samples []Sample) map[string]string
 }
 
+// The thresholds of the alerting rules, as deploy/kubernetes/prometheusrule.yaml and
+// deploy/README.md's table state them too (TestAlertThresholdsAgree).
+const (
+	lagGrowingRecords     = 1000             // KafkapgLagGrowing: records of a topic not applied
+	failureRateLimit      = 0.05             // KafkapgFailureRateHigh: failures / records consumed
+	unhandledAfter        = 24 * time.Hour   // KafkapgDeadLettersUnhandled: the oldest new dead letter's wait
+	heldTooLong           = time.Hour        // KafkapgKeyHeldTooLong: the oldest held record's age
+	tierBehindBy          = 5 * time.Minute  // KafkapgRetryTierBehind: how far past due
+	fencedLimit           = 10               // KafkapgFencedTransactions: fenced in fencedWindow
+	fencedWindow          = 15 * time.Minute //
+	infraRetriesPerSecond = 0.2              // KafkapgInfrastructureRetries: over 5 minutes
+	outboxStuckAfter      = time.Minute      // KafkapgOutboxStuck: the oldest unpublished record's wait
+)
+
 // rules are the rules of deploy/kubernetes/prometheusrule.yaml, in its order, that the samples
 // can tell. KafkapgAbsent is left out: the process that serves the console reports metrics.
 var rules = []rule{
@@ -524,13 +538,13 @@ var rules = []rule{
 	// The age of the oldest, not "some have been new for a day": a steady trickle that operators
 	// handle within the hour never leaves none new, and must not fire.
 	{"KafkapgDeadLettersUnhandled", "info", 10 * time.Minute, gaugeRule(func(s Sample) (bool, string) {
-		return s.OldestNew > 24*time.Hour, fmt.Sprintf("A dead letter has waited %s for an operator to replay or discard it (%s new)", humanDuration(s.OldestNew), humanNum(float64(s.NewDeadLetters)))
+		return s.OldestNew > unhandledAfter, fmt.Sprintf("A dead letter has waited %s for an operator to replay or discard it (%s new)", humanDuration(s.OldestNew), humanNum(float64(s.NewDeadLetters)))
 	})},
 	{"KafkapgReplayTaskInterrupted", "info", 10 * time.Minute, gaugeRule(func(s Sample) (bool, string) {
 		return s.TasksInterrupted > 0, fmt.Sprintf("%d replay or discard tasks have lost their runner: resume or cancel them", s.TasksInterrupted)
 	})},
 	{"KafkapgKeyHeldTooLong", "warning", 5 * time.Minute, gaugeRule(func(s Sample) (bool, string) {
-		return s.OldestHeld > time.Hour, fmt.Sprintf("A key's records have waited behind a failing record for %s", humanDuration(s.OldestHeld))
+		return s.OldestHeld > heldTooLong, fmt.Sprintf("A key's records have waited behind a failing record for %s", humanDuration(s.OldestHeld))
 	})},
 	{"KafkapgRetryTierBehind", "warning", 10 * time.Minute, retryTierBehind},
 	{"KafkapgNotReady", "warning", 10 * time.Minute, gaugeRule(func(s Sample) (bool, string) {
@@ -539,14 +553,14 @@ var rules = []rule{
 	{"KafkapgCircuitBreakerOpen", "warning", 5 * time.Minute, gaugeRule(func(s Sample) (bool, string) {
 		return s.BreakerOpen, "The circuit breaker is open: most records fail with retryable errors, and failing records wait in place"
 	})},
-	{"KafkapgFencedTransactions", "warning", 0, counterRule(15*time.Minute, func(s Sample) float64 { return s.Fenced }, func(inc, _ float64) (bool, string) {
-		return inc > 10, fmt.Sprintf("%s transactions were fenced in 15 minutes: replicas keep losing partitions", humanNum(inc))
+	{"KafkapgFencedTransactions", "warning", 0, counterRule(fencedWindow, func(s Sample) float64 { return s.Fenced }, func(inc, _ float64) (bool, string) {
+		return inc > fencedLimit, fmt.Sprintf("%s transactions were fenced in %d minutes: replicas keep losing partitions", humanNum(inc), int(fencedWindow.Minutes()))
 	})},
 	{"KafkapgDatabaseForgotPartitions", "warning", 0, counterRule(time.Hour, func(s Sample) float64 { return s.Forgotten }, func(inc, _ float64) (bool, string) {
 		return inc > 0, fmt.Sprintf("Postgres had forgotten %s partitions that Kafka remembered (a failover or a restore): they were started again from where they first started", humanNum(inc))
 	})},
 	{"KafkapgInfrastructureRetries", "warning", 10 * time.Minute, counterRule(5*time.Minute, func(s Sample) float64 { return s.InfraRetries }, func(_, rate float64) (bool, string) {
-		return rate > 0.2, fmt.Sprintf("kafkapg retries %s transactions per second in place: Postgres or a dependency fails", humanNum(rate))
+		return rate > infraRetriesPerSecond, fmt.Sprintf("kafkapg retries %s transactions per second in place: Postgres or a dependency fails", humanNum(rate))
 	})},
 	{"KafkapgPartitionStalled", "critical", 0, labelRule(func(s Sample) map[string]int64 { return s.Stalled }, func(n int64, cause string) string {
 		return fmt.Sprintf("%d partitions have made no progress for STALL_TIMEOUT (cause: %s)", n, cause)
@@ -561,7 +575,7 @@ var rules = []rule{
 		return s.OutboxSetAside > 0, fmt.Sprintf("%d outbox records are set aside: Kafka refuses them", s.OutboxSetAside)
 	})},
 	{"KafkapgOutboxStuck", "warning", 2 * time.Minute, gaugeRule(func(s Sample) (bool, string) {
-		return s.OutboxOldest > time.Minute, fmt.Sprintf("The oldest unpublished outbox record has waited %s", humanDuration(s.OutboxOldest))
+		return s.OutboxOldest > outboxStuckAfter, fmt.Sprintf("The oldest unpublished outbox record has waited %s", humanDuration(s.OutboxOldest))
 	})},
 	{"KafkapgIdempotencyKeysGrowing", "warning", 30 * time.Minute, idempotencyKeysGrowing},
 }
@@ -653,12 +667,12 @@ func labelRule(get func(Sample) map[string]int64, summary func(n int64, label st
 	}
 }
 
-// lagGrowing: a topic's lag > 1000 and its deriv over 15 minutes > 0.
+// lagGrowing: a topic's lag > lagGrowingRecords and its deriv over 15 minutes > 0.
 func lagGrowing(samples []Sample) map[string]string {
 	held := map[string]string{}
 	w := lastWindow(samples, 15*time.Minute)
 	for topic, lag := range w[len(w)-1].TopicLag {
-		if lag <= 1000 {
+		if lag <= lagGrowingRecords {
 			continue
 		}
 		var xs, ys []float64
@@ -699,8 +713,8 @@ func idempotencyKeysGrowing(samples []Sample) map[string]string {
 	if projected <= idempotencyKeysLimit {
 		return nil
 	}
-	return map[string]string{"": fmt.Sprintf("Idempotency keys take %sB of Postgres and, at the last hour's growth, will take over %sB within 3 days",
-		humanNum(newest.IdempotencyBytes), humanNum(idempotencyKeysLimit))}
+	return map[string]string{"": fmt.Sprintf("Idempotency keys take %sB of Postgres and, at the last hour's growth, will take over %sB within %d days",
+		humanNum(newest.IdempotencyBytes), humanNum(idempotencyKeysLimit), int(idempotencyKeysHorizon.Hours()/24))}
 }
 
 // deriv is the least-squares slope of ys over xs, as Prometheus' deriv; 0 with fewer than two
@@ -750,7 +764,7 @@ func partitionStuck(samples []Sample) map[string]string {
 	return held
 }
 
-// failureRateHigh: a topic's failures (infrastructure failures aside) are more than 5 % of its
+// failureRateHigh: a topic's failures (infrastructure failures aside) are more than failureRateLimit of its
 // records consumed over 5 minutes.
 func failureRateHigh(samples []Sample) map[string]string {
 	held := map[string]string{}
@@ -762,12 +776,12 @@ func failureRateHigh(samples []Sample) map[string]string {
 		failed := counterIncrease(w, func(s Sample) float64 { return s.ByTopic[topic].Failed })
 		consumed := counterIncrease(w, func(s Sample) float64 { return s.ByTopic[topic].Consumed })
 		switch {
-		case failed/max(consumed, 1e-9) <= 0.05:
+		case failed/max(consumed, 1e-9) <= failureRateLimit:
 		case consumed == 0:
-			held[topic] = fmt.Sprintf("More than 5%% of %s's records fail: %s failures and no record consumed in 5 minutes", topic, humanNum(failed))
+			held[topic] = fmt.Sprintf("More than %g%% of %s's records fail: %s failures and no record consumed in 5 minutes", 100*failureRateLimit, topic, humanNum(failed))
 		default:
-			held[topic] = fmt.Sprintf("More than 5%% of %s's records fail: %.1f%% (%s failures for %s records consumed in 5 minutes)",
-				topic, 100*failed/consumed, humanNum(failed), humanNum(consumed))
+			held[topic] = fmt.Sprintf("More than %g%% of %s's records fail: %.1f%% (%s failures for %s records consumed in 5 minutes)",
+				100*failureRateLimit, topic, 100*failed/consumed, humanNum(failed), humanNum(consumed))
 		}
 	}
 	return held
@@ -788,11 +802,11 @@ func deadLettersGrowing(samples []Sample) map[string]string {
 	return held
 }
 
-// retryTierBehind: a retry tier is more than 5 minutes behind its due times.
+// retryTierBehind: a retry tier is more than tierBehindBy behind its due times.
 func retryTierBehind(samples []Sample) map[string]string {
 	held := map[string]string{}
 	for tier, d := range samples[len(samples)-1].TierOverdue {
-		if d > 5*time.Minute {
+		if d > tierBehindBy {
 			held[tier] = fmt.Sprintf("Retry tier %s is %s behind its due times", tier, humanDuration(d))
 		}
 	}

@@ -22,7 +22,8 @@ type Filter struct {
 	Key    []byte `json:"key,omitempty"`
 	HasKey bool   `json:"has_key,omitempty"`
 	Class  string `json:"class,omitempty"`
-	// Status is new, replaying, replayed or discarded.
+	// Status is new, replaying, replayed or discarded; several, comma-separated ("new,replaying"),
+	// match a dead letter in any of them.
 	Status string    `json:"status,omitempty"`
 	Since  time.Time `json:"since,omitzero"`  // dead-lettered at or after
 	Until  time.Time `json:"until,omitzero"`  // dead-lettered before
@@ -38,13 +39,32 @@ func (f Filter) Validate() error {
 			return err
 		}
 	}
-	if f.Status != "" && !slices.Contains(retrytopics.DeadLetterStatuses, f.Status) {
-		return usage("status %q: want one of %s", f.Status, strings.Join(retrytopics.DeadLetterStatuses, ", "))
+	for _, st := range f.statuses() {
+		if !slices.Contains(retrytopics.DeadLetterStatuses, st) {
+			return usage("status %q: want one or more of %s", st, strings.Join(retrytopics.DeadLetterStatuses, ", "))
+		}
 	}
 	if !f.Since.IsZero() && !f.Until.IsZero() && !f.Since.Before(f.Until) {
 		return usage("since (%s) must be before until (%s)", f.Since.Format(time.RFC3339), f.Until.Format(time.RFC3339))
 	}
 	return nil
+}
+
+// statuses returns the statuses f.Status names, none if it is empty.
+func (f Filter) statuses() []string {
+	var out []string
+	for st := range strings.SplitSeq(f.Status, ",") {
+		if st = strings.TrimSpace(st); st != "" && !slices.Contains(out, st) {
+			out = append(out, st)
+		}
+	}
+	return out
+}
+
+// JoinStatuses returns the statuses of values, each a status or several comma-separated (a
+// repeated flag or query parameter), as Filter.Status takes them.
+func JoinStatuses(values []string) string {
+	return strings.Join(Filter{Status: strings.Join(values, ",")}.statuses(), ",")
 }
 
 // where returns the filter as SQL conditions on dead_letters (alias d), appending its arguments
@@ -71,8 +91,8 @@ func (f Filter) where(args *[]any) string {
 	if f.Class != "" {
 		conds = append(conds, "d.error_class = "+arg(f.Class))
 	}
-	if f.Status != "" {
-		conds = append(conds, "d.status = "+arg(f.Status))
+	if st := f.statuses(); len(st) > 0 {
+		conds = append(conds, "d.status = ANY("+arg(st)+")")
 	}
 	if !f.Since.IsZero() {
 		conds = append(conds, "d.dead_lettered_at >= "+arg(f.Since))
@@ -359,7 +379,7 @@ type Preview struct {
 
 // actionable returns f for the dead letters an action may act on: the new ones.
 func actionable(f Filter) (Filter, error) {
-	if f.Status != "" && f.Status != "new" {
+	if st := f.statuses(); len(st) > 0 && !slices.Equal(st, []string{"new"}) {
 		return f, usage("only new dead letters can be replayed or discarded (status %s was asked for)", f.Status)
 	}
 	f.Status = "new"

@@ -13,11 +13,11 @@ import (
 )
 
 // FilterFromQuery reads a filter from query parameters, as the JSON API and the console take it:
-// topic, key (as text) or key_hex, class, status, since and until (ParseWhen, relative to now),
-// error, and id (repeatable, or comma-separated). An empty parameter means any, except key=,
+// topic, key (as text) or key_hex, class, status (repeatable, or comma-separated), since and
+// until (ParseWhen, relative to now), error, and id (repeatable, or comma-separated). An empty parameter means any, except key=,
 // which is the empty key. Bad usage is an ErrUsage error that names the parameter.
 func FilterFromQuery(q url.Values, now time.Time) (Filter, error) {
-	f := Filter{Topic: q.Get("topic"), Class: q.Get("class"), Status: q.Get("status"), Error: q.Get("error")}
+	f := Filter{Topic: q.Get("topic"), Class: q.Get("class"), Status: JoinStatuses(q["status"]), Error: q.Get("error")}
 	switch {
 	case q.Has("key") && q.Has("key_hex"):
 		return f, usage("key and key_hex: give one of them")

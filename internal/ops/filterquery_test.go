@@ -26,6 +26,7 @@ func TestFilterFromQuery(t *testing.T) {
 		{"since=24h&until=2026-12-01T11:30:00Z", ops.Filter{Since: now.Add(-24 * time.Hour), Until: now.Add(-30 * time.Minute)}},
 		{"since=&until=", ops.Filter{}},
 		{"id=3,4&id=7", ops.Filter{IDs: []int64{3, 4, 7}}},
+		{"status=new,+replaying&status=discarded&status=new", ops.Filter{Status: "new,replaying,discarded"}},
 	} {
 		q, err := url.ParseQuery(c.query)
 		if err != nil {
@@ -57,6 +58,7 @@ func TestFilterFromQueryRefuses(t *testing.T) {
 		"id=3,x":                         `id: "x" is not an id`,
 		"id=0":                           `id: "0" is not an id`,
 		"status=gone":                    `status "gone"`,
+		"status=new,gone":                `status "gone"`,
 		"error=a%00b":                    "error: not valid text",
 		"topic=%ff%fe":                   "topic: not valid text",
 		"since=%00%ff" + long:            `since "\x00\xff`,

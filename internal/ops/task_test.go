@@ -223,6 +223,8 @@ func TestFiltersChooseTheirRows(t *testing.T) {
 		{ops.Filter{Class: "permanent"}, 10},
 		{ops.Filter{Status: "new"}, 20},
 		{ops.Filter{Status: "replayed"}, 0},
+		{ops.Filter{Status: "replayed,new"}, 20},
+		{ops.Filter{Status: "replayed, discarded"}, 0},
 		{ops.Filter{Since: time.Now().Add(-time.Hour)}, 20},
 		{ops.Filter{Until: time.Now().Add(-time.Hour)}, 0},
 		{ops.Filter{Error: "boom 1"}, 11}, // 1, 10..19

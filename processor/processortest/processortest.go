@@ -21,6 +21,12 @@
 // Run rolls the transaction back; RunInTx runs in a transaction of the test's, to look at what
 // the handler wrote before rolling back.
 //
+// A handler that is a processor.Preparer has its Prepare called as the processor calls it:
+// before Handle, once for each record of the run, outside what Handle writes, with a failure of
+// Prepare reported as Handle's would be. Run and RunInTx prepare the records one at a time, in
+// order (Config.Concurrency 1); Service.Run prepares up to the handler's Concurrency of them at
+// once, the records of one key one at a time, in order.
+//
 // Service runs a service.Handler as the service runs it for a topic, with what the service does
 // around the handler: its Setup, its idempotency key (Result.Duplicates: a copy of a record
 // applied before is skipped), and, for a failure, where the record would go under its policy

@@ -143,6 +143,7 @@ func (s *Service) config(topic string) *processor.Config {
 		LocalAttempts:  s.h.LocalAttempts,
 		OnDeadLetter:   s.h.OnDeadLetter,
 		MaxRecordBytes: s.h.MaxRecordBytes,
+		Concurrency:    s.h.Concurrency,
 	}
 	p := s.Policy
 	if p.Handler != nil {
@@ -162,6 +163,9 @@ func (s *Service) config(topic string) *processor.Config {
 	}
 	if p.MaxRecordBytes != 0 {
 		tp.MaxRecordBytes = p.MaxRecordBytes
+	}
+	if p.Concurrency != 0 {
+		tp.Concurrency = p.Concurrency
 	}
 	return &processor.Config{Group: s.Group, Topics: []string{topic}, Schema: "kafkapg",
 		TopicPolicies: map[string]processor.TopicPolicy{topic: tp}}

@@ -10,8 +10,8 @@ import (
 )
 
 // The performance table: one row per path that kafkapg offers in place of something people write
-// by hand, each a ratio against that counterpart measured in the same run (the README's
-// performance section and docs/testing.md show them). The benchmarks that measure a path record
+// by hand, each a ratio against that counterpart measured in the same run (docs/testing.md's
+// Performance shows them; the README links there). The benchmarks that measure a path record
 // its row with summarize; TestMain prints the rows recorded, in the table's order, once every
 // benchmark of the run has finished, so that `make bench` ends with the whole table.
 
