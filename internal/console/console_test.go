@@ -24,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/console"
@@ -626,6 +627,55 @@ func TestConsoleInABrowser(t *testing.T) {
 	must(h.Pool.QueryRow(context.Background(), `SELECT actor, reason FROM kafkapg.audit WHERE action = 'discard' ORDER BY id DESC LIMIT 1`).Scan(&actor, &reason))
 	if actor != "console:alice" || reason != "poison from the old producer, INC-43" {
 		t.Errorf("audit of the discard: %q %q, want console:alice and the reason given", actor, reason)
+	}
+}
+
+// TestConsoleReplayCountsDuplicatesApart: a replay from the console whose records were applied
+// for one and skipped as a duplicate for the other (a copy with its idempotency key was applied
+// while it was dead) says so on its task's page: "1 applied · 1 skipped as duplicates", not
+// 2 applied.
+func TestConsoleReplayCountsDuplicatesApart(t *testing.T) {
+	b := newBrowser(t)
+	k := testenv.NewKfake(t)
+	h := testkit.New(t, k, 1)
+	cfg := h.Config(ledger.Handler{})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader("idem")}}
+	cfg.RetryTiers = []time.Duration{} // dead at the first failure
+	cfg.LocalAttempts = 1
+	r := h.Start(cfg)
+	srv := serve(t, h, k, r.Reg)
+	rec := func(id, idem string, fail int) *kgo.Record {
+		return &kgo.Record{Topic: h.Topic, Key: []byte("a"), Headers: []kgo.RecordHeader{{Key: "idem", Value: []byte(idem)}},
+			Value: fmt.Appendf(nil, `{"event_id":%q,"account":"a","amount":1,"seq":1,"fail_attempts":%d}`, id, fail)}
+	}
+	// f1 and g1 fail their first delivery and are dead; g1's fixed copy (its idempotency key) is
+	// applied meanwhile.
+	k.Produce(t, rec("f1", "KF", 1), rec("g1", "KG", 1), rec("g1-fixed", "KG", 0))
+	h.WaitApplied(1, 20*time.Second)
+	testenv.Eventually(t, 20*time.Second, func() error {
+		var dead int
+		if err := h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.dead_letters WHERE consumer_group = $1 AND status = 'new'`, h.Group).Scan(&dead); err != nil {
+			return err
+		}
+		if dead != 2 {
+			return fmt.Errorf("%d dead letters, want f1 and g1", dead)
+		}
+		return nil
+	})
+	b.as("alice", operatorPassword)
+	b.open(srv.URL+"/dead-letters?status=new", `document.querySelector("#replay") !== null`)
+	b.actOnAll("replay", 2, "dependency fixed")
+	b.waitFor(`document.querySelector("#task-outcome") !== null && document.querySelector("#task-outcome").textContent.endsWith(" 0 on their way")`)
+	if got, want := b.text("#task-outcome"), "1 applied · 1 skipped as duplicates · 0 dead again · 0 on their way"; got != want {
+		t.Errorf("the replay's outcome reads %q, want %q", got, want)
+	}
+	b.shot("replay-task-duplicates")
+	rows, err := h.Pool.Query(context.Background(), `SELECT event_id FROM ledger_entries ORDER BY applied_order`)
+	b.must(err)
+	entries, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	b.must(err)
+	if fmt.Sprint(entries) != "[g1-fixed f1]" {
+		t.Errorf("applied %q, want g1-fixed, then the replayed f1 (g1 skipped)", entries)
 	}
 }
 
