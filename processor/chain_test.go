@@ -287,6 +287,117 @@ func TestIdempotencyKeys(t *testing.T) {
 	}
 }
 
+// TestReplaySkipsADuplicateFromATier: a replayed dead letter that fails again goes round the retry
+// tiers; when a copy with its idempotency key is applied meanwhile, the tier's worker skips it as a
+// duplicate (settle, then retrytopics.Store.Applied), and the replay says so as it does when the
+// held-record applier skips one (TestIdempotencyKeys): its history ends skipped_duplicate, the
+// task counts it skipped, kafkapg_replayed_records_total says skipped_duplicate, and its trace
+// says skipped, not applied.
+func TestReplaySkipsADuplicateFromATier(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	ctx := context.Background()
+	cfg := h.Config(failsAfterItsFirst{"g1"})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader("idem")}}
+	// Time enough, in the tiers, for the copy to be applied before g1 is tried for the last time.
+	cfg.RetryTiers = []time.Duration{200 * time.Millisecond, 500 * time.Millisecond, time.Second, 2 * time.Second, 4 * time.Second}
+	cfg.LocalAttempts = 1
+	cfg.BreakerDisabled = true // g1 fails at every try: not an outage
+	r := h.Start(cfg)
+	rec := func(id, key string) *kgo.Record {
+		return &kgo.Record{Topic: h.Topic, Key: []byte(key), Headers: []kgo.RecordHeader{{Key: "idem", Value: []byte("KG")}},
+			Value: fmt.Appendf(nil, `{"event_id":%q,"account":"a","amount":1,"seq":1}`, id)}
+	}
+	// g1 fails for good at its first delivery: dead at once, before any tier.
+	k.Produce(t, rec("g1", "a"))
+	testenv.Eventually(t, 20*time.Second, func() error {
+		if got := fmt.Sprint(h.deadLetterStates()); got != "[g1:new:1:dead_lettered]" {
+			return fmt.Errorf("dead letters %s, want g1 dead", got)
+		}
+		return nil
+	})
+	o := ops.New(h.Pool, "kafkapg", h.Group)
+	task, err := o.StartTask(ctx, ops.Replay, ops.Filter{}, ops.Actor{Name: "tester", Reason: "fixed"}, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if task, err = o.RunTask(ctx, task.ID, "test", nil); err != nil || task.Done != 1 {
+		t.Fatalf("RunTask = %+v, %v; want 1 queued", task, err)
+	}
+	// Replayed, g1 fails again (attempt 2) and leaves held_records for the tiers, its dead letter
+	// still replaying.
+	testenv.Eventually(t, 20*time.Second, func() error {
+		var inTiers int
+		if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.retries WHERE consumer_group = $1 AND dead_letter_id IS NOT NULL`, h.Group).Scan(&inTiers); err != nil {
+			return err
+		}
+		if inTiers != 1 {
+			return fmt.Errorf("%d replayed records in the retry tiers, want g1", inTiers)
+		}
+		return nil
+	})
+	// Its fixed copy carries the same idempotency key under another record key: under g1's own,
+	// held while g1 is in the tiers, it would wait behind g1 and be the one skipped.
+	k.Produce(t, rec("g1-fixed", "b"))
+	testenv.Eventually(t, 30*time.Second, func() error {
+		if got := fmt.Sprint(h.deadLetterStates()); strings.Contains(got, ":replaying:") {
+			return fmt.Errorf("dead letters %s, want g1 settled", got)
+		}
+		return nil
+	})
+	if got := fmt.Sprint(h.deadLetterStates()); got != "[g1:replayed:1:dead_lettered,replay_queued,skipped_duplicate]" {
+		t.Errorf("dead letters %s, want g1 replayed, skipped as a duplicate", got)
+	}
+	if got := h.appliedOrder(); !slices.Equal(got, []string{"g1-fixed@1"}) {
+		t.Errorf("applied %q, want only g1-fixed: g1 is its copy", got)
+	}
+	var retrying, held int
+	if err := h.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM kafkapg.retries WHERE consumer_group = $1), (SELECT count(*) FROM kafkapg.held_keys WHERE consumer_group = $1)`,
+		h.Group).Scan(&retrying, &held); err != nil || retrying != 0 || held != 0 {
+		t.Errorf("%d records in the retry path, %d keys held (%v); want g1 out of the tiers and its key released", retrying, held, err)
+	}
+	// Counted once the transaction that skipped it has committed, after the row says replayed.
+	testenv.Eventually(t, 10*time.Second, func() error {
+		if got := r.Labeled("kafkapg_replayed_records_total", "outcome", "skipped_duplicate"); got != 1 {
+			return fmt.Errorf("kafkapg_replayed_records_total{outcome=skipped_duplicate} = %v, want 1 (g1)", got)
+		}
+		return nil
+	})
+	if got := r.Labeled("kafkapg_replayed_records_total", "outcome", "applied"); got != 0 {
+		t.Errorf("kafkapg_replayed_records_total{outcome=applied} = %v, want 0", got)
+	}
+	if got := r.Counter("kafkapg_duplicate_keys_skipped_total"); got != 1 {
+		t.Errorf("kafkapg_duplicate_keys_skipped_total = %v, want 1 (g1, from its tier)", got)
+	}
+	if tk, err := o.Task(ctx, task.ID); err != nil || tk.Applied != 0 || tk.SkippedDuplicate != 1 || tk.DeadAgain != 0 || tk.Pending != 0 {
+		t.Errorf("task outcomes %+v, %v; want 1 skipped as a duplicate, nothing else", tk, err)
+	}
+	tr, err := o.Trace(ctx, ops.TraceQuery{Topic: h.Topic, Offset: 0}, nil)
+	if err != nil || len(tr.Records) != 1 {
+		t.Fatalf("trace of g1: %+v, %v", tr, err)
+	}
+	if g1 := tr.Records[0]; g1.State != ops.TraceSkippedDuplicate || slices.ContainsFunc(g1.Steps, func(s ops.TraceStep) bool { return s.Kind == ops.StepReplayed }) {
+		t.Errorf("trace of g1: %s: %s, steps %+v; want it skipped as a duplicate, not applied", g1.State, g1.Now, g1.Steps)
+	}
+}
+
+// failsAfterItsFirst is the ledger's handler, but the event id fails for good at its first
+// delivery and transiently at each one after: only a skip as a duplicate settles it.
+type failsAfterItsFirst struct{ id string }
+
+func (f failsAfterItsFirst) Handle(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+	ev, err := ledger.Parse(rec.Value)
+	switch {
+	case err != nil || ev.EventID != f.id:
+	case rec.Attempt == 1:
+		return processor.Permanent(fmt.Errorf("ledger event %s: refused at its first delivery", ev.EventID))
+	default:
+		return fmt.Errorf("ledger event %s: still failing (attempt %d)", ev.EventID, rec.Attempt)
+	}
+	return ledger.Handler{}.Handle(ctx, tx, rec)
+}
+
 // TestReplayAfterTheRetentionSkipsAnAppliedCopy: a dead letter whose copy (its idempotency key)
 // was applied is skipped when replayed, also when the replay comes later than
 // IDEMPOTENCY_RETENTION: the copy's key was pruned by age while the dead letter still referred to

@@ -20,6 +20,7 @@ import (
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
 // dlqDB returns a migrated database with three new dead letters of topic orders in group dg:
@@ -152,6 +153,69 @@ func TestDlqCommands(t *testing.T) {
 	var audits int
 	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.audit WHERE (actor, action, reason) IN (('ops-1', 'replay', 'fixed'))`).Scan(&audits); err != nil || audits != 1 {
 		t.Errorf("audit rows of the replay: %d, %v", audits, err)
+	}
+}
+
+// TestDlqReplaySummaryCountsDuplicatesApart: dlq replay, waiting for its records, ends with a
+// summary that counts those skipped as duplicates apart from the applied ones, and dlq tasks
+// has them in a column of their own. The records are settled as the held-record applier settles
+// them (retrytopics.Store: TakeHeld, then AppliedHeld, Rec.Duplicate said for the skipped one)
+// while the command waits.
+func TestDlqReplaySummaryCountsDuplicatesApart(t *testing.T) {
+	pool := dlqDB(t)
+	ctx := context.Background()
+	store := retrytopics.NewStore("kafkapg", "dg")
+	settle := func() error {
+		for deadline := time.Now().Add(20 * time.Second); ; {
+			var replaying int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.dead_letters WHERE status = 'replaying'`).Scan(&replaying); err != nil {
+				return err
+			}
+			if replaying == 2 {
+				break
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("%d dead letters replaying after 20s, want 1 and 3", replaying)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback(ctx)
+		for _, key := range []string{"k1", "k3"} {
+			k := retrytopics.Key{Topic: "orders", Partition: 0, Key: []byte(key)}
+			recs, err := store.TakeHeld(ctx, tx, k, 10, 1<<20)
+			if err != nil || len(recs) != 1 {
+				return fmt.Errorf("take the held record of %s: %d records, %v", key, len(recs), err)
+			}
+			recs[0].Duplicate = key == "k3" // a copy with its idempotency key was applied before
+			if err := store.AppliedHeld(ctx, tx, k, recs); err != nil {
+				return err
+			}
+		}
+		return tx.Commit(ctx)
+	}
+	settled := make(chan error, 1)
+	go func() { settled <- settle() }()
+	code, out, errOut := cli("dlq", "replay", "--class", "retryable", "--execute", "--reason", "fixed", "--wait", "30s")
+	if err := <-settled; err != nil {
+		t.Fatal(err)
+	}
+	if want := "1 applied, 1 skipped as duplicates (a copy with their idempotency key was applied before), 0 dead-lettered again, 0 still on their way"; code != 0 || !strings.Contains(out, want) {
+		t.Errorf("dlq replay: exit %d, stdout:\n%s\nstderr:\n%s\nwant exit 0 and %q", code, out, errOut, want)
+	}
+	code, out, errOut = cli("dlq", "tasks")
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if code != 0 || len(lines) != 2 {
+		t.Fatalf("dlq tasks: exit %d, stdout:\n%s\nstderr:\n%s\nwant a header and one task", code, out, errOut)
+	}
+	head, row := strings.Fields(lines[0]), strings.Fields(lines[1])
+	for col, want := range map[string]string{"APPLIED": "1", "SKIPPED-DUPLICATE": "1", "DEAD-AGAIN": "0", "PENDING": "0"} {
+		if i := slices.Index(head, col); i < 0 || i >= len(row) || row[i] != want {
+			t.Errorf("dlq tasks: column %s of\n%s\nwant %s", col, out, want)
+		}
 	}
 }
 

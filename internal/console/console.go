@@ -308,6 +308,14 @@ func (c *Console) renderStatus(w http.ResponseWriter, r *http.Request, status in
 	fmt.Fprint(w, safetext.HTML(b.String())) // html/template leaves controls (U+202E, ESC) as they are
 }
 
+// nothingData is the page of a replay or discard whose filter matches dead letters, none of them
+// new (ops.NothingNewError): a repeated one.
+type nothingData struct {
+	*ops.NothingNewError
+	Matching url.Values // the filter without its status: the dead letters it matched
+	Filter   url.Values // the filter as given
+}
+
 type errorData struct {
 	Message string
 	Back    string // the page to go back to
@@ -598,7 +606,9 @@ func (c *Console) act(w http.ResponseWriter, r *http.Request) {
 	var nothing *ops.NothingNewError
 	if errors.As(err, &nothing) {
 		// The same replay again: not a mistake, and no task to show.
-		c.render(w, r, "nothing", "Nothing to "+string(act), errorData{Message: nothing.Error(), Back: "/dead-letters"})
+		all := f
+		all.Status = ""
+		c.render(w, r, "nothing", "Nothing to "+string(act), nothingData{NothingNewError: nothing, Matching: all.Query(), Filter: f.Query()})
 		return
 	}
 	if err != nil {

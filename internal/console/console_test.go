@@ -24,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
 	"github.com/kafkapg/kafkapg/internal/console"
@@ -275,8 +276,13 @@ func TestConsoleCarriesTheFilterToTheAction(t *testing.T) {
 	})
 	// The same action again finds nothing new: said, and not an error; ids of no dead letter are.
 	code, page = send(t, "POST", srv.URL+"/dead-letters/act", operatorToken, carried.Encode())
-	if want := "nothing to discard: 2 matching dead letters were already replayed or discarded"; code != http.StatusOK || !strings.Contains(page, want) {
+	if want := "None of the 2 dead letters the filter matches is new: all of them were already replayed or discarded. No task was started."; code != http.StatusOK || !strings.Contains(page, want) {
 		t.Errorf("the same discard again: %d, says %q? %v", code, want, strings.Contains(page, want))
+	}
+	carried["id"] = []string{fmt.Sprint(ids[0])}
+	code, page = send(t, "POST", srv.URL+"/dead-letters/act", operatorToken, carried.Encode())
+	if want := "The dead letter the filter matches is not new: it was already replayed or discarded. No task was started."; code != http.StatusOK || !strings.Contains(page, want) {
+		t.Errorf("the discard of one of them again: %d, says %q? %v", code, want, strings.Contains(page, want))
 	}
 	carried["id"] = []string{"999999"}
 	if code, page = send(t, "POST", srv.URL+"/dead-letters/act", operatorToken, carried.Encode()); code != http.StatusBadRequest || !strings.Contains(page, "no dead letter matches the filter") {
@@ -512,6 +518,13 @@ func TestConsoleInABrowser(t *testing.T) {
 		t.Fatal("the workload dead-lettered nothing retryable: the replay would prove nothing")
 	}
 	b.as("alice", operatorPassword)
+	// The same confirmation, open in a second tab too: confirmed there after the first tab's
+	// replay, it repeats the replay.
+	again := b.tab()
+	again.as("alice", operatorPassword)
+	again.open(srv.URL+"/dead-letters?class=retryable&status=new", `document.querySelector("#replay") !== null`)
+	again.must(chromedp.Do(again.ctx, chromedp.Click(chromedp.CSS("#replay"))))
+	again.waitFor(`location.pathname === "/dead-letters/confirm" && document.readyState === "complete" && document.querySelector("#confirm") !== null`)
 	b.open(srv.URL+"/dead-letters?class=retryable&status=new", `document.querySelector("#replay") !== null`)
 	b.actOnAll("replay", wantReplay, "downstream fixed, INC-42")
 	waitFor(fmt.Sprintf(`document.querySelector("#task-outcome") !== null && document.querySelector("#task-outcome").textContent.startsWith("%d applied")`, wantReplay))
@@ -532,6 +545,40 @@ func TestConsoleInABrowser(t *testing.T) {
 	must(h.Pool.QueryRow(context.Background(), `SELECT actor, reason FROM kafkapg.audit WHERE action = 'replay' ORDER BY id DESC LIMIT 1`).Scan(&actor, &reason))
 	if actor != "console:alice" || reason != "downstream fixed, INC-42" {
 		t.Errorf("audit: %q %q, want console:alice and the reason given", actor, reason)
+	}
+
+	// The replay repeated from the second tab finds nothing new: no task, and a page that says
+	// so, how many dead letters the filter matched, and what became of them.
+	var tasksBefore int
+	must(h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.tasks`).Scan(&tasksBefore))
+	again.must(chromedp.Do(again.ctx,
+		chromedp.SetValue(chromedp.CSS("#reason"), "downstream fixed, INC-42"),
+		chromedp.Click(chromedp.CSS("#confirm")),
+	))
+	again.waitFor(`location.pathname === "/dead-letters/act" && document.readyState === "complete" && document.querySelector("#nothing") !== null`)
+	if title := again.text("h1"); title != "Nothing to replay" {
+		t.Errorf("the repeated replay's page is titled %q, want Nothing to replay", title)
+	}
+	if msg, want := again.text("#nothing"), fmt.Sprintf("None of the %d dead letters the filter matches is new: all of them were already replayed or discarded. No task was started.", wantReplay); !strings.Contains(msg, want) {
+		t.Errorf("the repeated replay's page says %q, want %q", msg, want)
+	}
+	again.shot("replay-nothing-new")
+	var tasksAfter int
+	must(h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.tasks`).Scan(&tasksAfter))
+	if tasksAfter != tasksBefore {
+		t.Errorf("%d tasks after the repeated replay, were %d: it started one", tasksAfter, tasksBefore)
+	}
+	// Its link shows them: the filter's dead letters, whatever their status.
+	if again.count("#matching") != 1 {
+		t.Fatal("the repeated replay's page has no link to the dead letters the filter matched")
+	}
+	again.must(chromedp.Do(again.ctx, chromedp.Click(chromedp.CSS("#matching"))))
+	again.waitFor(`location.pathname === "/dead-letters" && document.readyState === "complete" && document.querySelector("#matched") !== null`)
+	if matched := again.text("#matched"); !strings.HasPrefix(matched, fmt.Sprintf("%d dead letters match", wantReplay)) {
+		t.Errorf("the link from the repeated replay's page shows %q, want the %d dead letters replayed", matched, wantReplay)
+	}
+	if q, err := chromedp.Run(again.ctx, chromedp.Evaluate[string](`location.search`)); err != nil || strings.Contains(q, "status=") || !strings.Contains(q, "class=retryable") {
+		t.Errorf("the link from the repeated replay's page goes to %q (%v), want the filter without its status", q, err)
 	}
 
 	// A replay started elsewhere (the CLI of a colleague, say), which the operator cancels from
@@ -583,6 +630,55 @@ func TestConsoleInABrowser(t *testing.T) {
 	}
 }
 
+// TestConsoleReplayCountsDuplicatesApart: a replay from the console whose records were applied
+// for one and skipped as a duplicate for the other (a copy with its idempotency key was applied
+// while it was dead) says so on its task's page: "1 applied · 1 skipped as duplicates", not
+// 2 applied.
+func TestConsoleReplayCountsDuplicatesApart(t *testing.T) {
+	b := newBrowser(t)
+	k := testenv.NewKfake(t)
+	h := testkit.New(t, k, 1)
+	cfg := h.Config(ledger.Handler{})
+	cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {IdempotencyKey: processor.KeyFromHeader("idem")}}
+	cfg.RetryTiers = []time.Duration{} // dead at the first failure
+	cfg.LocalAttempts = 1
+	r := h.Start(cfg)
+	srv := serve(t, h, k, r.Reg)
+	rec := func(id, idem string, fail int) *kgo.Record {
+		return &kgo.Record{Topic: h.Topic, Key: []byte("a"), Headers: []kgo.RecordHeader{{Key: "idem", Value: []byte(idem)}},
+			Value: fmt.Appendf(nil, `{"event_id":%q,"account":"a","amount":1,"seq":1,"fail_attempts":%d}`, id, fail)}
+	}
+	// f1 and g1 fail their first delivery and are dead; g1's fixed copy (its idempotency key) is
+	// applied meanwhile.
+	k.Produce(t, rec("f1", "KF", 1), rec("g1", "KG", 1), rec("g1-fixed", "KG", 0))
+	h.WaitApplied(1, 20*time.Second)
+	testenv.Eventually(t, 20*time.Second, func() error {
+		var dead int
+		if err := h.Pool.QueryRow(context.Background(), `SELECT count(*) FROM kafkapg.dead_letters WHERE consumer_group = $1 AND status = 'new'`, h.Group).Scan(&dead); err != nil {
+			return err
+		}
+		if dead != 2 {
+			return fmt.Errorf("%d dead letters, want f1 and g1", dead)
+		}
+		return nil
+	})
+	b.as("alice", operatorPassword)
+	b.open(srv.URL+"/dead-letters?status=new", `document.querySelector("#replay") !== null`)
+	b.actOnAll("replay", 2, "dependency fixed")
+	b.waitFor(`document.querySelector("#task-outcome") !== null && document.querySelector("#task-outcome").textContent.endsWith(" 0 on their way")`)
+	if got, want := b.text("#task-outcome"), "1 applied · 1 skipped as duplicates · 0 dead again · 0 on their way"; got != want {
+		t.Errorf("the replay's outcome reads %q, want %q", got, want)
+	}
+	b.shot("replay-task-duplicates")
+	rows, err := h.Pool.Query(context.Background(), `SELECT event_id FROM ledger_entries ORDER BY applied_order`)
+	b.must(err)
+	entries, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	b.must(err)
+	if fmt.Sprint(entries) != "[g1-fixed f1]" {
+		t.Errorf("applied %q, want g1-fixed, then the replayed f1 (g1 skipped)", entries)
+	}
+}
+
 // browserT is a Chromium tab and the checks the browser tests make with it.
 type browserT struct {
 	t   *testing.T
@@ -601,6 +697,17 @@ func newBrowser(t *testing.T) *browserT {
 	b.must(err)
 	b.must(chromedp.Do(b.ctx, chromedp.EmulateViewport(1280, 900)))
 	return b
+}
+
+// tab opens another tab of b's browser, signed in as no one.
+func (b *browserT) tab() *browserT {
+	ctx, cancel := chromedp.NewContext(b.ctx)
+	b.t.Cleanup(cancel)
+	t := &browserT{t: b.t, ctx: ctx, dir: b.dir}
+	_, err := chromedp.Call(ctx, network.Enable, network.EnableParams{})
+	t.must(err)
+	t.must(chromedp.Do(ctx, chromedp.EmulateViewport(1280, 900)))
+	return t
 }
 
 func (b *browserT) must(err error) {
