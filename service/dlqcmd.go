@@ -423,7 +423,7 @@ func runTask(ctx context.Context, c *opsCmd, id int64, wait time.Duration, asJSO
 		}
 		if t2, err := c.ops.Task(ctx, id); err == nil {
 			if t2.Pending != t.Pending {
-				fmt.Fprintf(c.err, "task %d: %d applied, %d skipped as duplicates, %d dead again, %d on their way\n", id, t2.Applied, t2.SkippedDuplicate, t2.DeadAgain, t2.Pending)
+				fmt.Fprintf(c.err, "task %d: %d applied, %s skipped, %d dead again, %d on their way\n", id, t2.Applied, duplicates(t2.SkippedDuplicate), t2.DeadAgain, t2.Pending)
 			}
 			t = t2
 		}
@@ -444,16 +444,24 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 	}
 }
 
+// duplicates counts n duplicates in words: "1 duplicate", "2 duplicates".
+func duplicates(n int64) string {
+	if n == 1 {
+		return "1 duplicate"
+	}
+	return fmt.Sprintf("%d duplicates", n)
+}
+
 func printTask(c *opsCmd, t ops.Task) {
 	w := c.out
 	fmt.Fprintf(w, "task %d (%s): %s", t.ID, t.Action, t.Status)
 	if t.Interrupted {
 		fmt.Fprintf(w, ", interrupted: its runner stopped; resume it with: dlq resume %d", t.ID)
 	}
-	fmt.Fprintf(w, "\n  %d matched, %d done, %d skipped (no longer new when reached)\n", t.Matched, t.Done, t.Skipped)
+	fmt.Fprintf(w, "\n  %d matched, %d done, %d passed over (no longer new when reached)\n", t.Matched, t.Done, t.Skipped)
 	if t.Action == ops.Replay {
-		fmt.Fprintf(w, "  %d applied, %d skipped as duplicates (a copy with their idempotency key was applied before), %d dead-lettered again, %d still on their way (held behind their key or in the retry tiers)\n",
-			t.Applied, t.SkippedDuplicate, t.DeadAgain, t.Pending)
+		fmt.Fprintf(w, "  %d applied, %s skipped (a copy with their idempotency key was applied before), %d dead-lettered again, %d still on their way (held behind their key or in the retry tiers)\n",
+			t.Applied, duplicates(t.SkippedDuplicate), t.DeadAgain, t.Pending)
 		if t.Pending > 0 {
 			fmt.Fprintf(w, "  follow them with: dlq tasks, or dlq list --status replaying\n")
 		}

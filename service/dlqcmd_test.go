@@ -203,7 +203,7 @@ func TestDlqReplaySummaryCountsDuplicatesApart(t *testing.T) {
 	if err := <-settled; err != nil {
 		t.Fatal(err)
 	}
-	if want := "1 applied, 1 skipped as duplicates (a copy with their idempotency key was applied before), 0 dead-lettered again, 0 still on their way"; code != 0 || !strings.Contains(out, want) {
+	if want := "1 applied, 1 duplicate skipped (a copy with their idempotency key was applied before), 0 dead-lettered again, 0 still on their way"; code != 0 || !strings.Contains(out, want) {
 		t.Errorf("dlq replay: exit %d, stdout:\n%s\nstderr:\n%s\nwant exit 0 and %q", code, out, errOut, want)
 	}
 	code, out, errOut = cli("dlq", "tasks")

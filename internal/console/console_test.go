@@ -632,7 +632,7 @@ func TestConsoleInABrowser(t *testing.T) {
 
 // TestConsoleReplayCountsDuplicatesApart: a replay from the console whose records were applied
 // for one and skipped as a duplicate for the other (a copy with its idempotency key was applied
-// while it was dead) says so on its task's page: "1 applied · 1 skipped as duplicates", not
+// while it was dead) says so on its task's page: "1 applied · 1 duplicate skipped", not
 // 2 applied.
 func TestConsoleReplayCountsDuplicatesApart(t *testing.T) {
 	b := newBrowser(t)
@@ -666,7 +666,7 @@ func TestConsoleReplayCountsDuplicatesApart(t *testing.T) {
 	b.open(srv.URL+"/dead-letters?status=new", `document.querySelector("#replay") !== null`)
 	b.actOnAll("replay", 2, "dependency fixed")
 	b.waitFor(`document.querySelector("#task-outcome") !== null && document.querySelector("#task-outcome").textContent.endsWith(" 0 on their way")`)
-	if got, want := b.text("#task-outcome"), "1 applied · 1 skipped as duplicates · 0 dead again · 0 on their way"; got != want {
+	if got, want := b.text("#task-outcome"), "1 applied · 1 duplicate skipped · 0 dead again · 0 on their way"; got != want {
 		t.Errorf("the replay's outcome reads %q, want %q", got, want)
 	}
 	b.shot("replay-task-duplicates")
