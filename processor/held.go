@@ -96,13 +96,23 @@ const (
 	// held_records analyzed, at most once every analyzeHeldEvery.
 	analyzeHeldAfter = 10_000
 	analyzeHeldEvery = time.Minute
+	// pruneHistoryEvery is how often a heldApplier deletes the rows of record_history (what a
+	// trace tells of skipped duplicates and held records) older than Config.IdempotencyRetention,
+	// pruneHistoryBatch rows a statement.
+	pruneHistoryEvery = time.Minute
+	pruneHistoryBatch = 1000
 )
 
 func (d *heldApplier) run() {
 	defer close(d.done)
 	tick := time.NewTicker(heldInterval)
 	defer tick.Stop()
+	var pruned time.Time
 	for {
+		if time.Since(pruned) >= pruneHistoryEvery {
+			pruned = time.Now()
+			d.pruneHistory()
+		}
 		var keys []retrytopics.Key
 		err := d.p.inPlace(d.ctx, d.stopping, d.log, "", nil, func() (err error) {
 			keys, err = d.p.retry.ReadyKeys(d.ctx, d.p.pool, d.p.cfg.Topics, readyKeysPerRead)
@@ -127,6 +137,30 @@ func (d *heldApplier) run() {
 			return
 		case <-d.wake:
 		case <-tick.C:
+		}
+	}
+}
+
+// pruneHistory deletes the group's record_history rows older than Config.IdempotencyRetention, a
+// batch at a time, until none is left or the heldApplier stops. A failure is logged and tried
+// again at the next prune: the rows wait, nothing else does.
+func (d *heldApplier) pruneHistory() {
+	before := time.Now().Add(-d.p.cfg.IdempotencyRetention)
+	for {
+		select {
+		case <-d.stopping:
+			return
+		default:
+		}
+		n, err := d.p.retry.PruneHistory(d.ctx, d.p.pool, before, pruneHistoryBatch)
+		if err != nil {
+			if d.ctx.Err() == nil {
+				d.log.Warn("cannot prune the record history; will try again", "err", err)
+			}
+			return
+		}
+		if n < pruneHistoryBatch {
+			return
 		}
 	}
 }

@@ -889,9 +889,14 @@ func TestConsoleRetryPathInABrowser(t *testing.T) {
 	b.waitFor(`location.search.includes("key=A") && document.readyState === "complete" && document.querySelectorAll("section.trace").length > 0`)
 	paths, err := chromedp.Run(b.ctx, chromedp.Evaluate[[]string](`[...document.querySelectorAll("section.trace")].map(s => s.dataset.offset + ":" + [...s.querySelectorAll("ol.path li")].map(l => l.textContent).join(">"))`))
 	b.must(err)
-	want := "5:produced>applied 3:produced>applied 1:produced>failed>dead>released>dead 0:produced>applied"
-	if got := strings.Join(paths, " "); got != want {
+	// a3 and a4 waited behind a2 until its release: their paths keep the wait, with how long it
+	// lasted ("held 1.2s"), and their timelines behind which record.
+	want := "5:produced>held …>applied 3:produced>held …>applied 1:produced>failed>dead>released>dead 0:produced>applied"
+	if got := regexp.MustCompile(`held [0-9.]+(ms|s)`).ReplaceAllString(strings.Join(paths, " "), "held …"); got != want {
 		t.Errorf("the trace of key A draws %q, want %q", got, want)
+	}
+	if got := b.text(`section.trace[data-offset="3"] ol.timeline`); !strings.Contains(got, "held behind the record at offset 1 of its key for ") {
+		t.Errorf("a3's timeline says %q, want its wait behind a2 (offset 1)", got)
 	}
 	b.shot("trace-key")
 	b.open(fmt.Sprintf("%s/trace?topic=%s&partition=0&offset=2", srv.URL, h.Topic), `document.querySelectorAll("section.trace").length === 1`)
