@@ -144,3 +144,36 @@ func TestTraceKeepsTheWaitBehindAKey(t *testing.T) {
 		t.Logf("A: %s%s\nB: %s%s", a.Now, stepLines(a), b.Now, stepLines(b))
 	})
 }
+
+// TestRecordHistoryIsPruned: what a trace tells of skipped duplicates and past waits
+// (record_history) is kept for IdempotencyRetention, the group's own rows only: a processor
+// deletes the older ones at its start, and every minute after.
+func TestRecordHistoryIsPruned(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h := newHarness(t, k, 1)
+	ctx := context.Background()
+	for _, row := range []struct {
+		group  string
+		offset int64
+		age    time.Duration
+	}{{h.Group, 1, 2 * time.Hour}, {h.Group, 2, 30 * time.Minute}, {"another", 3, 2 * time.Hour}} {
+		if _, err := h.Pool.Exec(ctx, `INSERT INTO kafkapg.record_history (consumer_group, topic, partition, "offset", event, at, until, behind)
+			VALUES ($1, $2, 0, $3, 'held', now() - $4::interval, now(), 0)`, row.group, h.Topic, row.offset, row.age.String()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg := h.Config(ledger.Handler{})
+	cfg.IdempotencyRetention = time.Hour
+	h.Start(cfg)
+	testenv.Eventually(t, 20*time.Second, func() error {
+		var kept string
+		if err := h.Pool.QueryRow(ctx, `SELECT string_agg(consumer_group || '@' || "offset", ' ' ORDER BY "offset") FROM kafkapg.record_history`).Scan(&kept); err != nil {
+			return err
+		}
+		if want := h.Group + "@2 another@3"; kept != want {
+			return fmt.Errorf("record_history keeps %s, want %s", kept, want)
+		}
+		return nil
+	})
+}
