@@ -96,9 +96,9 @@ const (
 	// held_records analyzed, at most once every analyzeHeldEvery.
 	analyzeHeldAfter = 10_000
 	analyzeHeldEvery = time.Minute
-	// pruneHistoryEvery is how often a heldApplier deletes the rows of record_history (what a
-	// trace tells of skipped duplicates and held records) older than Config.IdempotencyRetention,
-	// pruneHistoryBatch rows a statement.
+	// pruneHistoryEvery is how often a heldApplier deletes the rows of skipped_duplicates and
+	// held_history (what a trace tells of skipped duplicates and held records) older than
+	// Config.IdempotencyRetention, pruneHistoryBatch rows a statement.
 	pruneHistoryEvery = time.Minute
 	pruneHistoryBatch = 1000
 )
@@ -141,8 +141,8 @@ func (d *heldApplier) run() {
 	}
 }
 
-// pruneHistory deletes the group's record_history rows older than Config.IdempotencyRetention, a
-// batch at a time, until none is left or the heldApplier stops. A failure is logged and tried
+// pruneHistory deletes the group's skipped_duplicates and held_history rows older than
+// Config.IdempotencyRetention, a batch at a time, until none is left or the heldApplier stops. A failure is logged and tried
 // again at the next prune: the rows wait, nothing else does.
 func (d *heldApplier) pruneHistory() {
 	before := time.Now().Add(-d.p.cfg.IdempotencyRetention)

@@ -249,7 +249,7 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 	return live, index, nil
 }
 
-// keepSkipped keeps in record_history, in tx, the records of recs marked duplicate (but those a
+// keepSkipped keeps in skipped_duplicates, in tx, the records of recs marked duplicate (but those a
 // replay brought back: their dead letter's history tells it), with their idempotency key (keys,
 // hashes), what decided them (byStream: their stream, by index; by key otherwise) and the copy
 // applied before if it is in recs: an earlier record with the same key, not a duplicate. Nothing

@@ -146,8 +146,8 @@ func TestTraceKeepsTheWaitBehindAKey(t *testing.T) {
 }
 
 // TestRecordHistoryIsPruned: what a trace tells of skipped duplicates and past waits
-// (record_history) is kept for IdempotencyRetention, the group's own rows only: a processor
-// deletes the older ones at its start, and every minute after.
+// (skipped_duplicates, held_history) is kept for IdempotencyRetention, the group's own rows only:
+// a processor deletes the older ones at its start, and every minute after.
 func TestRecordHistoryIsPruned(t *testing.T) {
 	t.Parallel()
 	k := testenv.NewKfake(t)
@@ -158,8 +158,13 @@ func TestRecordHistoryIsPruned(t *testing.T) {
 		offset int64
 		age    time.Duration
 	}{{h.Group, 1, 2 * time.Hour}, {h.Group, 2, 30 * time.Minute}, {"another", 3, 2 * time.Hour}} {
-		if _, err := h.Pool.Exec(ctx, `INSERT INTO kafkapg.record_history (consumer_group, topic, partition, "offset", event, at, until, behind)
-			VALUES ($1, $2, 0, $3, 'held', now() - $4::interval, now(), 0)`, row.group, h.Topic, row.offset, row.age.String()); err != nil {
+		if _, err := h.Pool.Exec(ctx, `INSERT INTO kafkapg.held_history (consumer_group, topic, partition, key_hash, first_offset, offsets, held_at, behind, until)
+			VALUES ($1, $2, 0, sha256('k'), $3, ARRAY[$3::bigint], ARRAY[now() - $4::interval], ARRAY[0::bigint], now() - $4::interval)`,
+			row.group, h.Topic, row.offset, row.age.String()); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := h.Pool.Exec(ctx, `INSERT INTO kafkapg.skipped_duplicates (consumer_group, topic, partition, "offset", skipped_at)
+			VALUES ($1, $2, 0, $3, now() - $4::interval)`, row.group, h.Topic, row.offset, row.age.String()); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -168,11 +173,13 @@ func TestRecordHistoryIsPruned(t *testing.T) {
 	h.Start(cfg)
 	testenv.Eventually(t, 20*time.Second, func() error {
 		var kept string
-		if err := h.Pool.QueryRow(ctx, `SELECT string_agg(consumer_group || '@' || "offset", ' ' ORDER BY "offset") FROM kafkapg.record_history`).Scan(&kept); err != nil {
+		if err := h.Pool.QueryRow(ctx, `SELECT string_agg(t || ':' || consumer_group || '@' || o, ' ' ORDER BY t, o) FROM (
+				SELECT 'held' AS t, consumer_group, first_offset AS o FROM kafkapg.held_history
+				UNION ALL SELECT 'skipped', consumer_group, "offset" FROM kafkapg.skipped_duplicates) x`).Scan(&kept); err != nil {
 			return err
 		}
-		if want := h.Group + "@2 another@3"; kept != want {
-			return fmt.Errorf("record_history keeps %s, want %s", kept, want)
+		if want := fmt.Sprintf("held:%[1]s@2 held:another@3 skipped:%[1]s@2 skipped:another@3", h.Group); kept != want {
+			return fmt.Errorf("the tables keep %s, want %s", kept, want)
 		}
 		return nil
 	})

@@ -27,7 +27,7 @@ import (
 // record first locks that row (SELECT ... FOR UPDATE), so a record cannot be held behind a key
 // that is being released at the same moment and then be forgotten.
 //
-// The times of a record's steps (sent to a tier, held, dead-lettered, kept in record_history) are
+// The times of a record's steps (sent to a tier, held, dead-lettered, kept in skipped_duplicates and held_history) are
 // clock_timestamp(), not now(): now() is when the transaction began, before the failure it
 // records (timed by the processor's clock, in the transaction), and a trace tells the steps in
 // time order.
@@ -40,7 +40,8 @@ type Store struct {
 	events      string
 	offsets     string
 	tasks       string
-	history     string
+	skipped     string
+	heldHistory string
 }
 
 // NewStore returns a Store for group whose tables live in schema.
@@ -55,7 +56,8 @@ func NewStore(schema, group string) *Store {
 		events:      t("dead_letter_events"),
 		offsets:     t("offsets"),
 		tasks:       t("tasks"),
-		history:     t("record_history"),
+		skipped:     t("skipped_duplicates"),
+		heldHistory: t("held_history"),
 	}
 }
 
@@ -514,7 +516,7 @@ func (s *Store) AppliedHeldKeys(ctx context.Context, tx pgx.Tx, keys []Key, recs
 		b.Queue(`WITH gone AS (DELETE FROM `+s.heldRecords+`
 				WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
 				AND "offset" BETWEEN $5 AND $6
-				RETURNING "offset", held_at, behind, dead_letter_id)
+				RETURNING key, "offset", held_at, behind, dead_letter_id)
 			`+s.keepHeldSQL("gone")+`
 			SELECT count(*) FROM gone`,
 			s.group, k.Topic, k.Partition, k.Key, applied[0].Offset, applied[len(applied)-1].Offset).QueryRow(func(row pgx.Row) error {
@@ -597,7 +599,7 @@ func statusIs(status string) string { return `status || '' = '` + status + `'` }
 func (s *Store) unhold(ctx context.Context, tx pgx.Tx, o Origin) error {
 	var n int64
 	err := tx.QueryRow(ctx, `WITH gone AS (DELETE FROM `+s.heldRecords+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4
-			RETURNING "offset", held_at, behind, dead_letter_id)
+			RETURNING key, "offset", held_at, behind, dead_letter_id)
 		`+s.keepHeldSQL("gone")+`
 		SELECT count(*) FROM gone`,
 		s.group, o.Topic, o.Partition, o.Offset).Scan(&n)
@@ -610,16 +612,19 @@ func (s *Store) unhold(ctx context.Context, tx pgx.Tx, o Origin) error {
 	return nil
 }
 
-// keepHeldSQL is the part of a statement, after the CTE gone (held_records rows just deleted,
-// returning "offset", held_at, behind, dead_letter_id, of the group $1 and the partition $2, $3),
-// that keeps in record_history that each was held behind its key, from when to now: what a trace
-// tells of it after held_records forgot it. A replayed dead letter waited there to be applied,
-// not behind its key: its dead letter's history tells it.
+// keepHeldSQL is the part of a statement, after the CTE gone (held_records rows of the group $1
+// and the partition $2, $3 just deleted, returning key, "offset", held_at, behind,
+// dead_letter_id), that keeps in held_history that they waited behind their key, and until now:
+// what a trace tells of them after held_records forgot them. A row per key: a drain of a key's
+// held records writes one per transaction, not one per record. A replayed dead letter waited
+// there to be applied, not behind its key: its dead letter's history tells it.
 func (s *Store) keepHeldSQL(gone string) string {
-	return `, kept AS (INSERT INTO ` + s.history + ` (consumer_group, topic, partition, "offset", event, at, until, behind)
-			SELECT $1, $2, $3, g."offset", 'held', g.held_at, clock_timestamp(), g.behind FROM ` + gone + ` g WHERE g.dead_letter_id IS NULL
-			ON CONFLICT (consumer_group, topic, partition, "offset", event) DO UPDATE
-			SET at = EXCLUDED.at, until = EXCLUDED.until, behind = EXCLUDED.behind)`
+	return `, kept AS (INSERT INTO ` + s.heldHistory + ` (consumer_group, topic, partition, key_hash, first_offset, offsets, held_at, behind, until)
+			SELECT $1, $2, $3, sha256(g.key), min(g."offset"), array_agg(g."offset" ORDER BY g."offset"), array_agg(g.held_at ORDER BY g."offset"),
+				array_agg(g.behind ORDER BY g."offset"), clock_timestamp()
+			FROM ` + gone + ` g WHERE g.dead_letter_id IS NULL GROUP BY g.key
+			ON CONFLICT (consumer_group, topic, partition, key_hash, first_offset) DO UPDATE
+			SET offsets = EXCLUDED.offsets, held_at = EXCLUDED.held_at, behind = EXCLUDED.behind, until = EXCLUDED.until)`
 }
 
 // Skip is a record skipped as a duplicate by its idempotency key: the handler never got it.
@@ -638,10 +643,10 @@ type Skip struct {
 	Seq    int64
 }
 
-// MaxSkipKeyBytes bounds the idempotency key record_history keeps of a skipped record.
+// MaxSkipKeyBytes bounds the idempotency key skipped_duplicates keeps of a skipped record.
 const MaxSkipKeyBytes = 256
 
-// Skipped keeps in record_history, in tx (the transaction that moves the records' position), that
+// Skipped keeps in skipped_duplicates, in tx (the transaction that moves the records' position), that
 // recs were skipped as duplicates: what a trace tells of them, where the key ring keeps only a
 // hash. One round trip; none if recs is empty.
 func (s *Store) Skipped(ctx context.Context, tx pgx.Tx, recs []Skip) error {
@@ -664,13 +669,13 @@ func (s *Store) Skipped(ctx context.Context, tx pgx.Tx, recs []Skip) error {
 			streams[i], seqs[i] = &id, &recs[i].Seq
 		}
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO `+s.history+` AS h (consumer_group, topic, partition, "offset", event, at, idempotency_key, key_hash,
+	if _, err := tx.Exec(ctx, `INSERT INTO `+s.skipped+` (consumer_group, topic, partition, "offset", skipped_at, idempotency_key, key_hash,
 			first_partition, first_offset, stream, stream_seq)
-		SELECT $1, t, p, o, 'skipped_duplicate', clock_timestamp(), k, kh, fp, fo, st::uuid, sq
+		SELECT $1, t, p, o, clock_timestamp(), k, kh, fp, fo, st::uuid, sq
 		FROM unnest($2::text[], $3::int[], $4::bigint[], $5::bytea[], $6::bytea[], $7::int[], $8::bigint[], $9::text[], $10::bigint[])
 			AS u(t, p, o, k, kh, fp, fo, st, sq)
-		ON CONFLICT (consumer_group, topic, partition, "offset", event) DO UPDATE
-		SET at = EXCLUDED.at, idempotency_key = EXCLUDED.idempotency_key, key_hash = EXCLUDED.key_hash,
+		ON CONFLICT (consumer_group, topic, partition, "offset") DO UPDATE
+		SET skipped_at = EXCLUDED.skipped_at, idempotency_key = EXCLUDED.idempotency_key, key_hash = EXCLUDED.key_hash,
 			first_partition = EXCLUDED.first_partition, first_offset = EXCLUDED.first_offset, stream = EXCLUDED.stream, stream_seq = EXCLUDED.stream_seq`,
 		s.group, topics, parts, offs, keys, hashes, firstP, firstO, streams, seqs); err != nil {
 		return fmt.Errorf("keep %d skipped duplicates (from %s): %w", n, recs[0].Origin, err)
@@ -678,15 +683,19 @@ func (s *Store) Skipped(ctx context.Context, tx pgx.Tx, recs []Skip) error {
 	return nil
 }
 
-// PruneHistory deletes up to limit rows of the group's record_history older than before, and
-// returns how many it deleted.
+// PruneHistory deletes up to limit rows of each of the group's skipped_duplicates and
+// held_history older than before, and returns how many it deleted.
 func (s *Store) PruneHistory(ctx context.Context, db Execer, before time.Time, limit int) (int64, error) {
-	tag, err := db.Exec(ctx, `DELETE FROM `+s.history+` WHERE ctid = ANY(ARRAY(SELECT ctid FROM `+s.history+`
-		WHERE at < $1 AND consumer_group = $3 LIMIT $2))`, before, limit, s.group)
-	if err != nil {
-		return 0, fmt.Errorf("prune record history: %w", err)
+	n := int64(0)
+	for _, t := range []struct{ table, at string }{{s.skipped, "skipped_at"}, {s.heldHistory, "until"}} {
+		tag, err := db.Exec(ctx, `DELETE FROM `+t.table+` WHERE ctid = ANY(ARRAY(SELECT ctid FROM `+t.table+`
+			WHERE `+t.at+` < $1 AND consumer_group = $3 LIMIT $2))`, before, limit, s.group)
+		if err != nil {
+			return n, fmt.Errorf("prune %s: %w", t.table, err)
+		}
+		n = max(n, tag.RowsAffected())
 	}
-	return tag.RowsAffected(), nil
+	return n, nil
 }
 
 // release settles a key's head: the key becomes ready if records are held behind it, and is no

@@ -226,16 +226,16 @@ func TestTraceCmd(t *testing.T) {
 	}
 
 	// A copy skipped by its idempotency key (offset 1, of offset 0), and a record that waited
-	// five seconds behind offset 0 (offset 2), as the processor keeps them in record_history: the
+	// five seconds behind offset 0 (offset 2), as the processor keeps them (skipped_duplicates, held_history): the
 	// CLI and its JSON tell them as they happened (issue 42).
 	k.Produce(t, &kgo.Record{Topic: topic, Key: []byte("acct-7"), Value: []byte("v")}, &kgo.Record{Topic: topic, Key: []byte("acct-7"), Value: []byte("w")})
 	heldAt := time.Date(2026, 1, 2, 3, 4, 6, 0, time.UTC)
 	for _, q := range []string{
 		`INSERT INTO kafkapg.offsets (consumer_group, topic, partition, next_offset) VALUES ('kg', $1, 0, 3)`,
-		`INSERT INTO kafkapg.record_history (consumer_group, topic, partition, "offset", event, at, idempotency_key, key_hash, first_partition, first_offset)
-			VALUES ('kg', $1, 0, 1, 'skipped_duplicate', $2, 'pay-1', '\xabcdef0123456789ab', 0, 0)`,
-		`INSERT INTO kafkapg.record_history (consumer_group, topic, partition, "offset", event, at, until, behind)
-			VALUES ('kg', $1, 0, 2, 'held', $2, $2::timestamptz + interval '5 seconds', 0)`,
+		`INSERT INTO kafkapg.skipped_duplicates (consumer_group, topic, partition, "offset", skipped_at, idempotency_key, key_hash, first_partition, first_offset)
+			VALUES ('kg', $1, 0, 1, $2, 'pay-1', '\xabcdef0123456789ab', 0, 0)`,
+		`INSERT INTO kafkapg.held_history (consumer_group, topic, partition, key_hash, first_offset, offsets, held_at, behind, until)
+			VALUES ('kg', $1, 0, sha256('acct-7'), 2, '{2}', ARRAY[$2::timestamptz], '{0}', $2::timestamptz + interval '5 seconds')`,
 	} {
 		args := []any{topic}
 		if strings.Contains(q, "$2") {

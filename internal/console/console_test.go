@@ -908,9 +908,9 @@ func TestConsoleRetryPathInABrowser(t *testing.T) {
 	// A copy skipped by its idempotency key, as the processor keeps it (a1's row, as if a1 had
 	// been a copy of an earlier record at offset 4 of partition 3): its path ends skipped, not
 	// applied, and its timeline names the key and the copy applied before (issue 42).
-	if _, err := h.Pool.Exec(context.Background(), `INSERT INTO kafkapg.record_history
-		(consumer_group, topic, partition, "offset", event, at, idempotency_key, key_hash, first_partition, first_offset)
-		VALUES ($1, $2, 0, 0, 'skipped_duplicate', now(), 'pay-17', '\x0123456789abcdef01', 3, 4)`, h.Group, h.Topic); err != nil {
+	if _, err := h.Pool.Exec(context.Background(), `INSERT INTO kafkapg.skipped_duplicates
+		(consumer_group, topic, partition, "offset", skipped_at, idempotency_key, key_hash, first_partition, first_offset)
+		VALUES ($1, $2, 0, 0, now(), 'pay-17', '\x0123456789abcdef01', 3, 4)`, h.Group, h.Topic); err != nil {
 		t.Fatal(err)
 	}
 	b.open(fmt.Sprintf("%s/trace?topic=%s&partition=0&offset=0", srv.URL, h.Topic), `document.querySelectorAll("section.trace").length === 1`)

@@ -288,7 +288,16 @@ func (o *Ops) Trace(ctx context.Context, q TraceQuery, kc *kgo.Client) (TraceRes
 	if len(origins) == 0 {
 		return res, nil
 	}
-	f, err := o.traceFacts(ctx, q.Topic, origins)
+	keys := map[traceOrigin][]byte{}
+	for org, r := range found {
+		keys[org] = r.key
+	}
+	if q.Key != nil {
+		for _, org := range origins {
+			keys[org] = q.Key
+		}
+	}
+	f, err := o.traceFacts(ctx, q.Topic, origins, keys)
 	if err != nil {
 		return TraceResult{}, err
 	}
@@ -608,7 +617,7 @@ type traceFacts struct {
 	dead      map[traceOrigin]traceDead
 	outbox    map[traceOrigin][]traceCopy
 	releases  map[traceOrigin][]traceRelease
-	history   map[traceOrigin][]traceHistory // record_history: skipped duplicates, past waits behind a key
+	history   map[traceOrigin][]traceHistory // skipped_duplicates and held_history: what the tables above forgot
 	keys      []HeldKey                      // the held keys of the records' keys
 	// tiers are the copies of the records found in the retry tiers' topics (tierHistory).
 	tiers map[traceOrigin][]tierCopy
@@ -653,7 +662,8 @@ type traceHeld struct {
 	behind      *int64
 }
 
-// traceHistory is a row of record_history: what the tables of the retry path forgot of a record.
+// traceHistory is what the tables of the retry path forgot of a record: that it was skipped as a
+// duplicate (a skipped_duplicates row), or waited behind its key (its part of a held_history row).
 type traceHistory struct {
 	event          string // skipped_duplicate or held
 	at             time.Time
@@ -690,8 +700,9 @@ type traceRelease struct {
 	actor, reason, why string
 }
 
-// traceFacts reads, in one snapshot, what the group's tables keep about origins of topic.
-func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigin) (*traceFacts, error) {
+// traceFacts reads, in one snapshot, what the group's tables keep about origins of topic; keys
+// are their keys read from Kafka, if any (a past wait behind a key is found by the key).
+func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigin, keys map[traceOrigin][]byte) (*traceFacts, error) {
 	f := &traceFacts{positions: map[int32]tracePosition{}, retries: map[traceOrigin]traceRetry{}, held: map[traceOrigin]traceHeld{},
 		dead: map[traceOrigin]traceDead{}, outbox: map[traceOrigin][]traceCopy{}, releases: map[traceOrigin][]traceRelease{},
 		history: map[traceOrigin][]traceHistory{}}
@@ -761,13 +772,13 @@ func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigi
 					cp = traceCopy{}
 					return nil
 				}},
-			{"record history", `SELECT partition, "offset", event, at, until, behind, idempotency_key, key_hash, first_partition, first_offset,
+			{"skipped duplicates", `SELECT partition, "offset", skipped_at, idempotency_key, key_hash, first_partition, first_offset,
 					stream::text, stream_seq
-				FROM ` + o.table("record_history") + ` WHERE consumer_group = $1 AND topic = $2 ` + in + ` ORDER BY at`,
+				FROM ` + o.table("skipped_duplicates") + ` WHERE consumer_group = $1 AND topic = $2 ` + in,
 				[]any{o.group, topic, parts, offs},
-				[]any{&org.partition, &org.offset, &hs.event, &hs.at, &hs.until, &hs.behind, &hs.idempotencyKey, &hs.keyHash, &fp, &fo,
-					&hs.stream, &hs.streamSeq},
+				[]any{&org.partition, &org.offset, &hs.at, &hs.idempotencyKey, &hs.keyHash, &fp, &fo, &hs.stream, &hs.streamSeq},
 				func() error {
+					hs.event = "skipped_duplicate"
 					if fp != nil && fo != nil {
 						hs.first = &TraceRef{Partition: *fp, Offset: *fo}
 					}
@@ -800,12 +811,66 @@ func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigi
 		if err := o.traceEvents(ctx, tx, f); err != nil {
 			return err
 		}
+		if err := o.traceWaits(ctx, tx, topic, origins, keys, f); err != nil {
+			return err
+		}
 		return o.traceKeys(ctx, tx, topic, f)
 	})
 	if err != nil {
 		return nil, err
 	}
 	return f, nil
+}
+
+// traceWaits reads, from held_history, the past waits behind their key of origins whose key is
+// known (from Kafka, keys, or the tables, f): each record's part of its key's last row starting
+// at or before its offset.
+func (o *Ops) traceWaits(ctx context.Context, tx pgx.Tx, topic string, origins []traceOrigin, keys map[traceOrigin][]byte, f *traceFacts) error {
+	var parts []int32
+	var offs []int64
+	var ks [][]byte
+	for _, org := range origins {
+		k, ok := keys[org]
+		switch {
+		case ok:
+		case f.held[org].key != nil:
+			k = f.held[org].key
+		case f.dead[org].key != nil:
+			k = f.dead[org].key
+		case f.retries[org].key != nil:
+			k = f.retries[org].key
+		}
+		if k != nil {
+			parts, offs, ks = append(parts, org.partition), append(offs, org.offset), append(ks, k)
+		}
+	}
+	if len(ks) == 0 {
+		return nil
+	}
+	rows, err := tx.Query(ctx, `SELECT u.p, u.o, h.held_at[i], h.behind[i], h.until
+		FROM unnest($3::int[], $4::bigint[], $5::bytea[]) AS u(p, o, k)
+		CROSS JOIN LATERAL (SELECT * FROM `+o.table("held_history")+` h
+			WHERE h.consumer_group = $1 AND h.topic = $2 AND h.partition = u.p AND h.key_hash = sha256(u.k) AND h.first_offset <= u.o
+			ORDER BY h.first_offset DESC LIMIT 1) h
+		CROSS JOIN LATERAL array_position(h.offsets, u.o) AS i
+		WHERE i IS NOT NULL`, o.group, topic, parts, offs, ks)
+	if err != nil {
+		return fmt.Errorf("trace: read past waits behind keys: %w", err)
+	}
+	var org traceOrigin
+	var hs traceHistory
+	var until time.Time
+	_, err = pgx.ForEachRow(rows, []any{&org.partition, &org.offset, &hs.at, &hs.behind, &until}, func() error {
+		u := until
+		hs.event, hs.until = "held", &u
+		f.history[org] = append(f.history[org], hs)
+		hs = traceHistory{}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("trace: read past waits behind keys: %w", err)
+	}
+	return nil
 }
 
 // traceEvents reads the history of the dead letters in f.
@@ -1127,7 +1192,7 @@ func waitText(d time.Duration) string {
 	return d.Round(100 * time.Millisecond).String()
 }
 
-// skipStep is the step of a record skipped as a duplicate (h, its record_history row), of topic.
+// skipStep is the step of a record skipped as a duplicate (h, its skipped_duplicates row), of topic.
 func skipStep(topic string, h traceHistory) TraceStep {
 	st := TraceStep{At: h.at, Kind: StepSkippedDuplicate, First: h.first}
 	by := "its idempotency key"
