@@ -214,9 +214,10 @@ const (
 // kafkapg keeps little history of a record it applied: an applied record is one that the
 // partition's position passed and that no table of the retry path holds; skipped_duplicates says
 // which of those were skipped as duplicates, and held_history how long a record waited behind its
-// key (found by the record's key: read from Kafka, or from the tables). For a key, the records are those Postgres keeps in
-// the retry path plus those of the last q.Scan records of each partition (read from Kafka with a
-// short-lived consumer built from kc's options), newest (highest offset) first, at most q.Limit.
+// key (found by the record's key: read from Kafka, or from the tables). For a key, the records
+// are those Postgres keeps in the retry path plus those of the last q.Scan records of each
+// partition (read from Kafka with a short-lived consumer built from kc's options), newest
+// (highest offset) first, at most q.Limit.
 // Kafka reads stop after 15 seconds; what they could not check is in the result's notes.
 //
 // q.Topic must be one of the group's (CheckTopic: bad usage otherwise). A process runs at most
