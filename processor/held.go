@@ -101,6 +101,9 @@ const (
 	// Config.IdempotencyRetention, pruneHistoryBatch rows a statement.
 	pruneHistoryEvery = time.Minute
 	pruneHistoryBatch = 1000
+	// pruneHistoryBudget bounds the time a prune takes from applying held records: it goes on
+	// with its next batch only within it, and leaves the rest to the next prune.
+	pruneHistoryBudget = time.Second
 )
 
 func (d *heldApplier) run() {
@@ -142,11 +145,13 @@ func (d *heldApplier) run() {
 }
 
 // pruneHistory deletes the group's skipped_duplicates and held_history rows older than
-// Config.IdempotencyRetention, a batch at a time, until none is left or the heldApplier stops. A failure is logged and tried
-// again at the next prune: the rows wait, nothing else does.
+// Config.IdempotencyRetention, a batch at a time, until none is left, pruneHistoryBudget has
+// passed, or the heldApplier stops. A failure is logged and tried again at the next prune: the
+// rows wait, nothing else does.
 func (d *heldApplier) pruneHistory() {
-	before := time.Now().Add(-d.p.cfg.IdempotencyRetention)
-	for {
+	start := time.Now()
+	before := start.Add(-d.p.cfg.IdempotencyRetention)
+	for time.Since(start) < pruneHistoryBudget {
 		select {
 		case <-d.stopping:
 			return
@@ -155,7 +160,7 @@ func (d *heldApplier) pruneHistory() {
 		n, err := d.p.retry.PruneHistory(d.ctx, d.p.pool, before, pruneHistoryBatch)
 		if err != nil {
 			if d.ctx.Err() == nil {
-				d.log.Warn("cannot prune the record history; will try again", "err", err)
+				d.log.Warn("cannot prune what traces keep of skipped duplicates and held records; will try again", "err", err)
 			}
 			return
 		}
