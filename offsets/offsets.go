@@ -107,7 +107,9 @@ func NewStore(schema, group string) *Store {
 			SET owner_token = EXCLUDED.owner_token, owner = EXCLUDED.owner, claimed_at = now()
 			WHERE o.owner_token <= $6
 			RETURNING topic, partition, owner_token, next_offset, keys_epoch, start_offset`,
-		advanceSQL: `UPDATE ` + t + ` SET next_offset = $5, updated_at = now()
+		// clock_timestamp(): the time of the advance, which a trace tells after the batch's
+		// failures (timed in the transaction), not now(), the transaction's start.
+		advanceSQL: `UPDATE ` + t + ` SET next_offset = $5, updated_at = clock_timestamp()
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3
 			AND owner_token = $4 AND next_offset IS NOT DISTINCT FROM $6 AND keys_epoch = $7`,
 		readSQL: `SELECT owner_token, next_offset, keys_epoch, start_offset FROM ` + t + `

@@ -96,13 +96,26 @@ const (
 	// held_records analyzed, at most once every analyzeHeldEvery.
 	analyzeHeldAfter = 10_000
 	analyzeHeldEvery = time.Minute
+	// pruneHistoryEvery is how often a heldApplier deletes the rows of skipped_duplicates and
+	// held_history (what a trace tells of skipped duplicates and held records) older than
+	// Config.IdempotencyRetention, pruneHistoryBatch rows a statement.
+	pruneHistoryEvery = time.Minute
+	pruneHistoryBatch = 1000
+	// pruneHistoryBudget bounds the time a prune takes from applying held records: it goes on
+	// with its next batch only within it, and leaves the rest to the next prune.
+	pruneHistoryBudget = time.Second
 )
 
 func (d *heldApplier) run() {
 	defer close(d.done)
 	tick := time.NewTicker(heldInterval)
 	defer tick.Stop()
+	var pruned time.Time
 	for {
+		if time.Since(pruned) >= pruneHistoryEvery {
+			pruned = time.Now()
+			d.pruneHistory()
+		}
 		var keys []retrytopics.Key
 		err := d.p.inPlace(d.ctx, d.stopping, d.log, "", nil, func() (err error) {
 			keys, err = d.p.retry.ReadyKeys(d.ctx, d.p.pool, d.p.cfg.Topics, readyKeysPerRead)
@@ -127,6 +140,32 @@ func (d *heldApplier) run() {
 			return
 		case <-d.wake:
 		case <-tick.C:
+		}
+	}
+}
+
+// pruneHistory deletes the group's skipped_duplicates and held_history rows older than
+// Config.IdempotencyRetention, a batch at a time, until none is left, pruneHistoryBudget has
+// passed, or the heldApplier stops. A failure is logged and tried again at the next prune: the
+// rows wait, nothing else does.
+func (d *heldApplier) pruneHistory() {
+	start := time.Now()
+	before := start.Add(-d.p.cfg.IdempotencyRetention)
+	for time.Since(start) < pruneHistoryBudget {
+		select {
+		case <-d.stopping:
+			return
+		default:
+		}
+		n, err := d.p.retry.PruneHistory(d.ctx, d.p.pool, before, pruneHistoryBatch)
+		if err != nil {
+			if d.ctx.Err() == nil {
+				d.log.Warn("cannot prune what traces keep of skipped duplicates and held records; will try again", "err", err)
+			}
+			return
+		}
+		if n < pruneHistoryBatch {
+			return
 		}
 	}
 }

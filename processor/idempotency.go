@@ -18,6 +18,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/internal/keyring"
 	"github.com/kafkapg/kafkapg/internal/streams"
+	"github.com/kafkapg/kafkapg/retrytopics"
 	"github.com/kafkapg/kafkapg/sink"
 )
 
@@ -167,6 +168,7 @@ func KeyFromJSON(path string) IdempotencyKey {
 // back.
 func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key IdempotencyKey, recs []*Record) ([]*Record, []int, error) {
 	hashes := make([]*[32]byte, len(recs))
+	keys := make([][]byte, len(recs))
 	for i, r := range recs {
 		r.duplicate = nil
 		k, err := p.idempotencyKey(key, r)
@@ -175,9 +177,10 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 		}
 		if k != nil {
 			h := p.keyHash(source, k)
-			hashes[i] = &h
+			hashes[i], keys[i] = &h, k
 		}
 	}
+	var byStream map[int]streams.Header // the records their stream decided, by index
 	byKey := make([]int, 0, len(recs))
 	var streamsDone func() error
 	if isMessageIDKey(key) {
@@ -198,6 +201,12 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 			if err != nil {
 				return nil, nil, err
 			}
+			byStream = map[int]streams.Header{}
+			for j, i := range nums {
+				if !slices.Contains(keyed, i) {
+					byStream[i] = evs[j].Header
+				}
+			}
 			byKey = append(byKey, keyed...)
 			slices.Sort(byKey)
 			streamsDone = done
@@ -217,6 +226,9 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 			return nil, nil, err
 		}
 	}
+	if err := p.keepSkipped(ctx, tx, recs, keys, hashes, byStream); err != nil {
+		return nil, nil, err
+	}
 	live := make([]*Record, 0, len(recs))
 	var index []int
 	for i, r := range recs {
@@ -235,6 +247,36 @@ func (p *Processor) dedupe(ctx context.Context, tx pgx.Tx, source string, key Id
 		}
 	}
 	return live, index, nil
+}
+
+// keepSkipped keeps in skipped_duplicates, in tx, the records of recs marked duplicate (but those a
+// replay brought back: their dead letter's history tells it), with their idempotency key (keys,
+// hashes), what decided them (byStream: their stream, by index; by key otherwise) and the copy
+// applied before if it is in recs: an earlier record with the same key, not a duplicate. Nothing
+// (no round trip) when none is a duplicate.
+func (p *Processor) keepSkipped(ctx context.Context, tx pgx.Tx, recs []*Record, keys [][]byte, hashes []*[32]byte, byStream map[int]streams.Header) error {
+	var skips []retrytopics.Skip
+	for i, r := range recs {
+		if r.duplicate == nil || r.deadLetter != 0 {
+			continue
+		}
+		sk := retrytopics.Skip{Origin: retrytopics.Origin{Topic: r.Topic, Partition: r.Partition, Offset: r.Offset},
+			IdempotencyKey: keys[i], KeyHash: r.duplicate}
+		for j := range i {
+			if recs[j].duplicate == nil && hashes[j] != nil && *hashes[j] == *hashes[i] {
+				sk.First = &retrytopics.Origin{Topic: recs[j].Topic, Partition: recs[j].Partition, Offset: recs[j].Offset}
+				break
+			}
+		}
+		if h, ok := byStream[i]; ok {
+			sk.Stream, sk.Seq = h.Stream, h.Seq
+		}
+		skips = append(skips, sk)
+	}
+	if err := p.retry.Skipped(ctx, tx, skips); err != nil {
+		return own(err)
+	}
+	return nil
 }
 
 // dedupeByKey records the keys of recs[i] for i in which (in order), the first of a key in the

@@ -163,6 +163,15 @@ func TestStreamsDecideCopiesByNumber(t *testing.T) {
 		}
 		return nil
 	})
+	// The copy of 3 (offset 6) was skipped by its number: its trace names the stream and the
+	// number, and says it was not applied (issue 42).
+	res, err := o.Trace(ctx, ops.TraceQuery{Topic: h.Topic, Partition: 0, Offset: 6}, k.Client(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := res.Records[0]; r.State != ops.TraceSkippedDuplicate || !strings.Contains(r.Now, "skipped as a duplicate by its stream "+streamA+", event number 3 (message id \"m3\")") {
+		t.Errorf("trace of the copy of 3: %s %q, want skipped as a duplicate by stream A's number 3", r.State, r.Now)
+	}
 	if keys := ringKeys(t, h.Pool); keys != 2 {
 		t.Errorf("%d idempotency keys recorded, want 2: A's 1 and 2, below the first number observed (3)", keys)
 	}

@@ -26,6 +26,11 @@ import (
 // holds a record behind the key, applies the key's head or hands the key over to its next held
 // record first locks that row (SELECT ... FOR UPDATE), so a record cannot be held behind a key
 // that is being released at the same moment and then be forgotten.
+//
+// The times of a record's steps (sent to a tier, held, dead-lettered, kept in skipped_duplicates and held_history) are
+// clock_timestamp(), not now(): now() is when the transaction began, before the failure it
+// records (timed by the processor's clock, in the transaction), and a trace tells the steps in
+// time order.
 type Store struct {
 	group       string
 	retries     string
@@ -35,6 +40,8 @@ type Store struct {
 	events      string
 	offsets     string
 	tasks       string
+	skipped     string
+	heldHistory string
 }
 
 // NewStore returns a Store for group whose tables live in schema.
@@ -49,6 +56,8 @@ func NewStore(schema, group string) *Store {
 		events:      t("dead_letter_events"),
 		offsets:     t("offsets"),
 		tasks:       t("tasks"),
+		skipped:     t("skipped_duplicates"),
+		heldHistory: t("held_history"),
 	}
 }
 
@@ -174,13 +183,18 @@ func (s *Store) LockHeldKeys(ctx context.Context, tx pgx.Tx, topic string, parti
 	return held, nil
 }
 
-// Hold stores records behind their held keys. The caller holds the keys' locks (LockHeldKeys).
+// Hold stores records behind their held keys, each with the record it waits behind (behind): the
+// key's head, or, with the head settled, the first record held before it. The caller holds the
+// keys' locks (LockHeldKeys).
 func (s *Store) Hold(ctx context.Context, tx pgx.Tx, recs []Rec) error {
 	b := &pgx.Batch{}
 	for _, r := range recs {
 		keys, vals := sink.SplitHeaders(r.Headers)
-		b.Queue(`INSERT INTO `+s.heldRecords+` (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp")
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)`,
+		b.Queue(`INSERT INTO `+s.heldRecords+` (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp", held_at, behind)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, clock_timestamp(), (SELECT coalesce(k.head_offset,
+					(SELECT min(r."offset") FROM `+s.heldRecords+` r
+						WHERE r.consumer_group = $1 AND r.topic = $2 AND r.partition = $3 AND r.key_hash = sha256($5::bytea) AND r.key = $5))
+				FROM `+s.heldKeys+` k WHERE k.consumer_group = $1 AND k.topic = $2 AND k.partition = $3 AND k.key_hash = sha256($5::bytea) AND k.key = $5))`,
 			s.group, r.Topic, r.Partition, r.Offset, r.Key, r.Value, keys, vals, r.Timestamp.UnixMilli())
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
@@ -266,13 +280,13 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 				return err
 			}
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message, dead_letter_id, tier)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, nullif($11::bigint, 0), $12)`,
+		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message, dead_letter_id, tier, updated_at)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, nullif($11::bigint, 0), $12, clock_timestamp())`,
 			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage), m.DeadLetter, m.Tier); err != nil {
 			return fmt.Errorf("store retry state of %s: %w", m.Origin, err)
 		}
 	case FromTier:
-		tag, err := tx.Exec(ctx, `UPDATE `+s.retries+` SET attempt = $6, due_at = $7, error_class = $8, error_message = $9, tier = $10, updated_at = now()
+		tag, err := tx.Exec(ctx, `UPDATE `+s.retries+` SET attempt = $6, due_at = $7, error_class = $8, error_message = $9, tier = $10, updated_at = clock_timestamp()
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4 AND attempt = $5`,
 			s.group, m.Topic, m.Partition, m.Offset, m.Attempt, next, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage), m.Tier)
 		if err != nil {
@@ -336,15 +350,15 @@ func (s *Store) DeadLetter(ctx context.Context, tx pgx.Tx, m Move) error {
 	keys, vals := sink.SplitHeaders(m.Headers)
 	if _, err := tx.Exec(ctx, `WITH d AS (
 			INSERT INTO `+s.deadLetters+` AS d (consumer_group, topic, partition, "offset", key, value, header_keys, header_values, "timestamp",
-				error_class, error_message, attempts, first_failed_at, idempotency_key_hash)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+				error_class, error_message, attempts, first_failed_at, idempotency_key_hash, dead_lettered_at)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, clock_timestamp())
 			ON CONFLICT (consumer_group, topic, partition, "offset") DO UPDATE
-			SET status = 'new', status_changed_at = now(), dead_lettered_at = now(), error_class = EXCLUDED.error_class,
+			SET status = 'new', status_changed_at = now(), dead_lettered_at = EXCLUDED.dead_lettered_at, error_class = EXCLUDED.error_class,
 				error_message = EXCLUDED.error_message, attempts = EXCLUDED.attempts,
 				idempotency_key_hash = coalesce(EXCLUDED.idempotency_key_hash, d.idempotency_key_hash)
 			RETURNING id)
-		INSERT INTO `+s.events+` (dead_letter_id, event, attempt, error_class, error_message)
-			SELECT id, 'dead_lettered', $12, $10, $11 FROM d`,
+		INSERT INTO `+s.events+` (dead_letter_id, event, attempt, error_class, error_message, at)
+			SELECT id, 'dead_lettered', $12, $10, $11, clock_timestamp() FROM d`,
 		s.group, m.Topic, m.Partition, m.Offset, m.Key, m.Value, keys, vals, m.Timestamp.UnixMilli(),
 		m.Class, safetext.Text(m.Message, maxStoredMessage), m.Attempt, m.FirstFailedAt, m.IdempotencyKeyHash); err != nil {
 		return fmt.Errorf("store dead letter %s: %w", m.Origin, err)
@@ -499,12 +513,19 @@ func (s *Store) AppliedHeldKeys(ctx context.Context, tx pgx.Tx, keys []Key, recs
 		// held record of the partition against the array: 80 ms a transaction at 100,000 held
 		// records.) Any other record in the range would make the count differ, and the
 		// transaction fail.
-		b.Queue(`DELETE FROM `+s.heldRecords+`
-			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
-			AND "offset" BETWEEN $5 AND $6`,
-			s.group, k.Topic, k.Partition, k.Key, applied[0].Offset, applied[len(applied)-1].Offset).Exec(func(tag pgconn.CommandTag) error {
-			if tag.RowsAffected() != int64(len(applied)) && stale == nil {
-				stale = fmt.Errorf("deleted %d of %d applied held records: %w", tag.RowsAffected(), len(applied), ErrStale)
+		b.Queue(`WITH gone AS (DELETE FROM `+s.heldRecords+`
+				WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND key_hash = sha256($4::bytea) AND key = $4
+				AND "offset" BETWEEN $5 AND $6
+				RETURNING key, "offset", held_at, behind, dead_letter_id)
+			`+s.keepHeldSQL("gone")+`
+			SELECT count(*) FROM gone`,
+			s.group, k.Topic, k.Partition, k.Key, applied[0].Offset, applied[len(applied)-1].Offset).QueryRow(func(row pgx.Row) error {
+			var n int64
+			if err := row.Scan(&n); err != nil {
+				return err
+			}
+			if n != int64(len(applied)) && stale == nil {
+				stale = fmt.Errorf("deleted %d of %d applied held records: %w", n, len(applied), ErrStale)
 			}
 			return nil
 		})
@@ -576,15 +597,105 @@ func statusIs(status string) string { return `status || '' = '` + status + `'` }
 
 // unhold deletes a held record, failing if it is not there.
 func (s *Store) unhold(ctx context.Context, tx pgx.Tx, o Origin) error {
-	tag, err := tx.Exec(ctx, `DELETE FROM `+s.heldRecords+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4`,
-		s.group, o.Topic, o.Partition, o.Offset)
+	var n int64
+	err := tx.QueryRow(ctx, `WITH gone AS (DELETE FROM `+s.heldRecords+` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 AND "offset" = $4
+			RETURNING key, "offset", held_at, behind, dead_letter_id)
+		`+s.keepHeldSQL("gone")+`
+		SELECT count(*) FROM gone`,
+		s.group, o.Topic, o.Partition, o.Offset).Scan(&n)
 	if err != nil {
 		return fmt.Errorf("delete held record %s: %w", o, err)
 	}
-	if tag.RowsAffected() != 1 {
+	if n != 1 {
 		return fmt.Errorf("held record %s: %w", o, ErrStale)
 	}
 	return nil
+}
+
+// keepHeldSQL is the part of a statement, after the CTE gone (held_records rows of the group $1
+// and the partition $2, $3 just deleted, returning key, "offset", held_at, behind,
+// dead_letter_id), that keeps in held_history that they waited behind their key, and until now:
+// what a trace tells of them after held_records forgot them. A row per key: a drain of a key's
+// held records writes one per transaction, not one per record. A replayed dead letter waited
+// there to be applied, not behind its key: its dead letter's history tells it.
+func (s *Store) keepHeldSQL(gone string) string {
+	return `, kept AS (INSERT INTO ` + s.heldHistory + ` (consumer_group, topic, partition, key_hash, first_offset, offsets, held_at, behind, until)
+			SELECT $1, $2, $3, sha256(g.key), min(g."offset"), array_agg(g."offset" ORDER BY g."offset"), array_agg(g.held_at ORDER BY g."offset"),
+				array_agg(g.behind ORDER BY g."offset"), clock_timestamp()
+			FROM ` + gone + ` g WHERE g.dead_letter_id IS NULL GROUP BY g.key
+			ON CONFLICT (consumer_group, topic, partition, key_hash, first_offset) DO UPDATE
+			SET offsets = EXCLUDED.offsets, held_at = EXCLUDED.held_at, behind = EXCLUDED.behind, until = EXCLUDED.until)`
+}
+
+// Skip is a record skipped as a duplicate by its idempotency key: the handler never got it.
+type Skip struct {
+	Origin
+	// IdempotencyKey is the record's idempotency key (its first MaxSkipKeyBytes bytes are kept),
+	// and KeyHash the hash the key ring has of it.
+	IdempotencyKey []byte
+	KeyHash        []byte
+	// First is the copy applied before, when the skip knew it (an earlier record of its batch);
+	// nil otherwise (the key ring keeps only hashes).
+	First *Origin
+	// Stream and Seq are the stream and number of an event a kafkapg service emitted that its
+	// stream decided was applied before; a zero Stream otherwise.
+	Stream [16]byte
+	Seq    int64
+}
+
+// MaxSkipKeyBytes bounds the idempotency key skipped_duplicates keeps of a skipped record.
+const MaxSkipKeyBytes = 256
+
+// Skipped keeps in skipped_duplicates, in tx (the transaction that moves the records' position), that
+// recs were skipped as duplicates: what a trace tells of them, where the key ring keeps only a
+// hash. One round trip; none if recs is empty.
+func (s *Store) Skipped(ctx context.Context, tx pgx.Tx, recs []Skip) error {
+	if len(recs) == 0 {
+		return nil
+	}
+	n := len(recs)
+	topics, parts, offs := make([]string, n), make([]int32, n), make([]int64, n)
+	keys, hashes := make([][]byte, n), make([][]byte, n)
+	firstP, firstO := make([]*int32, n), make([]*int64, n)
+	streams, seqs := make([]*string, n), make([]*int64, n)
+	for i, r := range recs {
+		topics[i], parts[i], offs[i] = r.Topic, r.Partition, r.Offset
+		keys[i], hashes[i] = r.IdempotencyKey[:min(len(r.IdempotencyKey), MaxSkipKeyBytes)], r.KeyHash
+		if r.First != nil {
+			firstP[i], firstO[i] = &r.First.Partition, &r.First.Offset
+		}
+		if r.Stream != [16]byte{} {
+			id := fmt.Sprintf("%x", r.Stream[:])
+			streams[i], seqs[i] = &id, &recs[i].Seq
+		}
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO `+s.skipped+` (consumer_group, topic, partition, "offset", skipped_at, idempotency_key, key_hash,
+			first_partition, first_offset, stream, stream_seq)
+		SELECT $1, t, p, o, clock_timestamp(), k, kh, fp, fo, st::uuid, sq
+		FROM unnest($2::text[], $3::int[], $4::bigint[], $5::bytea[], $6::bytea[], $7::int[], $8::bigint[], $9::text[], $10::bigint[])
+			AS u(t, p, o, k, kh, fp, fo, st, sq)
+		ON CONFLICT (consumer_group, topic, partition, "offset") DO UPDATE
+		SET skipped_at = EXCLUDED.skipped_at, idempotency_key = EXCLUDED.idempotency_key, key_hash = EXCLUDED.key_hash,
+			first_partition = EXCLUDED.first_partition, first_offset = EXCLUDED.first_offset, stream = EXCLUDED.stream, stream_seq = EXCLUDED.stream_seq`,
+		s.group, topics, parts, offs, keys, hashes, firstP, firstO, streams, seqs); err != nil {
+		return fmt.Errorf("keep %d skipped duplicates (from %s): %w", n, recs[0].Origin, err)
+	}
+	return nil
+}
+
+// PruneHistory deletes up to limit rows of each of the group's skipped_duplicates and
+// held_history older than before, and returns how many it deleted.
+func (s *Store) PruneHistory(ctx context.Context, db Execer, before time.Time, limit int) (int64, error) {
+	n := int64(0)
+	for _, t := range []struct{ table, at string }{{s.skipped, "skipped_at"}, {s.heldHistory, "until"}} {
+		tag, err := db.Exec(ctx, `DELETE FROM `+t.table+` WHERE ctid = ANY(ARRAY(SELECT ctid FROM `+t.table+`
+			WHERE `+t.at+` < $1 AND consumer_group = $3 LIMIT $2))`, before, limit, s.group)
+		if err != nil {
+			return n, fmt.Errorf("prune %s: %w", t.table, err)
+		}
+		n = max(n, tag.RowsAffected())
+	}
+	return n, nil
 }
 
 // release settles a key's head: the key becomes ready if records are held behind it, and is no

@@ -305,6 +305,20 @@ func TestOperatorAPI(t *testing.T) {
 		!strings.Contains(body, `topic \"hr.salaries\" is not one of group dg's topics: only its source topics (orders)`) {
 		t.Errorf("GET trace of another topic: %d %s; want 400 naming the group's topics", code, body)
 	}
+	// A copy skipped by its idempotency key is told as skipped, with its key and the copy
+	// applied before (issue 42).
+	if _, err := pool.Exec(ctx, `INSERT INTO kafkapg.offsets (consumer_group, topic, partition, next_offset) VALUES ('dg', 'orders', 3, 10);
+		INSERT INTO kafkapg.skipped_duplicates (consumer_group, topic, partition, "offset", skipped_at, idempotency_key, key_hash, first_partition, first_offset)
+			VALUES ('dg', 'orders', 3, 7, now(), 'pay-7', '\x0123', 3, 5)`); err != nil {
+		t.Fatal(err)
+	}
+	code, body = call("GET", "/api/v1/trace?topic=orders&partition=3&offset=7", token, "")
+	var tr ops.TraceResult
+	if err := json.Unmarshal([]byte(body), &tr); code != 200 || err != nil || len(tr.Records) != 1 || tr.Records[0].State != ops.TraceSkippedDuplicate ||
+		len(tr.Records[0].Steps) != 1 || tr.Records[0].Steps[0].IdempotencyKey != "pay-7" || tr.Records[0].Steps[0].First == nil ||
+		*tr.Records[0].Steps[0].First != (ops.TraceRef{Partition: 3, Offset: 5}) {
+		t.Errorf("GET trace of a skipped copy: %d %s; want it skipped_duplicate, naming its key and the copy applied before", code, body)
+	}
 	if code, body := call("GET", "/api/v1/dead-letters?class=retryable&limit=1", token, ""); code != 200 || strings.Count(body, `"id"`) != 1 {
 		t.Errorf("GET list with a filter and a limit: %d %s", code, body)
 	}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"regexp"
 	"strings"
 	"testing"
@@ -222,5 +223,68 @@ func TestTraceCmd(t *testing.T) {
 	}
 	if !strings.Contains(errOut.String(), "no record of key nobody in "+topic) {
 		t.Errorf("trace of an unknown key: stderr %q", errOut)
+	}
+
+	// A copy skipped by its idempotency key (offset 1, of offset 0), and a record that waited
+	// five seconds behind offset 0 (offset 2), as the processor keeps them (skipped_duplicates, held_history): the
+	// CLI and its JSON tell them as they happened (issue 42).
+	k.Produce(t, &kgo.Record{Topic: topic, Key: []byte("acct-7"), Value: []byte("v")}, &kgo.Record{Topic: topic, Key: []byte("acct-7"), Value: []byte("w")})
+	heldAt := time.Date(2026, 1, 2, 3, 4, 6, 0, time.UTC)
+	for _, q := range []string{
+		`INSERT INTO kafkapg.offsets (consumer_group, topic, partition, next_offset) VALUES ('kg', $1, 0, 3)`,
+		`INSERT INTO kafkapg.skipped_duplicates (consumer_group, topic, partition, "offset", skipped_at, idempotency_key, key_hash, first_partition, first_offset)
+			VALUES ('kg', $1, 0, 1, $2, 'pay-1', '\xabcdef0123456789ab', 0, 0)`,
+		`INSERT INTO kafkapg.held_history (consumer_group, topic, partition, key_hash, first_offset, offsets, held_at, behind, until)
+			VALUES ('kg', $1, 0, sha256('acct-7'), 2, '{2}', ARRAY[$2::timestamptz], '{0}', $2::timestamptz + interval '5 seconds')`,
+	} {
+		args := []any{topic}
+		if strings.Contains(q, "$2") {
+			args = append(args, heldAt)
+		}
+		if _, err := pool.Exec(ctx, q, args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tc := range []struct {
+		offset string
+		want   []string
+	}{
+		{"1", []string{topic + `[0]@1 key=acct-7: skipped as a duplicate by its idempotency key "pay-1" (idempotency key hash abcdef0123456789…): the copy at ` + topic + "[0]@0 was applied before it (2026-01-02T03:04:06Z)\n",
+			`  2026-01-02T03:04:06Z  skipped as a duplicate by its idempotency key "pay-1"`}},
+		{"2", []string{topic + "[0]@2 key=acct-7: applied after waiting 5s behind the record at offset 0 of its key (2026-01-02T03:04:11Z)\n",
+			"  2026-01-02T03:04:06Z  held behind the record at offset 0 of its key for 5s, until 2026-01-02T03:04:11Z\n" +
+				"  2026-01-02T03:04:11Z  applied, taken from held_records once the earlier records of its key were settled\n"}},
+	} {
+		out.Reset()
+		if err := traceCmd(ctx, c, []string{"--topic", topic, "--partition", "0", "--offset", tc.offset}); err != nil {
+			t.Fatal(err)
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(out.String(), w) {
+				t.Errorf("trace of offset %s:\n%s\nwant it to contain\n%s", tc.offset, out, w)
+			}
+		}
+	}
+	out.Reset()
+	if err := traceCmd(ctx, c, []string{"--topic", topic, "--key", "acct-7", "--json"}); err != nil {
+		t.Fatal(err)
+	}
+	res = ops.TraceResult{}
+	if err := json.Unmarshal(out.Bytes(), &res); err != nil || len(res.Records) != 3 {
+		t.Fatalf("trace --json: %v\n%s", err, out)
+	}
+	var got []string
+	for _, r := range res.Records {
+		for _, s := range r.Steps {
+			switch {
+			case s.Kind == ops.StepSkippedDuplicate && s.First != nil:
+				got = append(got, fmt.Sprintf("%d:%s:%s:first=%d@%d", r.Offset, r.State, s.IdempotencyKey, s.First.Partition, s.First.Offset))
+			case s.Kind == ops.StepHeld && s.Behind != nil && s.Until != nil:
+				got = append(got, fmt.Sprintf("%d:%s:behind=%d:for=%s", r.Offset, r.State, *s.Behind, s.Until.Sub(s.At)))
+			}
+		}
+	}
+	if want := "2:applied:behind=0:for=5s 1:skipped_duplicate:pay-1:first=0@0"; strings.Join(got, " ") != want {
+		t.Errorf("trace --json tells %q, want %q:\n%s", strings.Join(got, " "), want, out)
 	}
 }

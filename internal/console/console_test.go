@@ -996,9 +996,14 @@ func TestConsoleRetryPathInABrowser(t *testing.T) {
 	b.waitFor(`location.search.includes("key=A") && document.readyState === "complete" && document.querySelectorAll("section.trace").length > 0`)
 	paths, err := chromedp.Run(b.ctx, chromedp.Evaluate[[]string](`[...document.querySelectorAll("section.trace")].map(s => s.dataset.offset + ":" + [...s.querySelectorAll("ol.path li")].map(l => l.textContent).join(">"))`))
 	b.must(err)
-	want := "5:produced>applied 3:produced>applied 1:produced>failed>dead>released>dead 0:produced>applied"
-	if got := strings.Join(paths, " "); got != want {
+	// a3 and a4 waited behind a2 until its release: their paths keep the wait, with how long it
+	// lasted ("held 1.2s"), and their timelines behind which record.
+	want := "5:produced>held …>applied 3:produced>held …>applied 1:produced>failed>dead>released>dead 0:produced>applied"
+	if got := regexp.MustCompile(`held [0-9.]+(ms|s)`).ReplaceAllString(strings.Join(paths, " "), "held …"); got != want {
 		t.Errorf("the trace of key A draws %q, want %q", got, want)
+	}
+	if got := b.text(`section.trace[data-offset="3"] ol.timeline`); !strings.Contains(got, "held behind the record at offset 1 of its key for ") {
+		t.Errorf("a3's timeline says %q, want its wait behind a2 (offset 1)", got)
 	}
 	b.shot("trace-key")
 	b.open(fmt.Sprintf("%s/trace?topic=%s&partition=0&offset=2", srv.URL, h.Topic), `document.querySelectorAll("section.trace").length === 1`)
@@ -1006,6 +1011,26 @@ func TestConsoleRetryPathInABrowser(t *testing.T) {
 		t.Errorf("the trace of b1 draws %q, want it sent to tier 1 and waiting there", got)
 	}
 	b.shot("trace")
+
+	// A copy skipped by its idempotency key, as the processor keeps it (a1's row, as if a1 had
+	// been a copy of an earlier record at offset 4 of partition 3): its path ends skipped, not
+	// applied, and its timeline names the key and the copy applied before (issue 42).
+	if _, err := h.Pool.Exec(context.Background(), `INSERT INTO kafkapg.skipped_duplicates
+		(consumer_group, topic, partition, "offset", skipped_at, idempotency_key, key_hash, first_partition, first_offset)
+		VALUES ($1, $2, 0, 0, now(), 'pay-17', '\x0123456789abcdef01', 3, 4)`, h.Group, h.Topic); err != nil {
+		t.Fatal(err)
+	}
+	b.open(fmt.Sprintf("%s/trace?topic=%s&partition=0&offset=0", srv.URL, h.Topic), `document.querySelectorAll("section.trace").length === 1`)
+	path, err := chromedp.Run(b.ctx, chromedp.Evaluate[[]string](`[...document.querySelectorAll("section.trace ol.path li")].map(l => l.className + ":" + l.textContent)`))
+	b.must(err)
+	if got, want := strings.Join(path, " > "), "kind-produced:produced > now state-skipped_duplicate:skipped (duplicate)"; got != want {
+		t.Errorf("the path of a skipped copy is %q, want %q", got, want)
+	}
+	if got := b.text("section.trace ol.timeline"); !strings.Contains(got, `skipped as a duplicate by its idempotency key "pay-17"`) ||
+		!strings.Contains(got, fmt.Sprintf("the copy at %s[3]@4 was applied before it", h.Topic)) {
+		t.Errorf("the timeline of a skipped copy says %q, want its key and the copy applied before", got)
+	}
+	b.shot("trace-skipped")
 }
 
 // TestConsoleLinksKeepTheFilter: the dead letters' "Older →" link and the confirmation's Cancel

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/safetext"
@@ -131,8 +132,28 @@ func stepLabel(s ops.TraceStep) string {
 		return "replay"
 	case ops.StepOutbox:
 		return "outbox"
+	case ops.StepSkippedDuplicate:
+		return stateLabel[ops.TraceSkippedDuplicate]
+	case ops.StepHeld:
+		if s.Until != nil {
+			// How long it waited behind its key, once it moved on (the timeline says behind which
+			// record).
+			return "held " + waitLabel(s.Until.Sub(s.At))
+		}
 	}
 	return s.Kind
+}
+
+// waitLabel says how long a wait lasted, shortly: to the millisecond under a second, to the
+// tenth of a second under a minute, to the second above.
+func waitLabel(d time.Duration) string {
+	switch {
+	case d < time.Second:
+		return d.Round(time.Millisecond).String()
+	case d < time.Minute:
+		return d.Round(100 * time.Millisecond).String()
+	}
+	return d.Round(time.Second).String()
 }
 
 // stateLabel is where a record is now, on its path.

@@ -30,15 +30,20 @@ const (
 	// TraceApplied: the partition's position passed the record and no table of the retry path
 	// holds it; or a replay of its dead letter applied it.
 	TraceApplied = "applied"
-	// TraceSkippedDuplicate: a replay of its dead letter skipped it as a duplicate by its
-	// idempotency key: a copy of it was applied before, and the record itself never was.
+	// TraceSkippedDuplicate: it was skipped as a duplicate, never given to the handler: a copy of
+	// it was applied before, by its idempotency key (or, for an event a kafkapg service emitted,
+	// by its stream's number). Consumed (the partition's position passed it, or from a retry
+	// tier), or brought back by a replay of its dead letter. The trace names the key, or the
+	// stream, and the copy applied before when the skip knew it (an earlier record of the same
+	// batch): the key ring keeps only the keys' hashes.
 	TraceSkippedDuplicate = "skipped_duplicate"
 	// TraceInTier: the record is in a retry tier, waiting for its due time.
 	TraceInTier = "in_tier"
 	// TraceOutbox: a copy of the record waits in the outbox to be published (to its next retry
 	// tier, or, with nothing else holding the record, to any topic).
 	TraceOutbox = "outbox"
-	// TraceHeld: the record waits in held_records behind its key (or, replayed, to be applied).
+	// TraceHeld: the record waits in held_records behind an earlier record of its key (or,
+	// replayed, to be applied). Once it moved on, its trace keeps the wait as a StepHeld step.
 	TraceHeld = "held"
 	// TraceDeadLettered: the record is dead-lettered (its dead letter is new, replaying or
 	// discarded).
@@ -164,6 +169,25 @@ type TraceStep struct {
 	// Tier is the retry tier a StepTier step sent the record to; 0 for other steps.
 	Tier int    `json:"tier,omitempty"`
 	What string `json:"what"`
+	// Until is when a StepHeld step's wait ended (the record left held_records); nil while it
+	// waits, and for other steps.
+	Until *time.Time `json:"until,omitempty"`
+	// Behind is the offset of the record of its key a StepHeld step waited behind (its key's
+	// head then, or the first record held before it), when known.
+	Behind *int64 `json:"behind_offset,omitempty"`
+	// IdempotencyKey is a StepSkippedDuplicate step's idempotency key, for people (KeyText;
+	// empty if not known), Stream and StreamSeq the stream and number that decided it, for an
+	// event a kafkapg service emitted, and First the copy applied before, when known.
+	IdempotencyKey string    `json:"idempotency_key,omitempty"`
+	Stream         string    `json:"stream,omitempty"`
+	StreamSeq      int64     `json:"stream_seq,omitempty"`
+	First          *TraceRef `json:"first,omitempty"`
+}
+
+// TraceRef names a record of the traced topic.
+type TraceRef struct {
+	Partition int32 `json:"partition"`
+	Offset    int64 `json:"offset"`
 }
 
 // The kinds of a record's steps (TraceStep.Kind).
@@ -171,15 +195,15 @@ const (
 	StepProduced     = "produced"      // the record's timestamp
 	StepFailed       = "failed"        // its first failure
 	StepTier         = "tier"          // sent to a retry tier
-	StepHeld         = "held"          // held behind its key
+	StepHeld         = "held"          // held behind an earlier record of its key: which, and for how long
 	StepOutbox       = "outbox"        // a copy written to the outbox
 	StepRefused      = "refused"       // Kafka refused the copy for good
 	StepReleased     = "released"      // its key released by an operator
 	StepDeadLettered = "dead_lettered" // dead-lettered
 	StepReplayQueued = "replay_queued" // a replay brought it back
 	StepReplayed     = "replayed"      // applied by a replay
-	// StepSkippedDuplicate: a replay brought it back, and it was skipped as a duplicate by its
-	// idempotency key (a copy was applied before).
+	// StepSkippedDuplicate: it was skipped as a duplicate, consumed or brought back by a replay:
+	// by its idempotency key, or its stream's number (a copy was applied before).
 	StepSkippedDuplicate = "skipped_duplicate"
 	StepDiscarded        = "discarded" // its dead letter discarded
 	StepApplied          = "applied"   // the partition's position passed it
@@ -187,10 +211,13 @@ const (
 
 // Trace answers, for the records q chooses, where each is now and how it got there, from the
 // group's tables and, through kc, the topic's log start and end offsets (nil kc: Postgres only).
-// kafkapg keeps no history of a record it applied: an applied record is one that the partition's
-// position passed and that no table holds. For a key, the records are those Postgres keeps in
-// the retry path plus those of the last q.Scan records of each partition (read from Kafka with a
-// short-lived consumer built from kc's options), newest (highest offset) first, at most q.Limit.
+// kafkapg keeps little history of a record it applied: an applied record is one that the
+// partition's position passed and that no table of the retry path holds; skipped_duplicates says
+// which of those were skipped as duplicates, and held_history how long a record waited behind its
+// key (found by the record's key: read from Kafka, or from the tables). For a key, the records
+// are those Postgres keeps in the retry path plus those of the last q.Scan records of each
+// partition (read from Kafka with a short-lived consumer built from kc's options), newest
+// (highest offset) first, at most q.Limit.
 // Kafka reads stop after 15 seconds; what they could not check is in the result's notes.
 //
 // q.Topic must be one of the group's (CheckTopic: bad usage otherwise). A process runs at most
@@ -264,7 +291,16 @@ func (o *Ops) Trace(ctx context.Context, q TraceQuery, kc *kgo.Client) (TraceRes
 	if len(origins) == 0 {
 		return res, nil
 	}
-	f, err := o.traceFacts(ctx, q.Topic, origins)
+	keys := map[traceOrigin][]byte{}
+	for org, r := range found {
+		keys[org] = r.key
+	}
+	if q.Key != nil {
+		for _, org := range origins {
+			keys[org] = q.Key
+		}
+	}
+	f, err := o.traceFacts(ctx, q.Topic, origins, keys)
 	if err != nil {
 		return TraceResult{}, err
 	}
@@ -584,7 +620,8 @@ type traceFacts struct {
 	dead      map[traceOrigin]traceDead
 	outbox    map[traceOrigin][]traceCopy
 	releases  map[traceOrigin][]traceRelease
-	keys      []HeldKey // the held keys of the records' keys
+	history   map[traceOrigin][]traceHistory // skipped_duplicates and held_history: what the tables above forgot
+	keys      []HeldKey                      // the held keys of the records' keys
 	// tiers are the copies of the records found in the retry tiers' topics (tierHistory).
 	tiers map[traceOrigin][]tierCopy
 }
@@ -625,6 +662,21 @@ type traceHeld struct {
 	heldAt      time.Time
 	attempt     int
 	deadLetter  int64
+	behind      *int64
+}
+
+// traceHistory is what the tables of the retry path forgot of a record: that it was skipped as a
+// duplicate (a skipped_duplicates row), or waited behind its key (its part of a held_history row).
+type traceHistory struct {
+	event          string // skipped_duplicate or held
+	at             time.Time
+	until          *time.Time
+	behind         *int64
+	idempotencyKey []byte
+	keyHash        []byte
+	first          *TraceRef
+	stream         *string
+	streamSeq      *int64
 }
 
 type traceDead struct {
@@ -651,10 +703,12 @@ type traceRelease struct {
 	actor, reason, why string
 }
 
-// traceFacts reads, in one snapshot, what the group's tables keep about origins of topic.
-func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigin) (*traceFacts, error) {
+// traceFacts reads, in one snapshot, what the group's tables keep about origins of topic; keys
+// are their keys read from Kafka, if any (a past wait behind a key is found by the key).
+func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigin, keys map[traceOrigin][]byte) (*traceFacts, error) {
 	f := &traceFacts{positions: map[int32]tracePosition{}, retries: map[traceOrigin]traceRetry{}, held: map[traceOrigin]traceHeld{},
-		dead: map[traceOrigin]traceDead{}, outbox: map[traceOrigin][]traceCopy{}, releases: map[traceOrigin][]traceRelease{}}
+		dead: map[traceOrigin]traceDead{}, outbox: map[traceOrigin][]traceCopy{}, releases: map[traceOrigin][]traceRelease{},
+		history: map[traceOrigin][]traceHistory{}}
 	parts := make([]int32, len(origins))
 	offs := make([]int64, len(origins))
 	partText := make([]string, len(origins))
@@ -680,6 +734,9 @@ func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigi
 			dl     traceDead
 			cp     traceCopy
 			rl     traceRelease
+			hs     traceHistory
+			fp     *int32
+			fo     *int64
 			p, off []byte
 			rp, ro string
 		)
@@ -694,10 +751,10 @@ func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigi
 				[]any{o.group, topic, parts, offs},
 				[]any{&org.partition, &org.offset, &rt.key, &rt.attempt, &rt.firstFailed, &rt.due, &rt.updated, &rt.class, &rt.message, &rt.tier},
 				func() error { f.retries[org] = rt; rt = traceRetry{}; return nil }},
-			{"held records", `SELECT partition, "offset", key, keyless, "timestamp", held_at, attempt, coalesce(dead_letter_id, 0), ` + traceparentSQL + `
+			{"held records", `SELECT partition, "offset", key, keyless, "timestamp", held_at, attempt, coalesce(dead_letter_id, 0), behind, ` + traceparentSQL + `
 				FROM ` + o.table("held_records") + ` WHERE consumer_group = $1 AND topic = $2 ` + in,
 				[]any{o.group, topic, parts, offs},
-				[]any{&org.partition, &org.offset, &hr.key, &hr.keyless, &hr.timestamp, &hr.heldAt, &hr.attempt, &hr.deadLetter, &hr.traceparent},
+				[]any{&org.partition, &org.offset, &hr.key, &hr.keyless, &hr.timestamp, &hr.heldAt, &hr.attempt, &hr.deadLetter, &hr.behind, &hr.traceparent},
 				func() error { f.held[org] = hr; hr = traceHeld{}; return nil }},
 			{"dead letters", `SELECT partition, "offset", id, key, "timestamp", error_class, error_message, status, attempts,
 					first_failed_at, dead_lettered_at, status_changed_at, ` + traceparentSQL + `
@@ -716,6 +773,20 @@ func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigi
 						f.outbox[org] = append(f.outbox[org], cp)
 					}
 					cp = traceCopy{}
+					return nil
+				}},
+			{"skipped duplicates", `SELECT partition, "offset", skipped_at, idempotency_key, key_hash, first_partition, first_offset,
+					stream::text, stream_seq
+				FROM ` + o.table("skipped_duplicates") + ` WHERE consumer_group = $1 AND topic = $2 ` + in,
+				[]any{o.group, topic, parts, offs},
+				[]any{&org.partition, &org.offset, &hs.at, &hs.idempotencyKey, &hs.keyHash, &fp, &fo, &hs.stream, &hs.streamSeq},
+				func() error {
+					hs.event = "skipped_duplicate"
+					if fp != nil && fo != nil {
+						hs.first = &TraceRef{Partition: *fp, Offset: *fo}
+					}
+					f.history[org] = append(f.history[org], hs)
+					hs, fp, fo = traceHistory{}, nil, nil
 					return nil
 				}},
 			{"key releases", `SELECT detail->>'partition', detail->>'head_offset', at, actor, reason, coalesce(detail->>'reason', '')
@@ -743,12 +814,66 @@ func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigi
 		if err := o.traceEvents(ctx, tx, f); err != nil {
 			return err
 		}
+		if err := o.traceWaits(ctx, tx, topic, origins, keys, f); err != nil {
+			return err
+		}
 		return o.traceKeys(ctx, tx, topic, f)
 	})
 	if err != nil {
 		return nil, err
 	}
 	return f, nil
+}
+
+// traceWaits reads, from held_history, the past waits behind their key of origins whose key is
+// known (from Kafka, keys, or the tables, f): each record's part of its key's last row starting
+// at or before its offset.
+func (o *Ops) traceWaits(ctx context.Context, tx pgx.Tx, topic string, origins []traceOrigin, keys map[traceOrigin][]byte, f *traceFacts) error {
+	var parts []int32
+	var offs []int64
+	var ks [][]byte
+	for _, org := range origins {
+		k, ok := keys[org]
+		switch {
+		case ok:
+		case f.held[org].key != nil:
+			k = f.held[org].key
+		case f.dead[org].key != nil:
+			k = f.dead[org].key
+		case f.retries[org].key != nil:
+			k = f.retries[org].key
+		}
+		if k != nil {
+			parts, offs, ks = append(parts, org.partition), append(offs, org.offset), append(ks, k)
+		}
+	}
+	if len(ks) == 0 {
+		return nil
+	}
+	rows, err := tx.Query(ctx, `SELECT u.p, u.o, h.held_at[i], h.behind[i], h.until
+		FROM unnest($3::int[], $4::bigint[], $5::bytea[]) AS u(p, o, k)
+		CROSS JOIN LATERAL (SELECT * FROM `+o.table("held_history")+` h
+			WHERE h.consumer_group = $1 AND h.topic = $2 AND h.partition = u.p AND h.key_hash = sha256(u.k) AND h.first_offset <= u.o
+			ORDER BY h.first_offset DESC LIMIT 1) h
+		CROSS JOIN LATERAL array_position(h.offsets, u.o) AS i
+		WHERE i IS NOT NULL`, o.group, topic, parts, offs, ks)
+	if err != nil {
+		return fmt.Errorf("trace: read past waits behind keys: %w", err)
+	}
+	var org traceOrigin
+	var hs traceHistory
+	var until time.Time
+	_, err = pgx.ForEachRow(rows, []any{&org.partition, &org.offset, &hs.at, &hs.behind, &until}, func() error {
+		u := until
+		hs.event, hs.until = "held", &u
+		f.history[org] = append(f.history[org], hs)
+		hs = traceHistory{}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("trace: read past waits behind keys: %w", err)
+	}
+	return nil
 }
 
 // traceEvents reads the history of the dead letters in f.
@@ -949,7 +1074,23 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *scanned
 		t.Steps[len(t.Steps)-1].Tier = tier
 	}
 	if held && hr.deadLetter == 0 {
-		step(hr.heldAt, StepHeld, "held behind its key")
+		step(hr.heldAt, StepHeld, "held behind %s", behindText(hr.behind))
+		t.Steps[len(t.Steps)-1].Behind = hr.behind
+	}
+	var skip, lastWait *traceHistory
+	for i, h := range f.history[org] {
+		switch h.event {
+		case "held":
+			lastWait = &f.history[org][i]
+			what := "held behind " + behindText(h.behind)
+			if h.until != nil {
+				what += fmt.Sprintf(" for %s, until %s", waitText(h.until.Sub(h.at)), timeText(*h.until))
+			}
+			t.Steps = append(t.Steps, TraceStep{At: h.at, Kind: StepHeld, What: what, Until: h.until, Behind: h.behind})
+		case "skipped_duplicate":
+			skip = &f.history[org][i]
+			t.Steps = append(t.Steps, skipStep(q.Topic, *skip))
+		}
 	}
 	for _, c := range copies {
 		step(c.createdAt, StepOutbox, "copy written to the outbox, to be published to %s", o.topicRole(q.Topic, c.topic))
@@ -1009,10 +1150,74 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *scanned
 			t.Now = fmt.Sprintf("applied from retry tier %d (%s), at attempt %d (its source partition's position passed it by %s, as it left for the tiers)",
 				last.tier, retrytopics.TierTopic(q.Topic, o.group, last.tier), last.f.Attempt+1, timeText(f.positions[org.partition].updatedAt))
 			t.Steps[len(t.Steps)-1].What = "the partition's position passed it, the record on its way through the retry tiers"
-			step(last.f.DueAt, StepApplied, "applied from retry tier %d at attempt %d (once due)", last.tier, last.f.Attempt+1)
+			if skip == nil {
+				step(last.f.DueAt, StepApplied, "applied from retry tier %d at attempt %d (once due)", last.tier, last.f.Attempt+1)
+			}
+		}
+		if n := len(t.Steps); lastWait != nil && lastWait.until != nil && skip == nil && len(copiesInTiers) == 0 &&
+			t.State == TraceApplied && t.Steps[n-1].Kind == StepApplied {
+			// The position passed it as it was held (in the transaction that held it, the
+			// offsets row's time said nothing of it since); it was applied as it left
+			// held_records, its key's earlier records settled.
+			t.Steps[n-1] = TraceStep{At: *lastWait.until, Kind: StepApplied, What: "applied, taken from held_records once the earlier records of its key were settled"}
+			t.Now = fmt.Sprintf("applied after waiting %s behind %s (%s)", waitText(lastWait.until.Sub(lastWait.at)), behindText(lastWait.behind), timeText(*lastWait.until))
+		}
+		if skip != nil && t.State == TraceApplied {
+			// The handler never got it: its key (or stream) says a copy was applied before. The
+			// position passing it says nothing more (and is not its application).
+			t.State, t.Now = TraceSkippedDuplicate, skipStep(q.Topic, *skip).What+fmt.Sprintf(" (%s)", timeText(skip.at))
+			if n := len(t.Steps); len(copiesInTiers) == 0 && n > 0 && t.Steps[n-1].Kind == StepApplied {
+				t.Steps = t.Steps[:n-1]
+			}
 		}
 	}
+	// In time order: the steps above are gathered table by table, and a record's way does not
+	// follow the tables (it left its partition before it was applied from a tier). Stable: steps
+	// of one instant keep the order of the way. The times come from the clocks of several
+	// processes and Postgres, which need not agree to the millisecond.
+	slices.SortStableFunc(t.Steps, func(a, b TraceStep) int { return a.At.Compare(b.At) })
 	return t
+}
+
+// behindText names the record a held record waited behind.
+func behindText(behind *int64) string {
+	if behind == nil {
+		return "an earlier record of its key"
+	}
+	return fmt.Sprintf("the record at offset %d of its key", *behind)
+}
+
+// waitText says how long a wait lasted: to the millisecond under a second, to the tenth above.
+func waitText(d time.Duration) string {
+	if d < time.Second {
+		return d.Round(time.Millisecond).String()
+	}
+	return d.Round(100 * time.Millisecond).String()
+}
+
+// skipStep is the step of a record skipped as a duplicate (h, its skipped_duplicates row), of topic.
+func skipStep(topic string, h traceHistory) TraceStep {
+	st := TraceStep{At: h.at, Kind: StepSkippedDuplicate, First: h.first}
+	by := "its idempotency key"
+	if h.idempotencyKey != nil {
+		st.IdempotencyKey = KeyText(h.idempotencyKey)
+		by = fmt.Sprintf("its idempotency key %s (%s)", strconv.Quote(st.IdempotencyKey), idempotencyKeyText(h.keyHash))
+	} else if len(h.keyHash) > 0 {
+		by = idempotencyKeyText(h.keyHash)
+	}
+	if h.stream != nil && h.streamSeq != nil {
+		st.Stream, st.StreamSeq = *h.stream, *h.streamSeq
+		by = fmt.Sprintf("its stream %s, event number %d (message id %s)", st.Stream, st.StreamSeq, strconv.Quote(st.IdempotencyKey))
+	}
+	switch {
+	case h.first != nil:
+		st.What = fmt.Sprintf("skipped as a duplicate by %s: the copy at %s[%d]@%d was applied before it", by, topic, h.first.Partition, h.first.Offset)
+	case h.stream != nil:
+		st.What = fmt.Sprintf("skipped as a duplicate by %s: its stream's event of that number was applied before", by)
+	default:
+		st.What = fmt.Sprintf("skipped as a duplicate by %s: a copy with its key was applied before (which one is not known: the key ring keeps only the keys' hashes)", by)
+	}
+	return st
 }
 
 // position describes a record that no table of the retry path holds, from the partition's

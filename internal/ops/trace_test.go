@@ -100,7 +100,7 @@ func TestTraceStates(t *testing.T) {
 		{"in a tier", 0, 60, ops.TraceInTier, tier1, "k1",
 			[]string{"first failed", "attempt 1 failed (retryable: boom again): sent to retry tier 1 (orders.kg.retry.1), due 2099-01-02T03:04:05Z"}},
 		{"held", 0, 61, ops.TraceHeld, "held behind its key; its key is retrying: record at offset 60 is in retry tier 1 (orders.kg.retry.1), attempt 2, due 2099-01-02T03:04:05Z, last error retryable: boom again", "k1",
-			[]string{"produced (record timestamp)", "held behind its key"}},
+			[]string{"produced (record timestamp)", "held behind the record at offset 60 of its key"}},
 		{"outbox to its tier", 0, 62, ops.TraceOutbox,
 			"waits in the outbox to be published to orders.kg.retry.1 (retry tier 1): attempt 2, due 2099-01-02T03:04:05Z, last error retryable: boom again", "k2",
 			[]string{"first failed", "attempt 1 failed", "copy written to the outbox, to be published to orders.kg.retry.1 (retry tier 1)"}},
