@@ -44,7 +44,7 @@ func tryTopic(ctx context.Context, tx pgx.Tx, cfg *Config, topic string, recs []
 	}
 	var emitted []sink.Event
 	p := &Processor{cfg: c, log: slog.New(slog.DiscardHandler), metrics: m, policies: map[string]*policy{topic: pol},
-		captured: &emitted, keys: keyring.New(c.Schema), streamSQL: newStreamSQL(c.Schema)}
+		captured: &emitted, keys: keyring.New(c.Schema), streamSQL: newStreamSQL(c.Schema), retry: retrytopics.NewStore(c.Schema, c.Group)}
 	err = p.handle(ctx, tx, topic, recs)
 	for i, r := range recs {
 		if r.duplicate != nil {
