@@ -100,6 +100,7 @@ func newWorker(p *Processor, cl *kgo.Client, pos offsets.Position) *worker {
 	if t, ok := p.tierOf[pos.Topic]; ok {
 		w.source, w.tier = t.source, t.n
 	}
+	w.pos.Source = w.source // a pause of the source holds its retry tiers' same partitions back
 	w.token = pos.Token
 	w.nextSeen.Store(-1)
 	if pos.Known {
