@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -23,6 +24,11 @@ var ErrFenced = errors.New("partition was claimed by another owner (fenced)")
 // that has not found out it lost the partition, and two owners with one token both pass the fence,
 // each blind to the keys the other holds.
 var ErrMoved = errors.New("the partition's stored position moved under its owner, and nobody else claimed it")
+
+// ErrPositionSet is the ErrMoved of a position an operator set (offsets.position_change grew past
+// the one the owner claimed at): a rewind or a skip, not a loss. errors.Is(err, ErrMoved) holds
+// for it; the owner starts again from the stored position all the same.
+var ErrPositionSet = fmt.Errorf("an operator set the partition's position: %w", ErrMoved)
 
 // ErrAlreadyAdvanced means the stored offset already equals the target of an Advance made with the
 // same token: an earlier commit whose outcome was unknown did succeed. Nothing must be re-applied.
@@ -104,6 +110,7 @@ type Store struct {
 	staleSQL   string
 	storedSQL  string
 	pausedSQL  string
+	controlSQL string
 }
 
 // Querier runs queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
@@ -149,6 +156,10 @@ func NewStore(schema, group string) *Store {
 			WHERE consumer_group = $1 AND topic = ANY($2) AND next_offset IS NOT NULL`,
 		storedSQL: `SELECT topic, partition, owner_token, coalesce(next_offset, -1), coalesce(position_change, 0) FROM ` + t + `
 			WHERE consumer_group = $1 AND (topic, partition) IN (SELECT * FROM unnest($2::text[], $3::int[]))`,
+		controlSQL: `SELECT topic, partition, owner_token, coalesce(next_offset, -1), coalesce(position_change, 0), NULL::timestamptz FROM ` + t + `
+			WHERE consumer_group = $1 AND (topic, partition) IN (SELECT * FROM unnest($2::text[], $3::int[]))
+			UNION ALL
+			SELECT topic, partition, 0, 0, 0, paused_at FROM ` + pauses + ` WHERE consumer_group = $1`,
 		// A row an uncommitted UPDATE locks has the updating transaction's id as its xmax; the
 		// backend running that transaction shows it as backend_xid.
 		staleSQL: `SELECT a.pid, o.topic, o.partition, pg_terminate_backend(a.pid) FROM ` + t + ` AS o
@@ -403,8 +414,8 @@ func (s *Store) CheckAdvance(ctx context.Context, tx pgx.Tx, pos Position, next 
 		// Same owner, another offset: the database lost this owner's last commits (a failover to
 		// a standby that lacked them, a restore), or an operator moved the offset.
 		if change > pos.PositionChange {
-			return fmt.Errorf("advance %s: an operator set the position to %s (position change %d): %w",
-				pos.TP(), fmtOffset(stored), change, ErrMoved)
+			return fmt.Errorf("advance %s: position %s, change %d: %w",
+				pos.TP(), fmtOffset(stored), change, ErrPositionSet)
 		}
 		return fmt.Errorf("advance %s: stored offset is %s, this owner expected %s: %w",
 			pos.TP(), fmtOffset(stored), fmtPos(pos), ErrMoved)
@@ -504,4 +515,46 @@ func fmtPos(p Position) string {
 		return "unset"
 	}
 	return fmt.Sprint(p.Next)
+}
+
+// Pause is a row of the pauses table: the group takes nothing of Topic (a source topic) and
+// Partition (-1: every partition of it) while it exists.
+type Pause struct {
+	Topic     string
+	Partition int32
+	At        time.Time
+}
+
+// Covers reports whether the pause holds back partition n of its topic.
+func (z Pause) Covers(n int32) bool { return z.Partition == -1 || z.Partition == n }
+
+// Control reads, in one query, what an owner must obey of the operators' hand: the stored rows of
+// parts (as Stored) and every pause of the group.
+func (s *Store) Control(ctx context.Context, q Querier, parts []Partition) (map[Partition]Stored, []Pause, error) {
+	topics := make([]string, len(parts))
+	nums := make([]int32, len(parts))
+	for i, p := range parts {
+		topics[i], nums[i] = p.Topic, p.Partition
+	}
+	rows, err := q.Query(ctx, s.controlSQL, s.group, topics, nums)
+	if err != nil {
+		return nil, nil, fmt.Errorf("read pauses and stored positions: %w", err)
+	}
+	stored := make(map[Partition]Stored, len(parts))
+	var pauses []Pause
+	var p Partition
+	var st Stored
+	var at *time.Time
+	_, err = pgx.ForEachRow(rows, []any{&p.Topic, &p.Partition, &st.Token, &st.Next, &st.PositionChange, &at}, func() error {
+		if at != nil {
+			pauses = append(pauses, Pause{Topic: p.Topic, Partition: p.Partition, At: *at})
+		} else {
+			stored[p] = st
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("read pauses and stored positions: %w", err)
+	}
+	return stored, pauses, nil
 }

@@ -193,6 +193,9 @@ func (d *heldApplier) analyze() {
 // a bundle whose handler fails is applied again key by key, where a failing record is isolated.
 // It reports whether any key made progress, and returns errStopped if it was stopped.
 func (d *heldApplier) applyAll(keys []retrytopics.Key) (progressed bool, err error) {
+	// A paused source partition's held records wait too (until the control loop reads the
+	// resume and notifies the applier).
+	keys = slices.DeleteFunc(slices.Clone(keys), func(k retrytopics.Key) bool { return d.p.pausedHere(k.Topic, k.Partition) })
 	bundles := d.bundles(keys)
 	next := make(chan []retrytopics.Key)
 	var stopped, anyProgress atomic.Bool

@@ -92,6 +92,9 @@ type Processor struct {
 	failErr  error
 	stopPoll context.CancelFunc
 
+	// pauses: the group's pauses as the control loop last read them (control.go).
+	pauses atomic.Pointer[pauseView]
+
 	mu      sync.Mutex
 	workers map[offsets.Partition]*worker
 	// rewinds are the partitions whose fetch the poll loop must move back (worker.dropWaiting);
@@ -270,6 +273,7 @@ func (p *Processor) Run(ctx context.Context) error {
 		p.shutdownRelay(ctx, cl, stopRelay, relayDone)
 		return nil
 	}
+	go p.control(statsCtx)
 	go p.heldApplier.run()
 	if p.keysOn() {
 		go p.keepKeys(statsCtx)

@@ -1,0 +1,196 @@
+package processor_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
+	"github.com/kafkapg/kafkapg/internal/rig/testkit"
+	"github.com/kafkapg/kafkapg/processor"
+)
+
+// The tests of issue 43's protocol: operators' pauses and positions obeyed by running processors.
+// The control rows are written as the ops code writes them (internal/ops), in SQL, here.
+
+// applications records every application of a record, in the order applied (id).
+const applicationsSQL = `CREATE TABLE applications (id bigserial PRIMARY KEY, partition int NOT NULL, "offset" bigint NOT NULL)`
+
+func recordApplications() processor.Handler {
+	return processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+		_, err := tx.Exec(ctx, `INSERT INTO applications (partition, "offset") VALUES ($1, $2)`, rec.Partition, rec.Offset)
+		return err
+	})
+}
+
+func newPositionsHarness(t *testing.T, k *testenv.Kafka, partitions int32) *testkit.Harness {
+	h := testkit.New(t, k, partitions)
+	if _, err := h.Pool.Exec(context.Background(), applicationsSQL); err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+// produceTo produces n records to partition p of the harness's topic.
+func produceTo(h *testkit.Harness, p int32, n int) {
+	h.T.Helper()
+	cl := h.K.Client(h.T, kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	recs := make([]*kgo.Record, n)
+	for i := range recs {
+		recs[i] = &kgo.Record{Topic: h.Topic, Partition: p, Key: []byte(strconv.Itoa(i)), Value: []byte("v")}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+		h.T.Fatal(err)
+	}
+}
+
+// applied returns the offsets of partition p applied, in the order applied.
+func applied(h *testkit.Harness, p int32) []int64 {
+	h.T.Helper()
+	rows, _ := h.Pool.Query(context.Background(), `SELECT "offset" FROM applications WHERE partition = $1 ORDER BY id`, p)
+	out, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		h.T.Fatal(err)
+	}
+	return out
+}
+
+func waitApplied(h *testkit.Harness, p int32, n int, timeout time.Duration) {
+	h.T.Helper()
+	testenv.Eventually(h.T, timeout, func() error {
+		if got := len(applied(h, p)); got < n {
+			return fmt.Errorf("partition %d: %d of %d applications", p, got, n)
+		}
+		return nil
+	})
+}
+
+func pause(h *testkit.Harness, p int32) {
+	h.T.Helper()
+	if _, err := h.Pool.Exec(context.Background(), `INSERT INTO kafkapg.pauses (consumer_group, topic, partition, paused_by, reason)
+		VALUES ($1, $2, $3, 'test', 'the test pauses it')`, h.Group, h.Topic, p); err != nil {
+		h.T.Fatal(err)
+	}
+}
+
+func resume(h *testkit.Harness, p int32) {
+	h.T.Helper()
+	if _, err := h.Pool.Exec(context.Background(), `DELETE FROM kafkapg.pauses WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
+		h.Group, h.Topic, p); err != nil {
+		h.T.Fatal(err)
+	}
+}
+
+// setPosition sets partition p's position to to, as the ops code does: the row locked, the change
+// audited, the position and position_change written in one transaction, the token untouched.
+func setPosition(h *testkit.Harness, p int32, to int64) {
+	h.T.Helper()
+	ctx := context.Background()
+	err := pgx.BeginFunc(ctx, h.Pool, func(tx pgx.Tx) error {
+		var from *int64
+		err := tx.QueryRow(ctx, `SELECT next_offset FROM kafkapg.offsets WHERE consumer_group = $1 AND topic = $2 AND partition = $3 FOR UPDATE`,
+			h.Group, h.Topic, p).Scan(&from)
+		if err != nil {
+			return err
+		}
+		var id int64
+		if err := tx.QueryRow(ctx, `INSERT INTO kafkapg.position_changes (consumer_group, topic, partition, from_offset, to_offset, actor, reason)
+			VALUES ($1, $2, $3, $4, $5, 'test', 'the test moves it') RETURNING id`, h.Group, h.Topic, p, from, to).Scan(&id); err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, `UPDATE kafkapg.offsets SET next_offset = $4, position_change = $5 WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
+			h.Group, h.Topic, p, to, id)
+		return err
+	})
+	if err != nil {
+		h.T.Fatal(err)
+	}
+}
+
+func span(from, to int64) []int64 {
+	var out []int64
+	for o := from; o < to; o++ {
+		out = append(out, o)
+	}
+	return out
+}
+
+// TestRewindOfAnIdlePartition: a partition caught up and idle, set back by an operator, applies
+// the range again, in order, once, without a restart of the process: the control loop finds the
+// position_change and restarts the partition from the stored position.
+func TestRewindOfAnIdlePartition(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newPositionsHarness(t, k, 1)
+		r := h.Start(h.Config(recordApplications()))
+		produceTo(h, 0, 10)
+		waitApplied(h, 0, 10, 30*time.Second)
+		time.Sleep(1500 * time.Millisecond) // idle: nothing more comes
+		setPosition(h, 0, 3)
+		waitApplied(h, 0, 17, 30*time.Second)
+		time.Sleep(1500 * time.Millisecond) // nothing more than the range
+		want := append(span(0, 10), span(3, 10)...)
+		if got := applied(h, 0); !slices.Equal(got, want) {
+			t.Fatalf("applied %v, want %v", got, want)
+		}
+		if n := r.Counter("kafkapg_forgotten_partitions_total"); n != 0 {
+			t.Errorf("kafkapg_forgotten_partitions_total = %v: an operator's rewind is not a loss", n)
+		}
+	})
+}
+
+// TestForwardSetSkips: a position set forward skips the range, and nothing of it is applied, even
+// by the owner that fetched it before the set (its advance fails: the stored next is not its own).
+func TestForwardSetSkips(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newPositionsHarness(t, k, 1)
+		h.Start(h.Config(recordApplications()))
+		produceTo(h, 0, 5)
+		waitApplied(h, 0, 5, 30*time.Second)
+		setPosition(h, 0, 12)
+		produceTo(h, 0, 15) // offsets 5..19
+		waitApplied(h, 0, 5+8, 30*time.Second)
+		time.Sleep(1500 * time.Millisecond)
+		want := append(span(0, 5), span(12, 20)...)
+		if got := applied(h, 0); !slices.Equal(got, want) {
+			t.Fatalf("applied %v, want %v", got, want)
+		}
+	})
+}
+
+// TestPauseIsObeyedByReplicasAndAfterRebalances: a partition paused before the group starts is
+// not applied by its first owner, nor after a rebalance that a new replica causes, while the
+// other partition goes on; once resumed, its records are applied once each, in order.
+func TestPauseIsObeyedByReplicasAndAfterRebalances(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newPositionsHarness(t, k, 2)
+		pause(h, 0)
+		h.Start(h.Config(recordApplications()))
+		produceTo(h, 0, 10)
+		produceTo(h, 1, 10)
+		waitApplied(h, 1, 10, 30*time.Second)
+		h.Start(h.Config(recordApplications())) // a new replica: a rebalance
+		produceTo(h, 1, 10)
+		waitApplied(h, 1, 20, 60*time.Second)
+		time.Sleep(2 * time.Second)
+		if got := applied(h, 0); len(got) != 0 {
+			t.Fatalf("paused partition 0 applied %v", got)
+		}
+		resume(h, 0)
+		waitApplied(h, 0, 10, 30*time.Second)
+		time.Sleep(1500 * time.Millisecond)
+		if got := applied(h, 0); !slices.Equal(got, span(0, 10)) {
+			t.Fatalf("partition 0 applied %v after the resume, want %v", got, span(0, 10))
+		}
+	})
+}
