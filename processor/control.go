@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/kafkapg/kafkapg/internal/positions"
 	"github.com/kafkapg/kafkapg/offsets"
 )
 
@@ -81,6 +82,19 @@ func (p *Processor) controlOnce(ctx context.Context) error {
 	pausedHere := map[string]int{}
 	for _, w := range ws {
 		at, paused := view.at(w.source, w.tp.Partition)
+		w.mu.Lock()
+		mine := positions.Owner{Token: w.token, Next: w.nextSeen.Load(), Change: w.change, Paused: w.byOperator}
+		w.mu.Unlock()
+		row := positions.Row{Paused: paused, Next: -2} // no row: not the owner's position
+		if st, ok := stored[w.tp]; ok {
+			row.Token, row.Next, row.Change = st.Token, st.Next, st.PositionChange
+		}
+		switch positions.Control(mine, row) {
+		case positions.Restart, positions.Stop:
+			// The worker reads the row again between batches and decides (verifyPosition):
+			// one that advanced after the read finds it fine.
+			w.requestVerify()
+		}
 		if w.pauseByOperator(paused) {
 			if paused {
 				w.log.Info("partition paused by an operator: no new batch is taken, its place is kept", "paused_at", at)
@@ -90,10 +104,6 @@ func (p *Processor) controlOnce(ctx context.Context) error {
 		}
 		if paused {
 			pausedHere[w.source]++
-		}
-		// A worker that advanced after the read differs too: it checks, and finds it fine.
-		if st, ok := stored[w.tp]; !ok || st.Token != w.token || st.Next != w.nextSeen.Load() || st.PositionChange > w.change {
-			w.requestVerify()
 		}
 	}
 	p.metrics.setPauses(pausedHere, pauses, time.Now())

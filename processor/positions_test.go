@@ -194,3 +194,51 @@ func TestPauseIsObeyedByReplicasAndAfterRebalances(t *testing.T) {
 		}
 	})
 }
+
+// TestPausedPartitionIsNotStalled: a partition paused with records waiting (fetched before the
+// pause) is counted in kafkapg_paused_partitions and never in kafkapg_stalled_partitions, however
+// long the pause lasts; the pause's age is in kafkapg_partition_paused_seconds.
+func TestPausedPartitionIsNotStalled(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newPositionsHarness(t, k, 1)
+		release := make(chan struct{})
+		inner := recordApplications()
+		cfg := h.Config(processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			if rec.Offset == 0 {
+				<-release // the other records are fetched meanwhile, and wait
+			}
+			return inner.Handle(ctx, tx, rec)
+		}))
+		cfg.BatchMaxRecords = 1
+		cfg.StallTimeout = time.Second
+		r := h.Start(cfg)
+		produceTo(h, 0, 5)
+		time.Sleep(time.Second)
+		pause(h, 0)
+		time.Sleep(1500 * time.Millisecond) // the control loop reads it
+		close(release)
+		waitApplied(h, 0, 1, 30*time.Second)
+		deadline := time.Now().Add(8 * time.Second) // past StallTimeout and a stats round or more
+		for time.Now().Before(deadline) {
+			if n := r.Gauge("kafkapg_stalled_partitions"); n != 0 {
+				t.Fatalf("kafkapg_stalled_partitions = %v while the partition is paused", n)
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+		if n := r.Gauge("kafkapg_paused_partitions"); n != 1 {
+			t.Errorf("kafkapg_paused_partitions = %v, want 1", n)
+		}
+		if s := r.Gauge("kafkapg_partition_paused_seconds"); s < 5 {
+			t.Errorf("kafkapg_partition_paused_seconds = %v, want the pause's age (> 5)", s)
+		}
+		if got := applied(h, 0); !slices.Equal(got, []int64{0}) {
+			t.Fatalf("applied %v while paused, want [0]", got)
+		}
+		resume(h, 0)
+		waitApplied(h, 0, 5, 30*time.Second)
+		if got := applied(h, 0); !slices.Equal(got, span(0, 5)) {
+			t.Fatalf("applied %v, want %v", got, span(0, 5))
+		}
+	})
+}
