@@ -242,3 +242,44 @@ func TestPausedPartitionIsNotStalled(t *testing.T) {
 		}
 	})
 }
+
+// TestNoWindowPastAPositionSet: a position set while the owner has a batch in flight (its
+// transaction holds the row: the set waits for it) and more records fetched: the owner applies
+// none of those past the set; it starts again from the new position. Without the advance's
+// expected-offset check, it applied its fetched records [from, 10) past a skip to 8.
+func TestNoWindowPastAPositionSet(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newPositionsHarness(t, k, 1)
+		release := make(chan struct{})
+		inner := recordApplications()
+		cfg := h.Config(processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			if rec.Offset == 0 {
+				<-release
+			}
+			return inner.Handle(ctx, tx, rec)
+		}))
+		cfg.BatchMaxRecords = 1
+		h.Start(cfg)
+		produceTo(h, 0, 10)
+		time.Sleep(time.Second) // offset 0's transaction holds the row; 1..9 are fetched
+		set := make(chan struct{})
+		go func() {
+			defer close(set)
+			setPosition(h, 0, 8)
+		}()
+		time.Sleep(300 * time.Millisecond) // the set waits for the row
+		close(release)
+		<-set
+		var from int64
+		if err := h.Pool.QueryRow(context.Background(), `SELECT from_offset FROM kafkapg.position_changes`).Scan(&from); err != nil {
+			t.Fatal(err)
+		}
+		waitApplied(h, 0, int(from)+2, 30*time.Second)
+		time.Sleep(1500 * time.Millisecond)
+		want := append(span(0, from), 8, 9)
+		if got := applied(h, 0); !slices.Equal(got, want) {
+			t.Fatalf("applied %v, want %v (the set moved %d to 8)", got, want, from)
+		}
+	})
+}
