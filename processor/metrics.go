@@ -62,6 +62,7 @@ type metrics struct {
 	// Pauses: partitions paused here by an operator, and how long each pause of the group lasts.
 	pausedParts   *prometheus.GaugeVec
 	pausedSeconds *prometheus.GaugeVec
+	pausedTooLong prometheus.Gauge
 	stuckKeys     *prometheus.GaugeVec
 
 	// The outbox (group-wide, from Postgres).
@@ -205,6 +206,10 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "partition_paused_seconds",
 			Help: "How long each pause of the group has lasted, by source topic and partition (\"all\": the whole topic); group-wide, from Postgres.",
 		}, []string{"topic", "partition"}),
+		pausedTooLong: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "paused_too_long_seconds",
+			Help: "PAUSED_TOO_LONG (Config.PausedTooLong): the alert KafkapgPausedTooLong fires for a pause older than this.",
+		}),
 		deadLetters: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Name: "dead_letters",
 			Help: "Rows in the dead_letters table by status: new, replaying, replayed, discarded (group-wide, from Postgres).",
@@ -291,7 +296,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"topic", "partition"}),
 	}
 	for _, c := range []prometheus.Collector{m.breakerOpen, m.breakerOpened, m.breakerWaiting, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
-		m.pausedParts, m.pausedSeconds, m.fenced, m.forgotten, m.windowOpen, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
+		m.pausedParts, m.pausedSeconds, m.pausedTooLong, m.fenced, m.forgotten, m.windowOpen, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.recordsHeld, m.duplicates, m.replayed, m.deadLetters, m.tasks, m.interrupted, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.oldestNew, m.stalled, m.internalErrors, m.stuckKeys,
 		m.outboxWaiting, m.outboxAside, m.outboxOldest, m.publishWait, m.dupKeys, m.keysPruned, m.keyRows, m.keyBytes,

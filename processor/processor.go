@@ -120,6 +120,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 	if err != nil {
 		return nil, fmt.Errorf("processor: register metrics: %w", err)
 	}
+	m.pausedTooLong.Set(c.PausedTooLong.Seconds())
 	p := &Processor{
 		cfg:      c,
 		pool:     pool,
