@@ -558,3 +558,14 @@ func (s *Store) Control(ctx context.Context, q Querier, parts []Partition) (map[
 	}
 	return stored, pauses, nil
 }
+
+// Paused reports whether a pause of the group covers partition n of source (a source topic), in
+// q (a transaction: what it then applies of the partition is decided under the same check as an
+// Advance's). For work that does not advance a position: the held records' transactions.
+func (s *Store) Paused(ctx context.Context, q Querier, source string, n int32) (bool, error) {
+	var paused bool
+	if err := q.QueryRow(ctx, s.pausedSQL, s.group, source, n).Scan(&paused); err != nil {
+		return false, fmt.Errorf("read pauses of %s[%d]: %w", source, n, err)
+	}
+	return paused, nil
+}

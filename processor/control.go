@@ -107,9 +107,10 @@ func (p *Processor) controlOnce(ctx context.Context) error {
 		}
 	}
 	p.metrics.setPauses(pausedHere, pauses, time.Now())
-	if len(pauses) > 0 {
+	if len(pauses) > 0 || p.pausesRead > 0 {
 		p.heldApplier.notify() // resumed keys' held records, when a pause goes
 	}
+	p.pausesRead = len(pauses)
 	return nil
 }
 

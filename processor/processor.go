@@ -93,7 +93,8 @@ type Processor struct {
 	stopPoll context.CancelFunc
 
 	// pauses: the group's pauses as the control loop last read them (control.go).
-	pauses atomic.Pointer[pauseView]
+	pauses     atomic.Pointer[pauseView]
+	pausesRead int // how many pauses the control loop read last (its goroutine only)
 
 	mu      sync.Mutex
 	workers map[offsets.Partition]*worker
