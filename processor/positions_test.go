@@ -2,9 +2,11 @@ package processor_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -280,6 +282,60 @@ func TestNoWindowPastAPositionSet(t *testing.T) {
 		want := append(span(0, from), 8, 9)
 		if got := applied(h, 0); !slices.Equal(got, want) {
 			t.Fatalf("applied %v, want %v (the set moved %d to 8)", got, want, from)
+		}
+	})
+}
+
+// TestPauseHoldsRetryTiersAndHeldRecords: a pause of a source partition holds back its retry
+// tier's same partition (the copy of a failed record, due meanwhile) and the records held behind
+// its key; after the resume, the key's records are applied in order.
+func TestPauseHoldsRetryTiersAndHeldRecords(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newPositionsHarness(t, k, 1)
+		var failing atomic.Bool
+		var attempts atomic.Int64 // of offset 0
+		failing.Store(true)
+		inner := recordApplications()
+		cfg := h.Config(processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			if rec.Offset == 0 {
+				attempts.Add(1)
+			}
+			if rec.Offset == 0 && failing.Load() {
+				return errors.New("fails until the test says")
+			}
+			return inner.Handle(ctx, tx, rec)
+		}))
+		cfg.LocalAttempts = 1
+		cfg.RetryTiers = []time.Duration{time.Second, time.Second, time.Second}
+		h.Start(cfg)
+		cl := h.K.Client(h.T, kgo.RecordPartitioner(kgo.ManualPartitioner()))
+		recs := []*kgo.Record{
+			{Topic: h.Topic, Key: []byte("a"), Value: []byte("0")},
+			{Topic: h.Topic, Key: []byte("a"), Value: []byte("1")},
+			{Topic: h.Topic, Key: []byte("b"), Value: []byte("2")},
+			{Topic: h.Topic, Key: []byte("a"), Value: []byte("3")},
+		}
+		if err := cl.ProduceSync(context.Background(), recs...).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+		waitApplied(h, 0, 1, 30*time.Second) // "b"; "a"'s wait behind offset 0, in a tier
+		pause(h, 0)
+		time.Sleep(1500 * time.Millisecond) // the control loop reads it
+		before := attempts.Load()
+		time.Sleep(2 * time.Second) // the copy of offset 0 is due many times over
+		if n := attempts.Load() - before; n != 0 {
+			t.Fatalf("offset 0 was tried %d times in its retry tiers while paused", n)
+		}
+		failing.Store(false)
+		time.Sleep(1500 * time.Millisecond)
+		if got := applied(h, 0); !slices.Equal(got, []int64{2}) {
+			t.Fatalf("applied %v while paused, want [2]", got)
+		}
+		resume(h, 0)
+		waitApplied(h, 0, 4, 30*time.Second)
+		if got := applied(h, 0); !slices.Equal(got, []int64{2, 0, 1, 3}) {
+			t.Fatalf("applied %v, want [2 0 1 3]", got)
 		}
 	})
 }
