@@ -339,3 +339,48 @@ func TestPauseHoldsRetryTiersAndHeldRecords(t *testing.T) {
 		}
 	})
 }
+
+// countingPreparer records applications and counts prepares.
+type countingPreparer struct {
+	processor.Handler
+	prepares *atomic.Int64
+}
+
+func (h countingPreparer) Prepare(ctx context.Context, rec *processor.Record) error {
+	h.prepares.Add(1)
+	return nil
+}
+
+// TestPauseStopsConcurrentPrepares: a partition whose handler prepares concurrently
+// (Config.Concurrency) prepares nothing more and applies nothing while paused, and applies its
+// records once each, in order, after the resume. What it shows is the fetch paused: records
+// produced after the pause never reach the worker. That the window takes no record already
+// queued when the pause is read (window.take) it does not show: it passes without that.
+func TestPauseStopsConcurrentPrepares(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newPositionsHarness(t, k, 1)
+		var prepares atomic.Int64
+		cfg := h.Config(countingPreparer{Handler: recordApplications(), prepares: &prepares})
+		cfg.Concurrency = 8
+		h.Start(cfg)
+		produceTo(h, 0, 5)
+		waitApplied(h, 0, 5, 30*time.Second)
+		pause(h, 0)
+		time.Sleep(1500 * time.Millisecond) // the control loop reads it
+		before := prepares.Load()
+		produceTo(h, 0, 10)
+		time.Sleep(2 * time.Second)
+		if n := prepares.Load() - before; n != 0 {
+			t.Fatalf("%d records prepared while paused", n)
+		}
+		if got := applied(h, 0); !slices.Equal(got, span(0, 5)) {
+			t.Fatalf("applied %v while paused, want %v", got, span(0, 5))
+		}
+		resume(h, 0)
+		waitApplied(h, 0, 15, 30*time.Second)
+		if got := applied(h, 0); !slices.Equal(got, span(0, 15)) {
+			t.Fatalf("applied %v, want %v", got, span(0, 15))
+		}
+	})
+}
