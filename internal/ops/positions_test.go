@@ -1,0 +1,210 @@
+package ops_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/internal/ops"
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
+	"github.com/kafkapg/kafkapg/internal/schema"
+)
+
+var positionsOperator = ops.Actor{Name: "ana", Reason: "downstream fixed at 14:10"}
+
+// wantUsage fails unless err is a usage error whose text has want.
+func wantUsage(t *testing.T, err error, want string) {
+	t.Helper()
+	if !errors.Is(err, ops.ErrUsage) || !strings.Contains(err.Error(), want) {
+		t.Fatalf("err = %v, want a usage error saying %q", err, want)
+	}
+}
+
+// TestPauseAndResume: a pause is written only with execute and a reason, is listed on every
+// partition it holds with who paused and why, is audited, and ends with a resume; a topic not
+// the group's and a partition Kafka does not have are refused.
+func TestPauseAndResume(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		e := newKeysEnv(t)
+		ctx := context.Background()
+		topic := k.CreateTopic(t, 2)
+		e.ops = e.ops.WithTopics(topic)
+		kc := k.Client(t)
+		paused := func() int64 {
+			return scalar[int64](e, `SELECT count(*) FROM kafkapg.pauses WHERE consumer_group = $1`, keysGroup)
+		}
+
+		c, err := e.ops.Pause(ctx, kc, topic, 1, false, ops.Actor{})
+		if err != nil || !c.Changed || c.Executed || paused() != 0 {
+			t.Fatalf("dry run: %+v, %v; %d pauses", c, err, paused())
+		}
+		_, err = e.ops.Pause(ctx, kc, topic, 1, true, ops.Actor{Name: "ana"})
+		wantUsage(t, err, "a reason is required")
+		_, err = e.ops.Pause(ctx, kc, topic, 7, true, positionsOperator)
+		wantUsage(t, err, "has no partition 7")
+		_, err = e.ops.Pause(ctx, kc, topic+".other", ops.AllPartitions, true, positionsOperator)
+		wantUsage(t, err, "not a source topic")
+
+		audits := e.audits()
+		if c, err = e.ops.Pause(ctx, kc, topic, 1, true, positionsOperator); err != nil || !c.Executed {
+			t.Fatalf("pause: %+v, %v", c, err)
+		}
+		if e.audits() != audits+1 {
+			t.Errorf("a pause wrote %d audit rows", e.audits()-audits)
+		}
+		list, _, err := e.ops.Partitions(ctx, kc)
+		if err != nil || len(list) != 2 {
+			t.Fatalf("Partitions: %+v, %v", list, err)
+		}
+		if list[0].Paused != nil || list[1].Paused == nil || list[1].Paused.By != "ana" || list[1].Paused.Reason != positionsOperator.Reason {
+			t.Errorf("listed as paused: %+v, %+v", list[0].Paused, list[1].Paused)
+		}
+
+		if c, err = e.ops.Pause(ctx, kc, topic, ops.AllPartitions, true, positionsOperator); err != nil || !c.Executed {
+			t.Fatalf("pause the topic: %+v, %v", c, err)
+		}
+		if c, err = e.ops.Pause(ctx, kc, topic, 0, true, positionsOperator); err != nil || c.Changed {
+			t.Errorf("pausing a partition of a paused topic: %+v, %v; want nothing done", c, err)
+		}
+		_, err = e.ops.Resume(ctx, kc, topic, 0, true, positionsOperator)
+		wantUsage(t, err, "paused as a whole")
+		if c, err = e.ops.Resume(ctx, kc, topic, ops.AllPartitions, true, positionsOperator); err != nil || !c.Executed || paused() != 0 {
+			t.Fatalf("resume the topic: %+v, %v; %d pauses left", c, err, paused())
+		}
+		if c, err = e.ops.Resume(ctx, kc, topic, 1, true, positionsOperator); err != nil || c.Changed {
+			t.Errorf("resuming what is not paused: %+v, %v", c, err)
+		}
+	})
+}
+
+// TestSetPositions: a dry run says where each partition is and would go and how many records
+// that applies again or skips, changing nothing; executed, it moves the stored position, records
+// the change (from the position at that moment) in position_changes and offsets.position_change,
+// and audits it. Targets past the log's end or before its start are refused.
+func TestSetPositions(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		e := newKeysEnv(t)
+		ctx := context.Background()
+		topic := k.CreateTopic(t, 2)
+		e.ops = e.ops.WithTopics(topic)
+		kc := k.Client(t)
+		base := time.Now().Add(-time.Hour).Truncate(time.Millisecond)
+		var recs []*kgo.Record
+		for i := range 10 {
+			for p := range int32(2) {
+				recs = append(recs, &kgo.Record{Topic: topic, Partition: p, Value: []byte("v"), Timestamp: base.Add(time.Duration(i) * time.Minute)})
+			}
+		}
+		if err := k.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner())).ProduceSync(ctx, recs...).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+		var del kadm.Offsets
+		del.Add(kadm.Offset{Topic: topic, Partition: 1, At: 2})
+		if resp, err := kadm.NewClient(kc).DeleteRecords(ctx, del); err != nil || resp.Error() != nil {
+			t.Fatalf("delete records: %v, %v", err, resp.Error())
+		}
+		e.position(topic, 0, 8)
+		off := func(n int64) *int64 { return &n }
+
+		moves, err := e.ops.SetPositions(ctx, kc, ops.PositionPlan{Topic: topic, Partition: 0, Target: ops.Target{Offset: off(3)}}, false, ops.Actor{})
+		if err != nil || len(moves) != 1 {
+			t.Fatalf("dry run: %+v, %v", moves, err)
+		}
+		if m := moves[0]; m.From == nil || *m.From != 8 || m.To != 3 || m.Reapplied != 5 || m.Skipped != 0 || m.Executed || !strings.HasPrefix(m.KeyCheck, "not checked") {
+			t.Errorf("dry run: %+v", m)
+		}
+		if got := scalar[int64](e, `SELECT next_offset FROM kafkapg.offsets WHERE topic = $1 AND partition = 0`, topic); got != 8 {
+			t.Errorf("a dry run moved the position to %d", got)
+		}
+
+		for _, tc := range []struct {
+			name   string
+			plan   ops.PositionPlan
+			actor  ops.Actor
+			wanted string
+		}{
+			{"past the end", ops.PositionPlan{Topic: topic, Partition: 0, Target: ops.Target{Offset: off(11)}}, positionsOperator, "past the end"},
+			{"before the start", ops.PositionPlan{Topic: topic, Partition: 1, Target: ops.Target{Offset: off(1)}}, positionsOperator, "before the start"},
+			{"two targets", ops.PositionPlan{Topic: topic, Partition: 0, Target: ops.Target{Offset: off(1), End: true}}, positionsOperator, "exactly one target"},
+			{"no reason", ops.PositionPlan{Topic: topic, Partition: 0, Target: ops.Target{End: true}}, ops.Actor{Name: "ana"}, "a reason is required"},
+			{"no such partition", ops.PositionPlan{Topic: topic, Partition: 2, Target: ops.Target{End: true}}, positionsOperator, "has no partition 2"},
+		} {
+			_, err := e.ops.SetPositions(ctx, kc, tc.plan, true, tc.actor)
+			if !errors.Is(err, ops.ErrUsage) || !strings.Contains(err.Error(), tc.wanted) {
+				t.Errorf("%s: err = %v, want a usage error saying %q", tc.name, err, tc.wanted)
+			}
+		}
+
+		// The position moved on since the dry run: the change records where it was then.
+		e.exec(`UPDATE kafkapg.offsets SET next_offset = 9 WHERE topic = $1 AND partition = 0`, topic)
+		audits := e.audits()
+		moves, err = e.ops.SetPositions(ctx, kc, ops.PositionPlan{Topic: topic, Partition: 0, Target: ops.Target{Offset: off(3)}}, true, positionsOperator)
+		if err != nil || len(moves) != 1 || !moves[0].Executed || *moves[0].From != 9 || moves[0].Reapplied != 6 {
+			t.Fatalf("execute: %+v, %v", moves, err)
+		}
+		var next, change int64
+		if err := e.pool.QueryRow(ctx, `SELECT next_offset, position_change FROM kafkapg.offsets WHERE topic = $1 AND partition = 0`, topic).Scan(&next, &change); err != nil {
+			t.Fatal(err)
+		}
+		if next != 3 || change != moves[0].Change {
+			t.Errorf("offsets: next_offset %d, position_change %d; want 3, %d", next, change, moves[0].Change)
+		}
+		var from, to int64
+		var actor, reason string
+		if err := e.pool.QueryRow(ctx, `SELECT from_offset, to_offset, actor, reason FROM kafkapg.position_changes WHERE id = $1`, change).Scan(&from, &to, &actor, &reason); err != nil {
+			t.Fatal(err)
+		}
+		if from != 9 || to != 3 || actor != "ana" || reason != positionsOperator.Reason {
+			t.Errorf("position_changes: %d → %d by %s (%s)", from, to, actor, reason)
+		}
+		if e.audits() != audits+1 {
+			t.Errorf("a change wrote %d audit rows", e.audits()-audits)
+		}
+
+		// The whole topic, to the first record at or after a time: partition 1 has no stored
+		// position yet; its row is made.
+		moves, err = e.ops.SetPositions(ctx, kc, ops.PositionPlan{Topic: topic, Partition: ops.AllPartitions, Target: ops.Target{Time: base.Add(4*time.Minute + time.Second)}}, true, positionsOperator)
+		if err != nil || len(moves) != 2 {
+			t.Fatalf("by time: %+v, %v", moves, err)
+		}
+		if moves[0].To != 5 || moves[0].Skipped != 2 || moves[1].To != 5 || moves[1].From != nil {
+			t.Errorf("by time: %+v", moves)
+		}
+		if got := scalar[int64](e, `SELECT next_offset FROM kafkapg.offsets WHERE topic = $1 AND partition = 1`, topic); got != 5 {
+			t.Errorf("partition 1's position: %d, want 5", got)
+		}
+		moves, err = e.ops.SetPositions(ctx, kc, ops.PositionPlan{Topic: topic, Partition: 1, Target: ops.Target{Start: true}}, false, positionsOperator)
+		if err != nil || moves[0].To != 2 || moves[0].Reapplied != 3 {
+			t.Errorf("to the start: %+v, %v", moves, err)
+		}
+		moves, err = e.ops.SetPositions(ctx, kc, ops.PositionPlan{Topic: topic, Partition: 1, Target: ops.Target{End: true}}, false, positionsOperator)
+		if err != nil || moves[0].To != 10 || moves[0].Skipped != 5 {
+			t.Errorf("to the end: %+v, %v", moves, err)
+		}
+	})
+}
+
+// TestPositionsRefusedInTheUpgradeWindow: while processors of the release before may run, which
+// know neither pauses nor position changes, neither is made.
+func TestPositionsRefusedInTheUpgradeWindow(t *testing.T) {
+	k := testenv.NewKfake(t)
+	pool, _ := testenv.Postgres(t)
+	ctx := context.Background()
+	if _, err := schema.MigrateTo(ctx, pool, "kafkapg", schema.PreviousSchema); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := schema.Migrate(ctx, pool, "kafkapg"); err != nil {
+		t.Fatal(err)
+	}
+	topic := k.CreateTopic(t, 1)
+	o := ops.New(pool, "kafkapg", keysGroup).WithTopics(topic)
+	_, err := o.Pause(ctx, k.Client(t), topic, ops.AllPartitions, true, positionsOperator)
+	wantUsage(t, err, "upgrade window")
+	_, err = o.SetPositions(ctx, k.Client(t), ops.PositionPlan{Topic: topic, Partition: 0, Target: ops.Target{End: true}}, true, positionsOperator)
+	wantUsage(t, err, "upgrade window")
+}
