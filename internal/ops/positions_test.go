@@ -208,3 +208,52 @@ func TestPositionsRefusedInTheUpgradeWindow(t *testing.T) {
 	_, err = o.SetPositions(ctx, k.Client(t), ops.PositionPlan{Topic: topic, Partition: 0, Target: ops.Target{End: true}}, true, positionsOperator)
 	wantUsage(t, err, "upgrade window")
 }
+
+// TestTraceTellsPositionChanges: trace of an offset a forward change skipped says it was
+// skipped, by whom, when and why (not applied); of one a rewind went back over, that it is
+// applied again after the rewind, or will be.
+func TestTraceTellsPositionChanges(t *testing.T) {
+	k := testenv.NewKfake(t)
+	e := newKeysEnv(t)
+	ctx := context.Background()
+	topic := k.CreateTopic(t, 1)
+	e.ops = e.ops.WithTopics(topic)
+	kc := k.Client(t)
+	var recs []*kgo.Record
+	for range 10 {
+		recs = append(recs, &kgo.Record{Topic: topic, Value: []byte("v")})
+	}
+	k.Produce(t, recs...)
+	e.position(topic, 0, 2)
+	skip := ops.Actor{Name: "bo", Reason: "test events"}
+	if _, err := e.ops.SetPositions(ctx, kc, ops.PositionPlan{Topic: topic, Partition: 0, Target: ops.Target{Offset: func() *int64 { n := int64(6); return &n }()}}, true, skip); err != nil {
+		t.Fatal(err)
+	}
+	got := e.trace(ops.TraceQuery{Topic: topic, Partition: 0, Offset: 4}, kc).Records[0]
+	if got.State != ops.TraceSkippedByOperator || !strings.Contains(got.Now, "bo set the partition's position from 2 to 6") || !strings.Contains(got.Now, "test events") {
+		t.Errorf("a skipped offset: %s: %s", got.State, got.Now)
+	}
+	for _, st := range got.Steps {
+		if st.Kind == ops.StepApplied {
+			t.Errorf("a skipped offset has an applied step: %+v", got.Steps)
+		}
+	}
+	if got := e.trace(ops.TraceQuery{Topic: topic, Partition: 0, Offset: 1}, kc).Records[0]; got.State != ops.TraceApplied {
+		t.Errorf("an offset before the skipped range: %s: %s", got.State, got.Now)
+	}
+
+	rewind := ops.Actor{Name: "cy", Reason: "bug fixed"}
+	if _, err := e.ops.SetPositions(ctx, kc, ops.PositionPlan{Topic: topic, Partition: 0, Target: ops.Target{Offset: func() *int64 { n := int64(5); return &n }()}}, true, rewind); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.trace(ops.TraceQuery{Topic: topic, Partition: 0, Offset: 5}, kc).Records[0]; got.State != ops.TraceNotConsumed || !strings.Contains(got.Now, "to be applied again: cy rewound") {
+		t.Errorf("an offset rewound over, not passed again: %s: %s", got.State, got.Now)
+	}
+	e.exec(`UPDATE kafkapg.offsets SET next_offset = 8 WHERE topic = $1`, topic)
+	if got := e.trace(ops.TraceQuery{Topic: topic, Partition: 0, Offset: 5}, kc).Records[0]; got.State != ops.TraceApplied || !strings.Contains(got.Now, "applied again after the rewind by cy") {
+		t.Errorf("an offset rewound over, passed again: %s: %s", got.State, got.Now)
+	}
+	if got := e.trace(ops.TraceQuery{Topic: topic, Partition: 0, Offset: 4}, kc).Records[0]; got.State != ops.TraceSkippedByOperator {
+		t.Errorf("a skipped offset the rewind did not reach: %s: %s", got.State, got.Now)
+	}
+}
