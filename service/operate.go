@@ -88,6 +88,8 @@ func operate(ctx context.Context, e *env, cmd string, args []string, hs *registr
 		return dlqCmd(ctx, c, args)
 	case "keys":
 		return keysCmd(ctx, c, args)
+	case "positions":
+		return positionsCmd(ctx, c, args)
 	case "trace":
 		return traceCmd(ctx, c, args)
 	}

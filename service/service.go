@@ -171,7 +171,7 @@ func progName() string {
 	return filepath.Base(os.Args[0])
 }
 
-const usage = `usage: %[1]s [run|config|migrate|upgrade|dlq|keys|trace|help]
+const usage = `usage: %[1]s [run|config|migrate|upgrade|dlq|keys|positions|trace|help]
 
   run      consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
   config   print the configuration in force (secrets redacted), then exit
@@ -179,6 +179,7 @@ const usage = `usage: %[1]s [run|config|migrate|upgrade|dlq|keys|trace|help]
   upgrade  the upgrade window: status, and finalize it once the release before no longer runs
   dlq      list, show, replay, discard and purge dead letters; list and cancel tasks
   keys     list held and blocked keys; release one
+  positions the group's positions; pause and resume a topic or partition; set a position
   trace    where a record is now, and how it got there
 
 Each operator command takes -h for its own help. Commands that change anything are
@@ -223,13 +224,13 @@ func runIn(ctx context.Context, args []string, stdout, stderr io.Writer, h *harn
 	if len(args) > 0 {
 		cmd = args[0]
 	}
-	withArgs := cmd == "dlq" || cmd == "keys" || cmd == "trace" || cmd == "config" || cmd == "upgrade"
+	withArgs := cmd == "dlq" || cmd == "keys" || cmd == "positions" || cmd == "trace" || cmd == "config" || cmd == "upgrade"
 	if len(args) > 1 && !withArgs {
 		help()
 		return 2
 	}
 	if h != nil && !h.supports(cmd) {
-		fmt.Fprintf(stderr, "%s: command %q is not run in a test harness (it runs run, config, dlq, keys and trace)\n", prog, cmd)
+		fmt.Fprintf(stderr, "%s: command %q is not run in a test harness (it runs run, config, dlq, keys, positions and trace)\n", prog, cmd)
 		return 2
 	}
 
@@ -244,7 +245,7 @@ func runIn(ctx context.Context, args []string, stdout, stderr io.Writer, h *harn
 		err = upgradeCmd(ctx, args[1:], stdout, stderr)
 	case "config":
 		h.read(func() { err = configCmd(args[1:], hs, stdout, stderr) }) // it escapes for the terminal or for JSON
-	case "dlq", "keys", "trace":
+	case "dlq", "keys", "positions", "trace":
 		stderr = safetext.TerminalWriter(stderr) // the errors below may quote what came from outside
 		var e *env
 		if h.read(func() { e, err = loadOpsEnv(hs) }); err == nil {
