@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/kafkapg/kafkapg/internal/schema"
@@ -101,7 +102,7 @@ func (o *Ops) Partitions(ctx context.Context, kc *kgo.Client) (list []PartitionS
 		})
 		committed, err := adm.FetchOffsetsForTopics(lctx, o.group, sources...)
 		cancel()
-		if err != nil {
+		if err != nil && !errors.Is(err, kerr.GroupIDNotFound) { // not found: the group never committed to Kafka
 			notes = append(notes, fmt.Sprintf("offsets committed to Kafka not read: %v", err))
 		}
 		committed.Each(func(r kadm.OffsetResponse) {
