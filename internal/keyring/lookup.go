@@ -2,6 +2,8 @@ package keyring
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/binary"
 	"fmt"
 	"strings"
 
@@ -62,4 +64,19 @@ func (k *Ring) Lookup(ctx context.Context, pool *pgxpool.Pool, keys [][32]byte) 
 		return nil, fmt.Errorf("look keys up in the idempotency key ring: %w", err)
 	}
 	return found, nil
+}
+
+// Hash is the ring's hash of key, an idempotency key of a record of topic in group: the SHA-256
+// of the group, the topic and the key, each of the first two preceded by its length (as the
+// processor's keyHash computes it, which should call this: processor/ is not this change's).
+func Hash(group, topic string, key []byte) [32]byte {
+	h := sha256.New()
+	for _, s := range []string{group, topic} {
+		h.Write(binary.AppendUvarint(nil, uint64(len(s))))
+		h.Write([]byte(s))
+	}
+	h.Write(key)
+	var out [32]byte
+	h.Sum(out[:0])
+	return out
 }

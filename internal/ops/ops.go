@@ -29,6 +29,8 @@ type Ops struct {
 	store  *retrytopics.Store
 	// sources are source topics of the group given by WithTopics (see CheckTopic).
 	sources []string
+	// keys finds a rewind's records' idempotency keys (WithIdempotencyKeys); nil: not checked.
+	keys *IdempotencyKeys
 }
 
 // New returns the operations on group's state in schema.

@@ -3,13 +3,16 @@ package ops_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/internal/keyring"
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/internal/schema"
@@ -255,5 +258,49 @@ func TestTraceTellsPositionChanges(t *testing.T) {
 	}
 	if got := e.trace(ops.TraceQuery{Topic: topic, Partition: 0, Offset: 4}, kc).Records[0]; got.State != ops.TraceSkippedByOperator {
 		t.Errorf("a skipped offset the rewind did not reach: %s: %s", got.State, got.Now)
+	}
+}
+
+// TestRewindDryRunChecksIdempotencyKeys: with the topic's key function and the key ring, a
+// rewind's dry run reads the records of its range and counts those whose key the ring has (they
+// would be skipped as duplicates); without a key function it says it did not check.
+func TestRewindDryRunChecksIdempotencyKeys(t *testing.T) {
+	k := testenv.NewKfake(t)
+	e := newKeysEnv(t)
+	ctx := context.Background()
+	topic := k.CreateTopic(t, 1)
+	kc := k.Client(t)
+	var recs []*kgo.Record
+	for i := range 6 {
+		recs = append(recs, &kgo.Record{Topic: topic, Key: []byte(fmt.Sprint("k", i)), Value: []byte("v")})
+	}
+	recs = append(recs, &kgo.Record{Topic: topic, Value: []byte("no key")})
+	k.Produce(t, recs...)
+	e.position(topic, 0, 7)
+	ring := keyring.New("kafkapg")
+	e.tx(func(ctx context.Context, tx pgx.Tx) error {
+		_, err := ring.Record(ctx, tx, [][32]byte{keyring.Hash(keysGroup, topic, []byte("k1")), keyring.Hash(keysGroup, topic, []byte("k4"))})
+		return err
+	})
+	byKey := func(r *kgo.Record) ([]byte, error) {
+		if r.Key == nil {
+			return nil, errors.New("no key")
+		}
+		return r.Key, nil
+	}
+	plan := ops.PositionPlan{Topic: topic, Partition: 0, Target: ops.Target{Start: true}}
+
+	o := e.ops.WithTopics(topic).WithIdempotencyKeys(ops.IdempotencyKeys{Ring: ring, Of: func(string) func(*kgo.Record) ([]byte, error) { return byKey }})
+	moves, err := o.SetPositions(ctx, kc, plan, false, ops.Actor{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := moves[0]; m.Reapplied != 7 || m.KeySkipped == nil || *m.KeySkipped != 2 || !strings.HasPrefix(m.KeyCheck, "2 of the 7 records read would be skipped") ||
+		!strings.Contains(m.KeyCheck, "(1 have no key") {
+		t.Errorf("with keys: %+v (%v)", m, m.KeySkipped)
+	}
+	o = e.ops.WithTopics(topic).WithIdempotencyKeys(ops.IdempotencyKeys{Ring: ring, Of: func(string) func(*kgo.Record) ([]byte, error) { return nil }})
+	if moves, err = o.SetPositions(ctx, kc, plan, false, ops.Actor{}); err != nil || moves[0].KeySkipped != nil || !strings.HasPrefix(moves[0].KeyCheck, "not checked: no idempotency key function") {
+		t.Errorf("without a key function: %+v, %v", moves, err)
 	}
 }

@@ -5,11 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/internal/keyring"
+	"github.com/kafkapg/kafkapg/internal/safetext"
 )
 
 // Target is where SetPositions moves a position: exactly one of an offset, the first record at
@@ -62,15 +66,17 @@ type PositionMove struct {
 	// transaction markers make the records fewer.
 	Reapplied int64 `json:"reapplied"`
 	Skipped   int64 `json:"skipped"`
-	// KeyCheck says which of the re-applied records an idempotency key would skip anyway.
-	KeyCheck string `json:"idempotency_key_check"`
-	Executed bool   `json:"executed"`
+	// KeyCheck says which of the re-applied records an idempotency key would skip anyway, or
+	// why that was not checked; KeySkipped counts them, when checked.
+	KeyCheck   string `json:"idempotency_key_check"`
+	KeySkipped *int64 `json:"idempotency_key_skips,omitempty"`
+	Executed   bool   `json:"executed"`
 	// Change is the position_changes row's id, when executed.
 	Change int64 `json:"position_change,omitempty"`
 }
 
-// keyCheckNotDone is what a rewind's KeyCheck says: this operation does not read the range and
-// look its records' keys up in the key ring (it has no idempotency key function of the topic).
+// keyCheckNotDone is what a rewind's KeyCheck says when it is not checked (Ops has no
+// IdempotencyKeys, or the move is executed).
 const keyCheckNotDone = "not checked: records of the range that carry an idempotency key still in the key ring will be skipped as duplicates, not applied again"
 
 // SetPositions moves the group's position in a source topic's partition, or in each of its
@@ -153,6 +159,9 @@ func (o *Ops) SetPositions(ctx context.Context, kc *kgo.Client, plan PositionPla
 		moves[i].count()
 	}
 	if !execute {
+		for i := range moves {
+			o.checkKeys(ctx, kc, &moves[i])
+		}
 		return moves, nil
 	}
 	for i := range moves {
@@ -230,4 +239,80 @@ func afterTime(ctx context.Context, kc *kgo.Client, topic string, t time.Time) (
 	out := map[int32]int64{}
 	l.Each(func(o kadm.ListedOffset) { out[o.Partition] = o.Offset })
 	return out, nil
+}
+
+// IdempotencyKeys is how SetPositions' dry run finds which records of a rewind an idempotency key
+// would skip: the schema's key ring, and each source topic's key function.
+type IdempotencyKeys struct {
+	Ring *keyring.Ring
+	// Of returns topic's idempotency key function, nil if the topic has none known here.
+	Of func(topic string) func(*kgo.Record) ([]byte, error)
+}
+
+// WithIdempotencyKeys returns the operations of o's group whose dry runs of a rewind read the
+// records of the range (at most KeyCheckRecords a partition) and look their keys up in the ring.
+func (o *Ops) WithIdempotencyKeys(k IdempotencyKeys) *Ops {
+	c := *o
+	c.keys = &k
+	return &c
+}
+
+// Bounds of what a rewind's dry run reads to check idempotency keys, per partition.
+const (
+	KeyCheckRecords = 10_000
+	keyCheckBytes   = 32 << 20 // of record values
+)
+
+// checkKeys fills in m.KeyCheck and m.KeySkipped for a rewind: which of the records it applies
+// again would be skipped as duplicates, their idempotency key still in the ring.
+func (o *Ops) checkKeys(ctx context.Context, kc *kgo.Client, m *PositionMove) {
+	if m.From == nil || m.To >= *m.From {
+		return
+	}
+	m.KeyCheck = keyCheckNotDone
+	if o.keys == nil || o.keys.Ring == nil || o.keys.Of == nil {
+		return
+	}
+	keyOf := o.keys.Of(m.Topic)
+	if keyOf == nil {
+		m.KeyCheck = "not checked: no idempotency key function of the topic is known here (TOPIC_<topic>_IDEMPOTENCY_KEY, or its handler's, with HANDLER set): " +
+			"if it has one, records of the range whose key is still in the key ring will be skipped as duplicates"
+		return
+	}
+	if m.Reapplied > KeyCheckRecords {
+		m.KeyCheck = fmt.Sprintf("not checked: %d records, more than the %d a dry run reads; those whose idempotency key is still in the key ring will be skipped as duplicates",
+			m.Reapplied, KeyCheckRecords)
+		return
+	}
+	var hashes [][32]byte
+	read, unkeyed := 0, 0
+	notes := scanRanges(ctx, kc, m.Topic, map[int32][2]int64{m.Partition: {m.To, *m.From}}, keyCheckBytes, func(r *kgo.Record) {
+		read++
+		k, err := keyOf(r)
+		if err != nil || k == nil {
+			unkeyed++
+			return
+		}
+		hashes = append(hashes, keyring.Hash(o.group, m.Topic, k))
+	})
+	if len(notes) > 0 {
+		m.KeyCheck = "not checked: " + strings.Join(notes, "; ")
+		return
+	}
+	found, err := o.keys.Ring.Lookup(ctx, o.pool, hashes)
+	if err != nil {
+		m.KeyCheck = "not checked: " + safetext.Text(err.Error(), 300)
+		return
+	}
+	n := int64(0)
+	for _, h := range hashes {
+		if found[keyring.Short(h)] {
+			n++
+		}
+	}
+	m.KeySkipped = &n
+	m.KeyCheck = fmt.Sprintf("%d of the %d records read would be skipped as duplicates, not applied again: their idempotency key is still in the key ring", n, read)
+	if unkeyed > 0 {
+		m.KeyCheck += fmt.Sprintf(" (%d have no key: applied again, or dead-lettered if the key is required)", unkeyed)
+	}
 }
