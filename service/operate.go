@@ -83,6 +83,7 @@ func operate(ctx context.Context, e *env, cmd string, args []string, hs *registr
 		}
 	}
 	c := newOpsCmd(progName(), e, pool, stdout, stderr)
+	c.ops = c.ops.WithIdempotencyKeys(e.idempotencyKeys(hs))
 	switch cmd {
 	case "dlq":
 		return dlqCmd(ctx, c, args)

@@ -4,15 +4,19 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"regexp"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/kafkapg/kafkapg/internal/keyring"
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
+	"github.com/kafkapg/kafkapg/processor"
 )
 
 // TestPositionsUsage: bad usage of positions is a usage error naming the flag, found before
@@ -106,5 +110,43 @@ func TestPositionsCmd(t *testing.T) {
 	var next int64
 	if err := pool.QueryRow(ctx, `SELECT next_offset FROM kafkapg.offsets WHERE consumer_group = 'kg' AND topic = 'orders' AND partition = 0`).Scan(&next); err != nil || next != 6 {
 		t.Errorf("the position after set --end: %d, %v", next, err)
+	}
+}
+
+// TestPositionsSetChecksTheServicesKeys: the service gives a rewind's dry run its topics'
+// idempotency key functions (here TOPIC_orders_IDEMPOTENCY_KEY=header:x-id) and its key ring:
+// the dry run counts the records of the range whose key the ring has.
+func TestPositionsSetChecksTheServicesKeys(t *testing.T) {
+	k := testenv.NewKfake(t)
+	k.CreateTopicNamed(t, "orders", 1)
+	var recs []*kgo.Record
+	for i := range 4 {
+		recs = append(recs, &kgo.Record{Topic: "orders", Value: []byte("v"), Headers: []kgo.RecordHeader{{Key: "x-id", Value: []byte(fmt.Sprint("id-", i))}}})
+	}
+	k.Produce(t, recs...)
+	pool := testenv.Migrated(t)
+	ctx := context.Background()
+	if _, err := pool.Exec(ctx, `INSERT INTO kafkapg.offsets (consumer_group, topic, partition, next_offset) VALUES ('kg', 'orders', 0, 4)`); err != nil {
+		t.Fatal(err)
+	}
+	ring := keyring.New("kafkapg")
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := ring.Record(ctx, tx, [][32]byte{keyring.Hash("kg", "orders", []byte("id-2"))})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	hs, err := newRegistry(builtinHandlers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, out, errOut := keysCmdEnv(pool, k.Brokers...)
+	c.env.topics = map[string]topicPolicy{"orders": {idempotencyKeySet: true, policy: processor.TopicPolicy{IdempotencyKey: processor.KeyFromHeader("x-id")}}}
+	c.ops = c.ops.WithIdempotencyKeys(c.env.idempotencyKeys(hs))
+	if err := positionsCmd(ctx, c, []string{"set", "--topic", "orders", "--start"}); err != nil {
+		t.Fatalf("%v (%s)", err, errOut)
+	}
+	if !strings.Contains(out.String(), "idempotency keys: 1 of the 4 records read would be skipped as duplicates") {
+		t.Errorf("set --start, dry run:\n%s", out)
 	}
 }

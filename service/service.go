@@ -506,7 +506,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		if err != nil {
 			return &configError{err} // validate refused it already
 		}
-		a := newAPI(ctx, ops.New(pool, env.DBSchema, env.KafkaGroupID), env.OperatorToken, tokens, log)
+		a := newAPI(ctx, ops.New(pool, env.DBSchema, env.KafkaGroupID).WithIdempotencyKeys(env.idempotencyKeys(hs)), env.OperatorToken, tokens, log)
 		a.keys = keysRoutes(a, env, env.concurrency(hs))
 		defer bound.within("stopping the operator API's tasks", a.wait) // before the pool closes: running tasks stop after their chunk in flight
 		operator = a.handler()
@@ -523,7 +523,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	}
 	log.Info("http listening", "addr", ln.Addr().String(), "paths", paths)
 	if env.ConsoleAddr != "" {
-		stop, err := serveConsole(ctx, env, env.concurrency(hs), pool, reg, log)
+		stop, err := serveConsole(ctx, env, env.concurrency(hs), env.idempotencyKeys(hs), pool, reg, log)
 		if err != nil {
 			return err
 		}
@@ -635,7 +635,7 @@ func (b *exitBound) within(what string, fn func()) {
 
 // serveConsole serves the operator console on CONSOLE_ADDR (see package console). It returns a
 // function that stops it.
-func serveConsole(ctx context.Context, env *env, concurrency map[string]int, pool *pgxpool.Pool, reg prometheus.Gatherer, log *slog.Logger) (stop func(), err error) {
+func serveConsole(ctx context.Context, env *env, concurrency map[string]int, keys ops.IdempotencyKeys, pool *pgxpool.Pool, reg prometheus.Gatherer, log *slog.Logger) (stop func(), err error) {
 	users, tokens, err := env.consoleLogins()
 	if err != nil {
 		return nil, &configError{err}
@@ -645,7 +645,9 @@ func serveConsole(ctx context.Context, env *env, concurrency map[string]int, poo
 	if err != nil {
 		return nil, err
 	}
-	o := ops.New(pool, env.DBSchema, env.KafkaGroupID).WithTopics(env.KafkaTopics...) // all a trace may read
+	// The group's topics are all a trace may read; the keys let a rewind's dry run count the
+	// records a key would skip.
+	o := ops.New(pool, env.DBSchema, env.KafkaGroupID).WithTopics(env.KafkaTopics...).WithIdempotencyKeys(keys)
 	log = log.With("component", "console")
 	tasks := newTaskRunner(ctx, o, "console", log)
 	// The overview's chart and alerts come from this process's own metrics.

@@ -1,9 +1,12 @@
 package ops_test
 
 import (
+	"fmt"
 	"os"
 	"strings"
 	"testing"
+
+	"github.com/kafkapg/kafkapg/internal/ops"
 )
 
 // TestDocsTellPositions: the runbook has the entries an operator looks for (stop consuming,
@@ -27,6 +30,7 @@ func TestDocsTellPositions(t *testing.T) {
 		"a rewind applies again **every record between**",
 		"is **skipped as a duplicate**, not applied again",
 		"kafkapg has no command to forget keys",
+		fmt.Sprintf("it reads the records of the range (at most %s a partition)", fmt.Sprintf("%d,%03d", ops.KeyCheckRecords/1000, ops.KeyCheckRecords%1000)),
 		"`positions [--json]`",
 		"`positions pause --topic T [--partition N] [--execute --reason R]`",
 		"`positions set --topic T [--partition N] (--offset N \\| --time T \\| --start \\| --end) [--execute --reason R]`",
