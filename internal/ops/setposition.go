@@ -200,10 +200,11 @@ func (o *Ops) setPosition(ctx context.Context, m *PositionMove, a Actor) error {
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3 FOR UPDATE`, o.group, m.Topic, m.Partition).Scan(&from)
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
-			// No row: a partition the group never claimed. Insert it, unowned; a concurrent first
-			// claim's insert waits for this one (the primary key) and finds it.
-			if _, err := tx.Exec(ctx, `INSERT INTO `+o.table("offsets")+` (consumer_group, topic, partition, next_offset, owner)
-				VALUES ($1, $2, $3, NULL, '')`, o.group, m.Topic, m.Partition); err != nil {
+			// No row: a partition the group never claimed. Insert it, unowned, its first owner to
+			// start at the new position (start_offset: where the first owner started it); a
+			// concurrent first claim's insert waits for this one (the primary key) and finds it.
+			if _, err := tx.Exec(ctx, `INSERT INTO `+o.table("offsets")+` (consumer_group, topic, partition, next_offset, owner, start_offset)
+				VALUES ($1, $2, $3, NULL, '', $4)`, o.group, m.Topic, m.Partition, m.To); err != nil {
 				return err
 			}
 		case err != nil:
