@@ -259,6 +259,22 @@ func TestTraceTellsPositionChanges(t *testing.T) {
 	if got := e.trace(ops.TraceQuery{Topic: topic, Partition: 0, Offset: 4}, kc).Records[0]; got.State != ops.TraceSkippedByOperator {
 		t.Errorf("a skipped offset the rewind did not reach: %s: %s", got.State, got.Now)
 	}
+
+	// A partition with no stored position, set to 3: the records before it were never applied.
+	other := k.CreateTopic(t, 1)
+	var more []*kgo.Record
+	for range 5 {
+		more = append(more, &kgo.Record{Topic: other, Value: []byte("v")})
+	}
+	k.Produce(t, more...)
+	o := e.ops.WithTopics(topic, other)
+	if _, err := o.SetPositions(ctx, kc, ops.PositionPlan{Topic: other, Partition: 0, Target: ops.Target{Offset: func() *int64 { n := int64(3); return &n }()}}, true, skip); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := o.Trace(ctx, ops.TraceQuery{Topic: other, Partition: 0, Offset: 1}, kc); err != nil || got.Records[0].State != ops.TraceSkippedByOperator ||
+		!strings.Contains(got.Records[0].Now, "from none stored to 3") {
+		t.Errorf("an offset before a first position set: %+v, %v", got.Records, err)
+	}
 }
 
 // TestRewindDryRunChecksIdempotencyKeys: with the topic's key function and the key ring, a

@@ -637,16 +637,24 @@ type traceFacts struct {
 
 // tracePositionChange is a position_changes row: an operator set the position from from to to.
 type tracePositionChange struct {
-	from, to      int64
+	from, to      int64 // from -1: the partition had no stored position (it covers [0, to))
 	at            time.Time
 	actor, reason string
+}
+
+// fromText says where the change set the position from.
+func (c tracePositionChange) fromText() string {
+	if c.from < 0 {
+		return "none stored"
+	}
+	return strconv.FormatInt(c.from, 10)
 }
 
 // step is the change's step of a record in its range.
 func (c tracePositionChange) step() TraceStep {
 	who := fmt.Sprintf("%s (%s)", safetext.Text(oneLine(c.actor), 80), safetext.Text(oneLine(c.reason), 200))
 	if c.to > c.from {
-		return TraceStep{At: c.at, Kind: StepPositionSet, What: fmt.Sprintf("skipped: %s set the partition's position forward from %d to %d, past it, never applied", who, c.from, c.to)}
+		return TraceStep{At: c.at, Kind: StepPositionSet, What: fmt.Sprintf("skipped: %s set the partition's position forward from %s to %d, past it, never applied", who, c.fromText(), c.to)}
 	}
 	return TraceStep{At: c.at, Kind: StepPositionSet, What: fmt.Sprintf("rewound: %s set the partition's position back from %d to %d: it is applied again once the position passes it", who, c.from, c.to)}
 }
@@ -828,10 +836,10 @@ func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigi
 					return nil
 				}},
 		}
-		queries = append(queries, query{"position changes", `SELECT u.p, u.o, c.from_offset, c.to_offset, c.changed_at, c.actor, c.reason
+		queries = append(queries, query{"position changes", `SELECT u.p, u.o, coalesce(c.from_offset, -1), c.to_offset, c.changed_at, c.actor, c.reason
 				FROM unnest($3::int[], $4::bigint[]) AS u(p, o)
 				JOIN ` + o.table("position_changes") + ` c ON c.consumer_group = $1 AND c.topic = $2 AND c.partition = u.p
-				AND c.from_offset IS NOT NULL AND u.o >= least(c.from_offset, c.to_offset) AND u.o < greatest(c.from_offset, c.to_offset)
+				AND u.o >= least(coalesce(c.from_offset, 0), c.to_offset) AND u.o < greatest(coalesce(c.from_offset, 0), c.to_offset)
 				ORDER BY c.id`,
 			[]any{o.group, topic, parts, offs},
 			[]any{&org.partition, &org.offset, &pc.from, &pc.to, &pc.at, &pc.actor, &pc.reason},
@@ -1193,8 +1201,8 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *scanned
 					t.Steps = slices.Delete(t.Steps, i, i+1)
 				}
 				t.State = TraceSkippedByOperator
-				t.Now = fmt.Sprintf("skipped, never applied: %s set the partition's position from %d to %d at %s: %s",
-					safetext.Text(oneLine(last.actor), 80), last.from, last.to, timeText(last.at), safetext.Text(oneLine(last.reason), 200))
+				t.Now = fmt.Sprintf("skipped, never applied: %s set the partition's position from %s to %d at %s: %s",
+					safetext.Text(oneLine(last.actor), 80), last.fromText(), last.to, timeText(last.at), safetext.Text(oneLine(last.reason), 200))
 			case last.to < last.from && t.State == TraceApplied:
 				t.Now = fmt.Sprintf("applied again after the rewind by %s at %s (from %d to %d: %s); %s",
 					safetext.Text(oneLine(last.actor), 80), timeText(last.at), last.from, last.to, safetext.Text(oneLine(last.reason), 200), t.Now)
