@@ -102,4 +102,29 @@ func TestConsolePositionsInABrowser(t *testing.T) {
 	if got := scalar(`SELECT next_offset || ' ' || (SELECT actor FROM kafkapg.position_changes WHERE id = o.position_change) FROM kafkapg.offsets o WHERE consumer_group = $1 AND partition = 0`); got != "1 console:alice" {
 		t.Errorf("after the change: %q, want position 1 changed by console:alice", got)
 	}
+
+	// The whole topic paused (no partition given) shows on each partition, and a row's resume
+	// resumes the topic.
+	b.open(srv.URL+"/positions", `document.querySelector("#position-form") !== null`)
+	b.must(chromedp.Do(b.ctx,
+		chromedp.SetValue(chromedp.CSS(`#position-form select[name="op"]`), "pause"),
+		chromedp.Click(chromedp.CSS("#position-dry-run")),
+	))
+	b.waitFor(`location.pathname === "/positions/confirm" && document.readyState === "complete" && document.querySelector("#would") !== null`)
+	if got := b.text("#would"); !strings.Contains(got, "every partition: this would pause it") {
+		t.Errorf("the topic's pause, dry run: %q", got)
+	}
+	b.must(chromedp.Do(b.ctx, chromedp.SetValue(chromedp.CSS("#reason"), "all of it, INC-52"), chromedp.Click(chromedp.CSS("#confirm"))))
+	b.waitFor(`location.pathname === "/positions/act" && document.readyState === "complete" && document.querySelector("#done") !== null`)
+	b.open(srv.URL+"/positions", `document.querySelector("#positions") !== null`)
+	if got := b.text(`#positions tr[data-partition="1"] td.why`); !strings.Contains(got, "(the topic)") {
+		t.Errorf("partition 1 under the topic's pause: %q", got)
+	}
+	b.must(chromedp.Do(b.ctx, chromedp.Click(chromedp.CSS(`#positions tr[data-partition="1"] button.resume`))))
+	b.waitFor(`location.pathname === "/positions/confirm" && document.readyState === "complete" && document.querySelector("#would") !== null`)
+	b.must(chromedp.Do(b.ctx, chromedp.SetValue(chromedp.CSS("#reason"), "back, INC-52"), chromedp.Click(chromedp.CSS("#confirm"))))
+	b.waitFor(`location.pathname === "/positions/act" && document.readyState === "complete" && document.querySelector("#done") !== null`)
+	if got := scalar(`SELECT count(*)::text FROM kafkapg.pauses WHERE consumer_group = $1`); got != "0" {
+		t.Errorf("after resuming the topic from a row: %s pauses left", got)
+	}
 }
