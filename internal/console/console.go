@@ -360,6 +360,7 @@ type partitionRow struct {
 	End    int64
 	Lag    int64
 	HasLag bool
+	Paused bool // by an operator (the Positions page says who and why)
 }
 
 type overviewData struct {
@@ -399,8 +400,16 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, err)
 		return
 	}
+	pauses, err := c.cfg.Ops.Pauses(ctx)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
 	for _, p := range positions {
-		d.Partitions = append(d.Partitions, partitionRow{Position: p})
+		paused := slices.ContainsFunc(pauses, func(q ops.Pause) bool {
+			return q.Topic == p.Topic && (q.Partition == ops.AllPartitions || q.Partition == p.Partition)
+		})
+		d.Partitions = append(d.Partitions, partitionRow{Position: p, Paused: paused})
 	}
 	if c.cfg.Admin != nil && len(d.Partitions) > 0 {
 		topics := map[string]bool{}

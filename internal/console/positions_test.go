@@ -81,6 +81,12 @@ func TestConsolePositionsInABrowser(t *testing.T) {
 		t.Errorf("the pause shown: %q", got)
 	}
 	b.shot("positions-paused")
+	b.open(srv.URL+"/", `document.querySelector("#partitions") !== null`)
+	if n := b.count("#partitions a.state-paused"); n != 1 {
+		t.Errorf("the overview shows %d paused partitions, want 1", n)
+	}
+	b.shot("overview-paused")
+	b.open(srv.URL+"/positions", `document.querySelector("#position-form") !== null`)
 
 	// Set partition 0 back to offset 1: the dry run says 2 records are applied again.
 	b.must(chromedp.Do(b.ctx,
