@@ -173,14 +173,14 @@ func progName() string {
 
 const usage = `usage: %[1]s [run|config|migrate|upgrade|dlq|keys|positions|trace|help]
 
-  run      consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
-  config   print the configuration in force (secrets redacted), then exit
-  migrate  create or upgrade kafkapg's tables in DB_SCHEMA, then exit
-  upgrade  the upgrade window: status, and finalize it once the release before no longer runs
-  dlq      list, show, replay, discard and purge dead letters; list and cancel tasks
-  keys     list held and blocked keys; release one
-  positions the group's positions; pause and resume a topic or partition; set a position
-  trace    where a record is now, and how it got there
+  run        consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
+  config     print the configuration in force (secrets redacted), then exit
+  migrate    create or upgrade kafkapg's tables in DB_SCHEMA, then exit
+  upgrade    the upgrade window: status, and finalize it once the release before no longer runs
+  dlq        list, show, replay, discard and purge dead letters; list and cancel tasks
+  keys       list held and blocked keys; release one
+  positions  the group's positions; pause and resume a topic or partition; set a position
+  trace      where a record is now, and how it got there
 
 Each operator command takes -h for its own help. Commands that change anything are
 dry runs unless given --execute, and then need --reason.
