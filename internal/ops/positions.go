@@ -197,7 +197,7 @@ func (o *Ops) Pause(ctx context.Context, kc *kgo.Client, topic string, partition
 			return err
 		}
 		c.Executed = true
-		return o.audit(ctx, tx, a, "pause", 0, map[string]any{"topic": topic, "partition": partition})
+		return o.audit(ctx, tx, a, "pause_partition", 0, map[string]any{"topic": topic, "partition": partition})
 	})
 	if err != nil {
 		return c, fmt.Errorf("pause %s: %w", partitionName(topic, partition), err)
@@ -244,7 +244,7 @@ func (o *Ops) Resume(ctx context.Context, kc *kgo.Client, topic string, partitio
 			return err
 		}
 		c.Executed = true
-		return o.audit(ctx, tx, a, "resume", 0, map[string]any{"topic": topic, "partition": partition, "pauses_ended": n})
+		return o.audit(ctx, tx, a, "resume_partition", 0, map[string]any{"topic": topic, "partition": partition, "pauses_ended": n})
 	})
 	if err != nil {
 		return c, fmt.Errorf("resume %s: %w", partitionName(topic, partition), err)

@@ -60,6 +60,9 @@ func TestPauseAndResume(t *testing.T) {
 		if e.audits() != audits+1 {
 			t.Errorf("a pause wrote %d audit rows", e.audits()-audits)
 		}
+		if got := scalar[string](e, `SELECT action || ' ' || actor || ' ' || (detail->>'partition') FROM kafkapg.audit ORDER BY id DESC LIMIT 1`); got != "pause_partition ana 1" {
+			t.Errorf("the pause's audit row: %q", got)
+		}
 		list, _, err := e.ops.Partitions(ctx, kc)
 		if err != nil || len(list) != 2 {
 			t.Fatalf("Partitions: %+v, %v", list, err)
