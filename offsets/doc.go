@@ -95,9 +95,16 @@
 //     nothing applied, in the statement that locks the row. The processor's control loop (one
 //     query a second: Store.Control) stops taking batches before that, but Postgres decides: a
 //     replica that has not read the pause yet, after a rebalance or a start, applies nothing
-//     either. A batch whose Advance ran before the pause committed may still commit after it: a
-//     pause that must also wait for the batches in flight locks the partitions' offsets rows
-//     (SELECT ... FOR UPDATE) before it inserts its row.
+//     either. The pause's transaction inserts its row, then locks the offsets rows of its
+//     partitions (SELECT ... FOR UPDATE, every topic's: the retry tiers' are numbered the same)
+//     before it commits: it waits for the batches whose Advance holds a row, which thus commit
+//     before the pause. An Advance that comes meanwhile waits for the pause's commit, and its own
+//     check, on a snapshot from before that commit, passes: so the batch checks the pauses again
+//     in the next statement (QueuePauseCheck, in the same round trip), on a snapshot taken once
+//     it holds the row, and rolls back (ErrPaused, TestAPauseInFlightStopsTheAdvanceWaitingForIt).
+//     The held-record applier, which advances no position, takes a KEY SHARE lock of the
+//     partition's row before it reads the pauses (PausedLocked): the same order, without
+//     conflicting with the owner's advances.
 //   - A position set moves next_offset under its owner: the owner's next Advance finds another
 //     offset than its own and fails (ErrPositionSet, an ErrMoved), whatever it fetched; no
 //     window in which it applies past the set. The set waits for a batch in flight (the row

@@ -100,17 +100,18 @@ func (p Position) Advanced(next int64) Position {
 
 // Store reads and writes the offsets table of one consumer group.
 type Store struct {
-	group      string
-	claimSQL   string
-	reclaimSQL string
-	advanceSQL string
-	readSQL    string
-	listSQL    string
-	startSQL   string
-	staleSQL   string
-	storedSQL  string
-	pausedSQL  string
-	controlSQL string
+	group       string
+	claimSQL    string
+	reclaimSQL  string
+	advanceSQL  string
+	readSQL     string
+	listSQL     string
+	startSQL    string
+	staleSQL    string
+	storedSQL   string
+	pausedSQL   string
+	keyShareSQL string
+	controlSQL  string
 }
 
 // Querier runs queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
@@ -151,6 +152,7 @@ func NewStore(schema, group string) *Store {
 			AND owner_token = $4 AND next_offset IS NOT DISTINCT FROM $6 AND keys_epoch = $7
 			AND NOT EXISTS (SELECT 1 FROM ` + pauses + ` AS z
 				WHERE z.consumer_group = $1 AND z.topic = $8 AND z.partition IN ($3, -1))`,
+		keyShareSQL: `SELECT 1 FROM ` + t + ` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 FOR KEY SHARE`,
 		pausedSQL: `SELECT EXISTS (SELECT 1 FROM ` + pauses + `
 			WHERE consumer_group = $1 AND topic = $2 AND partition IN ($3, -1))`,
 		readSQL: `SELECT owner_token, next_offset, keys_epoch, start_offset, coalesce(position_change, 0) FROM ` + t + `
@@ -365,7 +367,28 @@ func (s *Store) QueueAdvance(b *pgx.Batch, pos Position, next int64) *pgx.Queued
 	return b.Queue(s.advanceSQL, s.group, pos.Topic, pos.Partition, pos.Token, next, expected, pos.KeysEpoch, pos.source())
 }
 
-// Advance runs the fenced offset update from pos to next in tx and checks it.
+// QueuePauseCheck queues, right after QueueAdvance on b, the read of pos's pauses that
+// CheckPaused takes. It is a statement of its own, with a snapshot taken once the advance holds
+// the row: a pause that committed while the advance waited for the row (the pause's transaction
+// locks its partitions' rows before it commits, see the package doc) is seen here, where the
+// advance's own check, whose snapshot is older, misses it.
+func (s *Store) QueuePauseCheck(b *pgx.Batch, pos Position, paused *bool) {
+	b.Queue(s.pausedSQL, s.group, pos.source(), pos.Partition).QueryRow(func(row pgx.Row) error {
+		return row.Scan(paused)
+	})
+}
+
+// CheckPaused returns ErrPaused if paused, the result of QueuePauseCheck: the transaction must
+// roll back, applying nothing of the paused partition.
+func (s *Store) CheckPaused(pos Position, paused bool) error {
+	if paused {
+		return fmt.Errorf("advance %s (source %s): paused while the advance waited for the row: %w", pos.TP(), pos.source(), ErrPaused)
+	}
+	return nil
+}
+
+// Advance runs the fenced offset update from pos to next in tx and checks it, with the pause
+// check of QueuePauseCheck.
 func (s *Store) Advance(ctx context.Context, tx pgx.Tx, pos Position, next int64) error {
 	var expected *int64
 	if pos.Known {
@@ -375,7 +398,14 @@ func (s *Store) Advance(ctx context.Context, tx pgx.Tx, pos Position, next int64
 	if err != nil {
 		return fmt.Errorf("advance %s to %d: %w", pos.TP(), next, err)
 	}
-	return s.CheckAdvance(ctx, tx, pos, next, tag.RowsAffected())
+	if err := s.CheckAdvance(ctx, tx, pos, next, tag.RowsAffected()); err != nil {
+		return err
+	}
+	paused, err := s.Paused(ctx, tx, pos.source(), pos.Partition)
+	if err != nil {
+		return err
+	}
+	return s.CheckPaused(pos, paused)
 }
 
 // CheckAdvance interprets the row count of an Advance. One row: nil. Zero rows: it reads the row
@@ -565,6 +595,18 @@ func (s *Store) Control(ctx context.Context, q Querier, parts []Partition) (map[
 // Paused reports whether a pause of the group covers partition n of source (a source topic), in
 // q (a transaction: what it then applies of the partition is decided under the same check as an
 // Advance's). For work that does not advance a position: the held records' transactions.
+// PausedLocked is Paused for a transaction that applies n's records without advancing its
+// position (the held-record applier): it first takes a KEY SHARE lock of the partition's row,
+// which the pause's transaction must wait for (and which waits for a pause in flight), then reads
+// the pauses with a snapshot taken after the lock. KEY SHARE does not conflict with an owner's
+// advance.
+func (s *Store) PausedLocked(ctx context.Context, tx pgx.Tx, source string, n int32) (bool, error) {
+	if _, err := tx.Exec(ctx, s.keyShareSQL, s.group, source, n); err != nil {
+		return false, fmt.Errorf("lock the position of %s[%d]: %w", source, n, err)
+	}
+	return s.Paused(ctx, tx, source, n)
+}
+
 func (s *Store) Paused(ctx context.Context, q Querier, source string, n int32) (bool, error) {
 	var paused bool
 	if err := q.QueryRow(ctx, s.pausedSQL, s.group, source, n).Scan(&paused); err != nil {

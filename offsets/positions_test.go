@@ -3,7 +3,14 @@ package offsets_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 
 	"github.com/kafkapg/kafkapg/offsets"
 )
@@ -90,5 +97,73 @@ func TestPositionChangeIsReadAndTold(t *testing.T) {
 	again, err := s.Claim(ctx, pool, "B", []offsets.Partition{tp})
 	if err != nil || again[0].PositionChange != got.PositionChange {
 		t.Fatalf("Claim = %+v, %v; want position change %d", again, err, got.PositionChange)
+	}
+}
+
+// TestAPauseInFlightStopsTheAdvanceWaitingForIt: a pause's transaction locks its partitions'
+// rows before it commits (as ops.Pause does). An advance that waited for that lock checks the
+// pauses again once it holds the row, with a snapshot that sees the pause, and fails with
+// ErrPaused: the batch rolls back instead of committing just after the pause. (The advance's own
+// check ran on a snapshot from before the pause's commit, and passed.) Both the batch path
+// (QueueAdvance, QueuePauseCheck in one pipeline, as package sink runs it) and Advance.
+func TestAPauseInFlightStopsTheAdvanceWaitingForIt(t *testing.T) {
+	t.Parallel()
+	pool, s := setup(t)
+	ctx := context.Background()
+	pos, err := s.Claim(ctx, pool, "A", []offsets.Partition{{Topic: "orders", Partition: 0}, {Topic: "orders", Partition: 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	batched := func(pos offsets.Position, next int64) error {
+		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			b := &pgx.Batch{}
+			var advanced int64
+			var paused bool
+			s.QueueAdvance(b, pos, next).Exec(func(tag pgconn.CommandTag) error {
+				advanced = tag.RowsAffected()
+				return nil
+			})
+			s.QueuePauseCheck(b, pos, &paused)
+			if err := tx.SendBatch(ctx, b).Close(); err != nil {
+				return err
+			}
+			if err := s.CheckAdvance(ctx, tx, pos, next, advanced); err != nil {
+				return err
+			}
+			return s.CheckPaused(pos, paused)
+		})
+	}
+	for i, run := range []func(offsets.Position, int64) error{batched, func(p offsets.Position, n int64) error { return advance(t, pool, s, p, n) }} {
+		p := pos[i]
+		pause, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pause.Exec(ctx, `INSERT INTO kafkapg.pauses (consumer_group, topic, partition, paused_by, reason) VALUES ('g1', 'orders', $1, 'test', 'why')`, p.Partition); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pause.Exec(ctx, `SELECT 1 FROM kafkapg.offsets WHERE consumer_group = 'g1' AND partition = $1 FOR UPDATE`, p.Partition); err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		go func() { done <- run(p, p.Next+1) }()
+		// The advance waits for the row: its statement began before the pause's commit.
+		testenv.Eventually(t, 10*time.Second, func() error {
+			var waiting int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'UPDATE %offsets%'`).Scan(&waiting); err != nil || waiting == 0 {
+				return fmt.Errorf("no advance waits for the row yet (%v)", err)
+			}
+			return nil
+		})
+		if err := pause.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-done; !errors.Is(err, offsets.ErrPaused) {
+			t.Errorf("partition %d: an advance that waited for a pause's commit: err = %v, want ErrPaused (it would commit just after the pause)", p.Partition, err)
+		}
+		var next *int64
+		if err := pool.QueryRow(ctx, `SELECT next_offset FROM kafkapg.offsets WHERE consumer_group = 'g1' AND topic = 'orders' AND partition = $1`, p.Partition).Scan(&next); err != nil || next != nil {
+			t.Errorf("partition %d: stored next %v (%v), want none: the advance rolled back", p.Partition, next, err)
+		}
 	}
 }

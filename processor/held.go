@@ -385,7 +385,7 @@ func (d *heldApplier) applyHeld(k retrytopics.Key, limit int) (int, *Record, err
 		// An operator's pause of the key's source partition holds its held records back too,
 		// decided here as an advance decides it (applyAll skips them earlier, once the control
 		// loop has read the pause): nothing is taken, the key waits for the resume.
-		if paused, err := d.p.store.Paused(ctx, tx, k.Topic, k.Partition); err != nil || paused {
+		if paused, err := d.p.store.PausedLocked(ctx, tx, k.Topic, k.Partition); err != nil || paused {
 			return own(err)
 		}
 		held, err := d.p.retry.TakeHeld(ctx, tx, k, limit, d.pageBytes())

@@ -196,6 +196,15 @@ func (o *Ops) Pause(ctx context.Context, kc *kgo.Client, topic string, partition
 			o.group, topic, partition, a.Name, a.Reason); err != nil {
 			return err
 		}
+		// Wait for the batches in flight on those partitions (their advances hold the rows), and
+		// make those that come next wait for this commit: they check the pauses again once they
+		// hold the row (offsets.Store.QueuePauseCheck), and see this one. Every position row of
+		// the partitions, their retry tiers' included (named otherwise, numbered the same), in
+		// one order.
+		if _, err := tx.Exec(ctx, `SELECT 1 FROM `+o.table("offsets")+` WHERE consumer_group = $1 AND ($2 = -1 OR partition = $2)
+			ORDER BY topic, partition FOR UPDATE`, o.group, partition); err != nil {
+			return err
+		}
 		c.Executed = true
 		return o.audit(ctx, tx, a, "pause_partition", 0, map[string]any{"topic": topic, "partition": partition})
 	})
