@@ -67,8 +67,8 @@ func (k *Ring) Lookup(ctx context.Context, pool *pgxpool.Pool, keys [][32]byte) 
 }
 
 // Hash is the ring's hash of key, an idempotency key of a record of topic in group: the SHA-256
-// of the group, the topic and the key, each of the first two preceded by its length (as the
-// processor's keyHash computes it, which should call this: processor/ is not this change's).
+// of the group, the topic and the key, each of the first two preceded by its length. The
+// processor records keys under it, and ops looks them up under it.
 func Hash(group, topic string, key []byte) [32]byte {
 	h := sha256.New()
 	for _, s := range []string{group, topic} {
