@@ -19,6 +19,11 @@ type outcome struct {
 	applied    int // handled
 	held       int // held behind their keys
 	duplicates int // copies of retry records that had moved on
+	// released are the keys of worker.held that this transaction found no longer held. They
+	// leave worker.held only once it commits: a try that fails (retried in place) must check
+	// them in Postgres again, since the release it saw may be gone (a failover to a standby that
+	// lacked it: its next try runs on a database where the key is held).
+	released []string
 }
 
 // applyRange applies recs, isolating the ones that fail: the whole range is tried in one
@@ -117,6 +122,9 @@ func (w *worker) handleOnce(recs []*Record) error {
 	tracing.End(span, err, batchErrorType(err))
 	w.txSpan = trace.SpanContext{}
 	if err == nil {
+		for _, k := range out.released {
+			delete(w.held, k)
+		}
 		out.applied -= w.p.committed(w.source, live)
 		w.applied.Add(float64(out.applied))
 		w.p.countReplayed(w.source, live)
@@ -194,9 +202,10 @@ func (w *worker) admit(ctx context.Context, tx pgx.Tx, recs []*Record, out *outc
 			hold = append(hold, r.rec())
 			continue
 		}
-		if r.ordered {
-			// Not held (any more): the key's last hold was settled since we saw it.
-			delete(w.held, string(r.Key))
+		if _, ok := w.held[string(r.Key)]; ok && r.ordered {
+			// Not held any more: the key's last hold was settled since we saw it. It leaves
+			// w.held when this transaction commits (see outcome.released).
+			out.released = append(out.released, string(r.Key))
 		}
 		live = append(live, r)
 		index = append(index, i)

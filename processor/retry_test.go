@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -260,6 +261,115 @@ func TestBlockedKeyWaitsForOperator(t *testing.T) {
 		if n, err := processor.ReleaseBlockedKeys(context.Background(), h.Pool, "kafkapg", h.Group, h.Topic, 0, nil); err != nil || n != 1 {
 			t.Fatalf("ReleaseBlockedKeys(all) = %d, %v; want C released", n, err)
 		}
+		h.WaitSettled(items, 2, 15*time.Second)
+		h.Verify(items, 2, false)
+	})
+}
+
+// TestATryRetriedInPlaceLooksAtHeldKeysAgain: a batch transaction that found a key's hold
+// settled, then failed for a reason outside its records (Postgres lost), is tried again, perhaps
+// on a database that no longer has that settlement: a failover to an asynchronous standby that
+// lacked it. chaos-failover-async once applied a record ahead of the six held behind its key so:
+// the first try had taken the key out of the worker's set of held keys, and the second, on the
+// promoted standby where the key was still held, did not look. Here the key's hold is put back
+// while the first try is in flight, which then fails as a lost connection does; the record must
+// wait behind the key, not be applied.
+func TestATryRetriedInPlaceLooksAtHeldKeysAgain(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		ctx := context.Background()
+		h := newHarness(t, k, 1)
+		// The row of A's hold while it was blocked, to put back (the settlement a failover lost).
+		var heldRow struct {
+			state string
+			head  *int64
+			since time.Time
+		}
+		var undo, undone atomic.Bool
+		handler := processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			var ev ledger.Event
+			if json.Unmarshal(rec.Value, &ev) == nil && ev.EventID == "a3" && undo.CompareAndSwap(true, false) {
+				if _, err := h.Pool.Exec(ctx, `INSERT INTO kafkapg.held_keys (consumer_group, topic, partition, key, state, head_offset, held_since)
+					VALUES ($1, $2, 0, 'A', $3, $4, $5)`, h.Group, h.Topic, heldRow.state, heldRow.head, heldRow.since); err != nil {
+					return fmt.Errorf("test: put A's hold back: %w", err)
+				}
+				undone.Store(true)
+				return processor.Infrastructure(errors.New("test: the connection to Postgres was lost after the key's hold was seen settled"))
+			}
+			return ledger.Handler{}.Handle(ctx, tx, rec)
+		})
+		cfg := h.Config(handler)
+		cfg.RetryTiers = []time.Duration{100 * time.Millisecond}
+		cfg.LocalAttempts = 1
+		cfg.OnDeadLetter = processor.OnDeadLetterBlock
+		h.Start(cfg)
+
+		applied := func() string {
+			rows, err := h.Pool.Query(ctx, `SELECT event_id FROM ledger_entries ORDER BY applied_order`)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			if err != nil {
+				t.Fatal(err)
+			}
+			return fmt.Sprint(ids)
+		}
+		items := []ledger.Item{
+			testkit.Event("a1", "A", 1, 0, false),
+			testkit.Event("a2", "A", 2, 0, true), // poison: dead-lettered, blocks A
+		}
+		h.Produce(items)
+		testenv.Eventually(t, 30*time.Second, func() error {
+			err := h.Pool.QueryRow(ctx, `SELECT state, head_offset, held_since FROM kafkapg.held_keys WHERE consumer_group = $1 AND key = 'A'`, h.Group).
+				Scan(&heldRow.state, &heldRow.head, &heldRow.since)
+			if err != nil {
+				return fmt.Errorf("A's hold: %w", err)
+			}
+			if heldRow.state != "blocked" || applied() != "[a1]" {
+				return fmt.Errorf("A is %s with %s applied; want blocked behind a2, a1 applied", heldRow.state, applied())
+			}
+			return nil
+		})
+
+		// The operator releases A; its hold is settled (the row goes), but the worker's set of held
+		// keys, a superset, still has A.
+		if n, err := processor.ReleaseBlockedKeys(ctx, h.Pool, "kafkapg", h.Group, h.Topic, 0, []byte("A")); err != nil || n != 1 {
+			t.Fatalf("ReleaseBlockedKeys(A) = %d, %v; want 1 key released", n, err)
+		}
+		testenv.Eventually(t, 15*time.Second, func() error {
+			var n int
+			if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.held_keys WHERE consumer_group = $1`, h.Group).Scan(&n); err != nil {
+				return err
+			}
+			if n != 0 {
+				return fmt.Errorf("%d held keys, want A's hold settled", n)
+			}
+			return nil
+		})
+
+		undo.Store(true)
+		a3 := testkit.Event("a3", "A", 3, 0, false)
+		h.Produce([]ledger.Item{a3})
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if got := applied(); strings.Contains(got, "a3") {
+				t.Fatalf("applied %s: a3 was applied by the try after the failed one, although A was held again (the worker did not look)", got)
+			}
+			var held int
+			if err := h.Pool.QueryRow(ctx, `SELECT count(*) FROM kafkapg.held_records WHERE consumer_group = $1 AND key = 'A'`, h.Group).Scan(&held); err != nil {
+				return err
+			}
+			if !undone.Load() || held != 1 {
+				return fmt.Errorf("hold put back: %v; %d records held behind A; want a3 held", undone.Load(), held)
+			}
+			return nil
+		})
+
+		// Released again, a3 follows.
+		if n, err := processor.ReleaseBlockedKeys(ctx, h.Pool, "kafkapg", h.Group, h.Topic, 0, []byte("A")); err != nil || n != 1 {
+			t.Fatalf("ReleaseBlockedKeys(A) again = %d, %v; want 1 key released", n, err)
+		}
+		items = append(items, a3)
 		h.WaitSettled(items, 2, 15*time.Second)
 		h.Verify(items, 2, false)
 	})

@@ -53,8 +53,9 @@ type worker struct {
 	// held is a superset of the partition's held keys (source partitions only): only this
 	// partition's owner ever adds a key to held_keys, and it loads the set when it starts, so a
 	// key not in it cannot be held and its records need no check in Postgres. A key leaves it
-	// when its next record finds it released, and on every reload (every heldRefresh), so that
-	// keys that never come back do not stay in it for ever.
+	// when a transaction that found it released commits (not before: a try retried in place may
+	// run on a promoted standby that lacks the release), and on every reload (every
+	// heldRefresh), so that keys that never come back do not stay in it for ever.
 	held       map[string]struct{}
 	heldLoaded time.Time
 
