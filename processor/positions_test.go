@@ -384,3 +384,84 @@ func TestPauseStopsConcurrentPrepares(t *testing.T) {
 		}
 	})
 }
+
+// TestRewindOverRecordsStillHeld: a rewind over records that still wait behind their key (in
+// held_records) reads them again; each is held once, not twice (before, the second hold of the
+// same offset broke held_records' primary key and the partition retried in place for ever), and
+// applied once when its key is released. The other key's record is applied again, as a rewind
+// asks, and so is the key's dead-lettered head, read again behind itself.
+func TestRewindOverRecordsStillHeld(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		ctx := context.Background()
+		h := newPositionsHarness(t, k, 1)
+		var poison atomic.Bool
+		poison.Store(true)
+		inner := recordApplications()
+		cfg := h.Config(processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			if rec.Offset == 0 && poison.Load() {
+				return processor.Permanent(errors.New("poison until the test says"))
+			}
+			return inner.Handle(ctx, tx, rec)
+		}))
+		cfg.OnDeadLetter = processor.OnDeadLetterBlock
+		h.Start(cfg)
+		cl := h.K.Client(h.T, kgo.RecordPartitioner(kgo.ManualPartitioner()))
+		recs := []*kgo.Record{
+			{Topic: h.Topic, Key: []byte("a"), Value: []byte("0")},
+			{Topic: h.Topic, Key: []byte("a"), Value: []byte("1")},
+			{Topic: h.Topic, Key: []byte("b"), Value: []byte("2")},
+			{Topic: h.Topic, Key: []byte("a"), Value: []byte("3")},
+		}
+		if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+		heldOffsets := func() []int64 {
+			rows, _ := h.Pool.Query(ctx, `SELECT "offset" FROM kafkapg.held_records WHERE consumer_group = $1 ORDER BY "offset"`, h.Group)
+			out, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+			if err != nil {
+				t.Fatal(err)
+			}
+			return out
+		}
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if got, held := applied(h, 0), heldOffsets(); !slices.Equal(got, []int64{2}) || !slices.Equal(held, []int64{1, 3}) {
+				return fmt.Errorf("applied %v, held %v; want [2] applied, 1 and 3 held behind dead-lettered 0", got, held)
+			}
+			return nil
+		})
+
+		setPosition(h, 0, 0)
+		testenv.Eventually(t, 30*time.Second, func() error {
+			var next *int64
+			if err := h.Pool.QueryRow(ctx, `SELECT next_offset FROM kafkapg.offsets WHERE consumer_group = $1 AND topic = $2 AND partition = 0`,
+				h.Group, h.Topic).Scan(&next); err != nil {
+				return err
+			}
+			if got := applied(h, 0); next == nil || *next != 4 || !slices.Equal(got, []int64{2, 2}) {
+				return fmt.Errorf("next offset %v, applied %v; want the range read again: 2 applied again, the position at 4", fmtOffset(next), got)
+			}
+			if held := heldOffsets(); !slices.Equal(held, []int64{0, 1, 3}) {
+				return fmt.Errorf("held %v, want [0 1 3]: 0 read again behind its blocked key, 1 and 3 still held once", held)
+			}
+			return nil
+		})
+
+		poison.Store(false)
+		if n, err := processor.ReleaseBlockedKeys(ctx, h.Pool, "kafkapg", h.Group, h.Topic, 0, []byte("a")); err != nil || n != 1 {
+			t.Fatalf("ReleaseBlockedKeys(a) = %d, %v; want 1 key released", n, err)
+		}
+		waitApplied(h, 0, 5, 30*time.Second)
+		time.Sleep(time.Second)
+		if got := applied(h, 0); !slices.Equal(got, []int64{2, 2, 0, 1, 3}) {
+			t.Fatalf("applied %v, want [2 2 0 1 3]", got)
+		}
+	})
+}
+
+func fmtOffset(o *int64) string {
+	if o == nil {
+		return "none"
+	}
+	return strconv.FormatInt(*o, 10)
+}

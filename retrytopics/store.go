@@ -185,7 +185,8 @@ func (s *Store) LockHeldKeys(ctx context.Context, tx pgx.Tx, topic string, parti
 
 // Hold stores records behind their held keys, each with the record it waits behind (behind): the
 // key's head, or, with the head settled, the first record held before it. The caller holds the
-// keys' locks (LockHeldKeys).
+// keys' locks (LockHeldKeys). A record that already waits there (an operator set the position
+// back over it) is left as it is: it is applied once, when its key's turn comes.
 func (s *Store) Hold(ctx context.Context, tx pgx.Tx, recs []Rec) error {
 	b := &pgx.Batch{}
 	for _, r := range recs {
@@ -194,7 +195,8 @@ func (s *Store) Hold(ctx context.Context, tx pgx.Tx, recs []Rec) error {
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, clock_timestamp(), (SELECT coalesce(k.head_offset,
 					(SELECT min(r."offset") FROM `+s.heldRecords+` r
 						WHERE r.consumer_group = $1 AND r.topic = $2 AND r.partition = $3 AND r.key_hash = sha256($5::bytea) AND r.key = $5))
-				FROM `+s.heldKeys+` k WHERE k.consumer_group = $1 AND k.topic = $2 AND k.partition = $3 AND k.key_hash = sha256($5::bytea) AND k.key = $5))`,
+				FROM `+s.heldKeys+` k WHERE k.consumer_group = $1 AND k.topic = $2 AND k.partition = $3 AND k.key_hash = sha256($5::bytea) AND k.key = $5))
+			ON CONFLICT (consumer_group, topic, partition, "offset") DO NOTHING`,
 			s.group, r.Topic, r.Partition, r.Offset, r.Key, r.Value, keys, vals, r.Timestamp.UnixMilli())
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
