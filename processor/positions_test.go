@@ -465,3 +465,65 @@ func fmtOffset(o *int64) string {
 	}
 	return strconv.FormatInt(*o, 10)
 }
+
+// TestRewindOverARecordInItsRetryTiers: a rewind over a record that is still in its retry tiers
+// (keyless, so nothing waits behind it) reads it again; failing again, it is not sent round the
+// tiers a second time beside the first (before, its retry state's primary key refused the second
+// and the partition retried in place for ever): it goes on once, in the tiers it is in.
+func TestRewindOverARecordInItsRetryTiers(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		ctx := context.Background()
+		h := newPositionsHarness(t, k, 1)
+		inner := recordApplications()
+		cfg := h.Config(processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			if rec.Offset == 0 {
+				return errors.New("fails")
+			}
+			return inner.Handle(ctx, tx, rec)
+		}))
+		cfg.LocalAttempts = 1
+		cfg.RetryTiers = []time.Duration{time.Hour}
+		h.Start(cfg)
+		cl := h.K.Client(h.T, kgo.RecordPartitioner(kgo.ManualPartitioner()))
+		recs := []*kgo.Record{
+			{Topic: h.Topic, Value: []byte("0")},
+			{Topic: h.Topic, Value: []byte("1")},
+			{Topic: h.Topic, Value: []byte("2")},
+		}
+		if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+		retrying := func() (n int, attempt int) {
+			if err := h.Pool.QueryRow(ctx, `SELECT count(*), coalesce(max(attempt), 0) FROM kafkapg.retries WHERE consumer_group = $1`, h.Group).Scan(&n, &attempt); err != nil {
+				t.Fatal(err)
+			}
+			return n, attempt
+		}
+		testenv.Eventually(t, 30*time.Second, func() error {
+			if got := applied(h, 0); !slices.Equal(got, []int64{1, 2}) {
+				return fmt.Errorf("applied %v, want [1 2], 0 in its tier", got)
+			}
+			if n, _ := retrying(); n != 1 {
+				return fmt.Errorf("%d records in the retry tiers, want offset 0", n)
+			}
+			return nil
+		})
+
+		setPosition(h, 0, 0)
+		testenv.Eventually(t, 30*time.Second, func() error {
+			var next *int64
+			if err := h.Pool.QueryRow(ctx, `SELECT next_offset FROM kafkapg.offsets WHERE consumer_group = $1 AND topic = $2 AND partition = 0`,
+				h.Group, h.Topic).Scan(&next); err != nil {
+				return err
+			}
+			if got := applied(h, 0); next == nil || *next != 3 || !slices.Equal(got, []int64{1, 2, 1, 2}) {
+				return fmt.Errorf("next offset %v, applied %v; want the range read again: 1 and 2 applied again, the position at 3", fmtOffset(next), got)
+			}
+			return nil
+		})
+		if n, attempt := retrying(); n != 1 || attempt != 2 {
+			t.Fatalf("%d records in the retry tiers, at attempt %d; want offset 0 once, its next attempt still 2", n, attempt)
+		}
+	})
+}

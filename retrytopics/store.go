@@ -269,7 +269,10 @@ func (s *Store) Applied(ctx context.Context, tx pgx.Tx, recs []Rec, held []bool)
 }
 
 // ToTier records that a failed record goes to a retry tier (attempt m.Attempt+1 is next). Moving
-// a record on from a tier returns ErrStale if its retry state is not at m.Attempt.
+// a record on from a tier returns ErrStale if its retry state is not at m.Attempt. A record sent
+// from its source partition while it is still in the tiers (an operator set the position back
+// over it) keeps the state it has: it goes on once, and the copy sent now is skipped as a
+// duplicate if it comes after the state moved on (see admitRetries in package processor).
 func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 	if m.Tier < 1 {
 		return fmt.Errorf("send %s to a retry tier: tier %d", m.Origin, m.Tier)
@@ -283,7 +286,8 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 			}
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message, dead_letter_id, tier, updated_at)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, nullif($11::bigint, 0), $12, clock_timestamp())`,
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, nullif($11::bigint, 0), $12, clock_timestamp())
+			ON CONFLICT (consumer_group, topic, partition, "offset") DO NOTHING`,
 			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage), m.DeadLetter, m.Tier); err != nil {
 			return fmt.Errorf("store retry state of %s: %w", m.Origin, err)
 		}
