@@ -527,3 +527,47 @@ func TestRewindOverARecordInItsRetryTiers(t *testing.T) {
 		}
 	})
 }
+
+// TestAnAdvanceFoundPausedWaitsQuietly: a batch taken before the control loop read a pause finds
+// it at its advance (offsets.ErrPaused). Nothing of it is applied; the worker tries again once a
+// control interval, counting neither an infrastructure retry nor an internal error nor a stall,
+// and goes on from there after the resume.
+func TestAnAdvanceFoundPausedWaitsQuietly(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		h := newPositionsHarness(t, k, 1)
+		inner := recordApplications()
+		entered, release := make(chan struct{}), make(chan struct{})
+		cfg := h.Config(processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			if rec.Offset == 2 {
+				close(entered)
+				<-release
+			}
+			return inner.Handle(ctx, tx, rec)
+		}))
+		cfg.BatchMaxRecords = 1
+		r := h.Start(cfg)
+		produceTo(h, 0, 6)
+		<-entered // offset 2's batch advanced before the pause; 3..5 are queued behind it
+		pause(h, 0)
+		close(release)
+		waitApplied(h, 0, 3, 30*time.Second)
+		time.Sleep(3 * time.Second) // offset 3's advance is refused three times or so
+		if got := applied(h, 0); !slices.Equal(got, span(0, 3)) {
+			t.Fatalf("applied %v while paused, want %v: the batch in flight, nothing after it", got, span(0, 3))
+		}
+		for _, m := range []string{"kafkapg_infrastructure_retries_total", "kafkapg_internal_errors_total"} {
+			if n := r.Counter(m); n != 0 {
+				t.Errorf("%s = %v: an advance refused by a pause is not a failure", m, n)
+			}
+		}
+		if n := r.Gauge("kafkapg_stalled_partitions"); n != 0 {
+			t.Errorf("kafkapg_stalled_partitions = %v while the partition is paused", n)
+		}
+		resume(h, 0)
+		waitApplied(h, 0, 6, 30*time.Second)
+		if got := applied(h, 0); !slices.Equal(got, span(0, 6)) {
+			t.Fatalf("applied %v, want %v", got, span(0, 6))
+		}
+	})
+}
