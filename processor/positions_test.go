@@ -571,3 +571,67 @@ func TestAnAdvanceFoundPausedWaitsQuietly(t *testing.T) {
 		}
 	})
 }
+
+// gatedPreparer records applications; its Prepare of offsets from gateFrom on waits for gate.
+type gatedPreparer struct {
+	processor.Handler
+	gateFrom int64
+	gate     chan struct{}
+	prepared *atomic.Int64 // prepares of offsets from gateFrom on that began
+}
+
+func (h gatedPreparer) Prepare(ctx context.Context, rec *processor.Record) error {
+	if rec.Offset >= h.gateFrom {
+		h.prepared.Add(1)
+		select {
+		case <-h.gate:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+// TestPositionSetWhileRecordsArePrepared: a partition whose handler prepares concurrently
+// (Config.Concurrency) holds records of its window prepared or being prepared when an operator
+// sets its position, forward past them or back before them. Forward, none of them is applied;
+// back, the range is applied again and then they are, once each: whether a prepare ends before or
+// after the set, the worker starts again from the new position with a new window.
+func TestPositionSetWhileRecordsArePrepared(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		to   int64
+		want []int64
+	}{
+		{"forward", 12, append(span(0, 5), span(12, 20)...)},
+		{"back", 2, append(span(0, 5), span(2, 20)...)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+				t.Parallel()
+				h := newPositionsHarness(t, k, 1)
+				var prepared atomic.Int64
+				gate := make(chan struct{})
+				cfg := h.Config(gatedPreparer{Handler: recordApplications(), gateFrom: 5, gate: gate, prepared: &prepared})
+				cfg.Concurrency = 8
+				h.Start(cfg)
+				produceTo(h, 0, 20)
+				waitApplied(h, 0, 5, 30*time.Second)
+				testenv.Eventually(t, 30*time.Second, func() error {
+					if n := prepared.Load(); n < 8 {
+						return fmt.Errorf("%d prepares of offsets 5 on began, want the window's 8", n)
+					}
+					return nil
+				})
+				setPosition(h, 0, tc.to)
+				time.Sleep(1500 * time.Millisecond) // the control loop finds the change
+				close(gate)
+				waitApplied(h, 0, len(tc.want), 30*time.Second)
+				time.Sleep(1500 * time.Millisecond)
+				if got := applied(h, 0); !slices.Equal(got, tc.want) {
+					t.Fatalf("applied %v, want %v", got, tc.want)
+				}
+			})
+		})
+	}
+}
