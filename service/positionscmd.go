@@ -248,14 +248,18 @@ func positionsSet(ctx context.Context, c *opsCmd, args []string) error {
 		return c.json(map[string]any{"moves": moves})
 	}
 	w := c.table()
-	fmt.Fprintln(w, "TOPIC\tPARTITION\tFROM\tTO\tLOG\tAPPLIED AGAIN\tSKIPPED")
+	fmt.Fprintln(w, "TOPIC\tPARTITION\tFROM\tTO\tLOG\tAPPLIED AGAIN\tSKIPPED\tPAUSED")
 	checks := map[string]bool{}
 	for _, m := range moves {
 		from := offsetCell(m.From)
 		if m.From == nil {
 			from = "- (no stored position)"
 		}
-		fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d-%d\t%d\t%d\n", m.Topic, m.Partition, from, m.To, m.Start, m.End, m.Reapplied, m.Skipped)
+		paused := "no: its owner goes on at once"
+		if m.Paused != nil {
+			paused = "since " + m.Paused.At.UTC().Format(time.RFC3339) + " by " + m.Paused.By
+		}
+		fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d-%d\t%d\t%d\t%s\n", m.Topic, m.Partition, from, m.To, m.Start, m.End, m.Reapplied, m.Skipped, paused)
 		if m.KeyCheck != "" {
 			checks[m.KeyCheck] = true
 		}

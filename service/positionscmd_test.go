@@ -100,11 +100,14 @@ func TestPositionsCmd(t *testing.T) {
 		t.Errorf("positions --json: %v\n%s", err, out)
 	}
 
-	if out, _ = run("set", "--topic", "orders", "--partition", "0", "--offset", "1"); !regexp.MustCompile(`orders\s+0\s+4\s+1\s+0-6\s+3\s+0`).MatchString(out) ||
+	if out, _ = run("set", "--topic", "orders", "--partition", "0", "--offset", "1"); !regexp.MustCompile(`orders\s+0\s+4\s+1\s+0-6\s+3\s+0\s+since \S+ by ana`).MatchString(out) ||
 		!strings.Contains(out, "dry run: nothing changed") || !strings.Contains(out, "idempotency keys: not checked") {
 		t.Errorf("set, dry run:\n%s", out)
 	}
-	if out, _ = run("set", "--topic", "orders", "--end", "--execute", "--reason", "skip test events", "--json"); !strings.Contains(out, `"executed": true`) {
+	if out, _ = run("set", "--topic", "orders", "--partition", "1", "--offset", "0"); !regexp.MustCompile(`orders\s+1\s+- \(no stored position\)\s+0\s+0-\d+\s+0\s+0\s+no: its owner goes on at once`).MatchString(out) {
+		t.Errorf("set of a partition not paused, dry run:\n%s", out)
+	}
+	if out, _ = run("set", "--topic", "orders", "--end", "--execute", "--reason", "skip test events", "--json"); !strings.Contains(out, `"executed": true`) || !strings.Contains(out, `"paused_by": "ana"`) {
 		t.Errorf("set --end --execute --json:\n%s", out)
 	}
 	var next int64

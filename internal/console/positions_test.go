@@ -98,6 +98,9 @@ func TestConsolePositionsInABrowser(t *testing.T) {
 	if got := b.text(`#moves tr[data-partition="0"] td.reapplied`); got != "2" {
 		t.Errorf("the dry run applies %s again, want 2", got)
 	}
+	if got := b.text(`#moves tr[data-partition="0"] td.paused`); !strings.HasPrefix(got, "paused since ") || !strings.HasSuffix(got, " by console:alice") {
+		t.Errorf("the dry run says of partition 0's pause: %q", got)
+	}
 	b.shot("position-set-confirm")
 	if got := scalar(`SELECT next_offset::text FROM kafkapg.offsets WHERE consumer_group = $1 AND partition = 0`); got != "3" {
 		t.Fatalf("the dry run moved the position to %s", got)
@@ -133,4 +136,17 @@ func TestConsolePositionsInABrowser(t *testing.T) {
 	if got := scalar(`SELECT count(*)::text FROM kafkapg.pauses WHERE consumer_group = $1`); got != "0" {
 		t.Errorf("after resuming the topic from a row: %s pauses left", got)
 	}
+
+	// A set of a partition that is not paused says its owner goes on at once.
+	b.open(srv.URL+"/positions", `document.querySelector("#position-form") !== null`)
+	b.must(chromedp.Do(b.ctx,
+		chromedp.SetValue(chromedp.CSS(`#position-form input[name="partition"]`), "1"),
+		chromedp.SetValue(chromedp.CSS(`#position-form input[name="value"]`), "2"),
+		chromedp.Click(chromedp.CSS("#position-dry-run")),
+	))
+	b.waitFor(`location.pathname === "/positions/confirm" && document.readyState === "complete" && document.querySelector("#moves") !== null`)
+	if got := b.text(`#moves tr[data-partition="1"] td.paused`); got != "no: its owner goes on from the new position at once" {
+		t.Errorf("the dry run says of unpaused partition 1: %q", got)
+	}
+	b.shot("position-set-unpaused-confirm")
 }

@@ -70,7 +70,10 @@ type PositionMove struct {
 	// why that was not checked; KeySkipped counts them, when checked.
 	KeyCheck   string `json:"idempotency_key_check"`
 	KeySkipped *int64 `json:"idempotency_key_skips,omitempty"`
-	Executed   bool   `json:"executed"`
+	// Paused is the pause that holds the partition (its own, or its topic's), if any: without
+	// one, its owner goes on from the new position at once.
+	Paused   *Pause `json:"paused,omitempty"`
+	Executed bool   `json:"executed"`
 	// Change is the position_changes row's id, when executed.
 	Change int64 `json:"position_change,omitempty"`
 }
@@ -150,13 +153,24 @@ func (o *Ops) SetPositions(ctx context.Context, kc *kgo.Client, plan PositionPla
 	if err != nil {
 		return nil, err
 	}
+	pauses, err := o.Pauses(ctx)
+	if err != nil {
+		return nil, err
+	}
 	for i := range moves {
+		m := &moves[i]
 		for _, s := range stored {
-			if s.Topic == moves[i].Topic && s.Partition == moves[i].Partition {
-				moves[i].From = s.Next
+			if s.Topic == m.Topic && s.Partition == m.Partition {
+				m.From = s.Next
 			}
 		}
-		moves[i].count()
+		m.count()
+		for _, p := range pauses {
+			if p.Topic == m.Topic && (p.Partition == AllPartitions || p.Partition == m.Partition) {
+				m.Paused = &p
+				break
+			}
+		}
 	}
 	if !execute {
 		for i := range moves {
