@@ -257,6 +257,14 @@ func run(ctx context.Context, c config) (err error) {
 			return err
 		}
 		s.count(func(st *stats) { st.skippedEvents = int64(n) })
+		defer func() {
+			// What the rewinds read again that stage 1 had applied: skipped by key (there are no
+			// copies to skip otherwise), in skipped_duplicates for trace.
+			var dups int64
+			if qerr := s.pool.QueryRow(ctx, `SELECT count(*) FROM skipped_duplicates WHERE consumer_group = $1 AND topic = $2`, s.group, s.topic).Scan(&dups); qerr == nil {
+				fmt.Printf("chaos: positions: %d records read again by the rewinds were skipped as duplicates by stage 1 (skipped_duplicates)\n", dups)
+			}
+		}()
 	}
 	settled := time.Now()
 	if err := s.waitSettled(ctx, items); err != nil {
