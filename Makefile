@@ -34,9 +34,10 @@ PROTOCOL_CHECKS ?= 300000
 PROTOCOL_STEPS  ?= 300
 
 .PHONY: protocol
-protocol: ## The deduplication protocol's and the key ring's property tests over far more histories (PROTOCOL_CHECKS: 300,000 of 300 steps, about 15 min)
+protocol: ## The deduplication protocol's, the key ring's and the positions' property tests over far more histories (PROTOCOL_CHECKS: 300,000 of 300 steps, about 15 min)
 	$(GO) test -count=1 -timeout 6h -run 'TestProtocol$$' ./internal/streams/ -rapid.checks=$(PROTOCOL_CHECKS) -rapid.steps=$(PROTOCOL_STEPS)
 	$(GO) test -count=1 -timeout 6h -run 'TestRingProtocol$$' ./internal/keyring/ -rapid.checks=$(PROTOCOL_CHECKS)
+	$(GO) test -count=1 -timeout 6h -run 'TestPositionsProtocol$$' ./internal/positions/ -rapid.checks=$(PROTOCOL_CHECKS) -rapid.steps=$(PROTOCOL_STEPS)
 
 .PHONY: deploy-check
 deploy-check: ## Validate deploy/: kustomize build, Kubernetes schemas, alert rules, dashboard PromQL

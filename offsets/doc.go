@@ -82,6 +82,40 @@
 // again, now holding the key's records. A batch is thus decided either wholly before the replay
 // or wholly after it.
 //
+// # Operators' pauses and positions
+//
+// Operators pause a group's source topic or partition (a row in pauses; partition -1: all of the
+// topic's) and set a partition's position (the ops code, in one transaction: SELECT ... FOR
+// UPDATE of the offsets row, INSERT into position_changes, UPDATE offsets SET next_offset = <to>,
+// position_change = <the change's id>, the token untouched). The owners obey through the same two
+// statements as above, so that no owner, current, zombie or new, applies what it must not:
+//
+//   - Advance also requires that no pause covers the partition's source partition (a retry tier's
+//     partition is held back by its source topic's same partition: Position.Source): ErrPaused,
+//     nothing applied, in the statement that locks the row. The processor's control loop (one
+//     query a second: Store.Control) stops taking batches before that, but Postgres decides: a
+//     replica that has not read the pause yet, after a rebalance or a start, applies nothing
+//     either. The pause's transaction inserts its row, then locks the offsets rows of its
+//     partitions (SELECT ... FOR UPDATE, every topic's: the retry tiers' are numbered the same)
+//     before it commits: it waits for the batches whose Advance holds a row, which thus commit
+//     before the pause. An Advance that comes meanwhile waits for the pause's commit, and its own
+//     check, on a snapshot from before that commit, passes: so the batch checks the pauses again
+//     in the next statement (QueuePauseCheck, in the same round trip), on a snapshot taken once
+//     it holds the row, and rolls back (ErrPaused, TestAPauseInFlightStopsTheAdvanceWaitingForIt).
+//     The held-record applier, which advances no position, takes a KEY SHARE lock of the
+//     partition's row before it reads the pauses (PausedLocked): the same order, without
+//     conflicting with the owner's advances.
+//   - A position set moves next_offset under its owner: the owner's next Advance finds another
+//     offset than its own and fails (ErrPositionSet, an ErrMoved), whatever it fetched; no
+//     window in which it applies past the set. The set waits for a batch in flight (the row
+//     lock) and is thus wholly after it. An idle owner finds out from the control loop
+//     (position_change above the one it claimed at, or another next offset) and starts again
+//     from the stored position as after ErrMoved: a rewind applies [to, from) again, a skip never
+//     applies [from, to). A zombie (an older token) is fenced as always.
+//
+// The decisions are in package internal/positions, whose property test drives them through
+// random histories of owners, zombies, rebalances, crashes, pauses, rewinds and skips.
+//
 // # What it does not guarantee
 //
 // Fencing protects the effects written through the transaction the processor opens. A handler

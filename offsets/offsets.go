@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -24,6 +25,11 @@ var ErrFenced = errors.New("partition was claimed by another owner (fenced)")
 // each blind to the keys the other holds.
 var ErrMoved = errors.New("the partition's stored position moved under its owner, and nobody else claimed it")
 
+// ErrPositionSet is the ErrMoved of a position an operator set (offsets.position_change grew past
+// the one the owner claimed at): a rewind or a skip, not a loss. errors.Is(err, ErrMoved) holds
+// for it; the owner starts again from the stored position all the same.
+var ErrPositionSet = fmt.Errorf("an operator set the partition's position: %w", ErrMoved)
+
 // ErrAlreadyAdvanced means the stored offset already equals the target of an Advance made with the
 // same token: an earlier commit whose outcome was unknown did succeed. Nothing must be re-applied.
 var ErrAlreadyAdvanced = errors.New("offset already advanced by an earlier commit of this owner")
@@ -32,6 +38,13 @@ var ErrAlreadyAdvanced = errors.New("offset already advanced by an earlier commi
 // its held keys (the row's keys_epoch moved on): the owner must read them again and run the batch
 // again. The transaction that observed it has applied nothing.
 var ErrKeysChanged = errors.New("the partition's held keys changed (a replay); read them again")
+
+// ErrPaused means an operator paused the partition's source topic or partition (a row in the
+// pauses table): the owner applies nothing of it until the row is gone, and keeps its place. The
+// transaction that observed it has applied nothing; the owner waits and runs the batch again
+// once the pause is lifted. Not a failure: nothing is wrong with the record, the database or the
+// owner.
+var ErrPaused = errors.New("the partition is paused by an operator")
 
 // Partition names one topic partition.
 type Partition struct {
@@ -57,6 +70,23 @@ type Position struct {
 	// KeysEpoch is the row's keys_epoch as the owner last read it with its held keys (see
 	// ErrKeysChanged).
 	KeysEpoch int64
+	// PositionChange is the row's position_change (the id of the last position an operator set,
+	// 0 for none) as the owner read it at its claim: a larger stored one means an operator set
+	// the position since, and the owner starts again from the stored position.
+	PositionChange int64
+	// Source is the source topic whose pauses hold the partition back: Topic itself for a
+	// source topic's partition (an empty Source means Topic), the source topic of a retry tier's
+	// partition (its same partition number). Not stored; Advance reads the pauses of
+	// (Source, Partition).
+	Source string
+}
+
+// source returns the topic whose pauses apply to the position's partition.
+func (p Position) source() string {
+	if p.Source != "" {
+		return p.Source
+	}
+	return p.Topic
 }
 
 // TP returns the position's partition.
@@ -70,15 +100,18 @@ func (p Position) Advanced(next int64) Position {
 
 // Store reads and writes the offsets table of one consumer group.
 type Store struct {
-	group      string
-	claimSQL   string
-	reclaimSQL string
-	advanceSQL string
-	readSQL    string
-	listSQL    string
-	startSQL   string
-	staleSQL   string
-	storedSQL  string
+	group       string
+	claimSQL    string
+	reclaimSQL  string
+	advanceSQL  string
+	readSQL     string
+	listSQL     string
+	startSQL    string
+	staleSQL    string
+	storedSQL   string
+	pausedSQL   string
+	keyShareSQL string
+	controlSQL  string
 }
 
 // Querier runs queries; *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
@@ -90,6 +123,7 @@ type Querier interface {
 // NewStore returns a Store for group whose table lives in schema.
 func NewStore(schema, group string) *Store {
 	t := pgx.Identifier{schema, "offsets"}.Sanitize()
+	pauses := pgx.Identifier{schema, "pauses"}.Sanitize()
 	return &Store{
 		group: group,
 		claimSQL: `INSERT INTO ` + t + ` AS o (consumer_group, topic, partition, owner, owner_token)
@@ -98,7 +132,7 @@ func NewStore(schema, group string) *Store {
 			ORDER BY topic, partition
 			ON CONFLICT (consumer_group, topic, partition) DO UPDATE
 			SET owner_token = greatest(o.owner_token + 1, $5::bigint), owner = EXCLUDED.owner, claimed_at = now()
-			RETURNING topic, partition, owner_token, next_offset, keys_epoch, start_offset`,
+			RETURNING topic, partition, owner_token, next_offset, keys_epoch, start_offset, coalesce(position_change, 0)`,
 		// Only while the stored token is at most the owner's own ($6): a higher one is another
 		// owner's claim, which stands.
 		reclaimSQL: `INSERT INTO ` + t + ` AS o (consumer_group, topic, partition, owner, owner_token)
@@ -106,18 +140,31 @@ func NewStore(schema, group string) *Store {
 			ON CONFLICT (consumer_group, topic, partition) DO UPDATE
 			SET owner_token = EXCLUDED.owner_token, owner = EXCLUDED.owner, claimed_at = now()
 			WHERE o.owner_token <= $6
-			RETURNING topic, partition, owner_token, next_offset, keys_epoch, start_offset`,
+			RETURNING topic, partition, owner_token, next_offset, keys_epoch, start_offset, coalesce(position_change, 0)`,
 		// clock_timestamp(): the time of the advance, which a trace tells after the batch's
-		// failures (timed in the transaction), not now(), the transaction's start.
+		// failures (timed in the transaction), not now(), the transaction's start. The pause
+		// check is an InitPlan run once before the row is touched: a probe of pauses' primary
+		// key, or a scan of a table that small (13 µs for 100 pauses of the group, EXPLAIN
+		// ANALYZE on Postgres 15); BenchmarkAdvance's whole transaction (about 0.2-0.3 ms here)
+		// does not tell it from the advance without it.
 		advanceSQL: `UPDATE ` + t + ` SET next_offset = $5, updated_at = clock_timestamp()
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3
-			AND owner_token = $4 AND next_offset IS NOT DISTINCT FROM $6 AND keys_epoch = $7`,
-		readSQL: `SELECT owner_token, next_offset, keys_epoch, start_offset FROM ` + t + `
+			AND owner_token = $4 AND next_offset IS NOT DISTINCT FROM $6 AND keys_epoch = $7
+			AND NOT EXISTS (SELECT 1 FROM ` + pauses + ` AS z
+				WHERE z.consumer_group = $1 AND z.topic = $8 AND z.partition IN ($3, -1))`,
+		keyShareSQL: `SELECT 1 FROM ` + t + ` WHERE consumer_group = $1 AND topic = $2 AND partition = $3 FOR KEY SHARE`,
+		pausedSQL: `SELECT EXISTS (SELECT 1 FROM ` + pauses + `
+			WHERE consumer_group = $1 AND topic = $2 AND partition IN ($3, -1))`,
+		readSQL: `SELECT owner_token, next_offset, keys_epoch, start_offset, coalesce(position_change, 0) FROM ` + t + `
 			WHERE consumer_group = $1 AND topic = $2 AND partition = $3`,
 		listSQL: `SELECT topic, partition, next_offset FROM ` + t + `
 			WHERE consumer_group = $1 AND topic = ANY($2) AND next_offset IS NOT NULL`,
-		storedSQL: `SELECT topic, partition, owner_token, coalesce(next_offset, -1) FROM ` + t + `
+		storedSQL: `SELECT topic, partition, owner_token, coalesce(next_offset, -1), coalesce(position_change, 0) FROM ` + t + `
 			WHERE consumer_group = $1 AND (topic, partition) IN (SELECT * FROM unnest($2::text[], $3::int[]))`,
+		controlSQL: `SELECT topic, partition, owner_token, coalesce(next_offset, -1), coalesce(position_change, 0), NULL::timestamptz FROM ` + t + `
+			WHERE consumer_group = $1 AND (topic, partition) IN (SELECT * FROM unnest($2::text[], $3::int[]))
+			UNION ALL
+			SELECT topic, partition, 0, 0, 0, paused_at FROM ` + pauses + ` WHERE consumer_group = $1`,
 		// A row an uncommitted UPDATE locks has the updating transaction's id as its xmax; the
 		// backend running that transaction shows it as backend_xid.
 		staleSQL: `SELECT a.pid, o.topic, o.partition, pg_terminate_backend(a.pid) FROM ` + t + ` AS o
@@ -186,7 +233,7 @@ func (s *Store) ClaimAbove(ctx context.Context, q Querier, owner string, floor i
 func scanClaim(row pgx.Row) (Position, error) {
 	var pos Position
 	var next, start *int64
-	if err := row.Scan(&pos.Topic, &pos.Partition, &pos.Token, &next, &pos.KeysEpoch, &start); err != nil {
+	if err := row.Scan(&pos.Topic, &pos.Partition, &pos.Token, &next, &pos.KeysEpoch, &start, &pos.PositionChange); err != nil {
 		return pos, err
 	}
 	if next != nil {
@@ -317,33 +364,71 @@ func (s *Store) QueueAdvance(b *pgx.Batch, pos Position, next int64) *pgx.Queued
 	if pos.Known {
 		expected = &pos.Next
 	}
-	return b.Queue(s.advanceSQL, s.group, pos.Topic, pos.Partition, pos.Token, next, expected, pos.KeysEpoch)
+	return b.Queue(s.advanceSQL, s.group, pos.Topic, pos.Partition, pos.Token, next, expected, pos.KeysEpoch, pos.source())
 }
 
-// Advance runs the fenced offset update from pos to next in tx and checks it.
+// QueuePauseCheck queues, right after QueueAdvance on b, the read of pos's pauses that
+// CheckPaused takes. It is a statement of its own, with a snapshot taken once the advance holds
+// the row: a pause that committed while the advance waited for the row (the pause's transaction
+// locks its partitions' rows before it commits, see the package doc) is seen here, where the
+// advance's own check, whose snapshot is older, misses it.
+func (s *Store) QueuePauseCheck(b *pgx.Batch, pos Position, paused *bool) {
+	b.Queue(s.pausedSQL, s.group, pos.source(), pos.Partition).QueryRow(func(row pgx.Row) error {
+		return row.Scan(paused)
+	})
+}
+
+// CheckPaused returns ErrPaused if paused, the result of QueuePauseCheck: the transaction must
+// roll back, applying nothing of the paused partition.
+func (s *Store) CheckPaused(pos Position, paused bool) error {
+	if paused {
+		return fmt.Errorf("advance %s (source %s): paused while the advance waited for the row: %w", pos.TP(), pos.source(), ErrPaused)
+	}
+	return nil
+}
+
+// Advance runs the fenced offset update from pos to next in tx and checks it, with the pause
+// check of QueuePauseCheck.
 func (s *Store) Advance(ctx context.Context, tx pgx.Tx, pos Position, next int64) error {
 	var expected *int64
 	if pos.Known {
 		expected = &pos.Next
 	}
-	tag, err := tx.Exec(ctx, s.advanceSQL, s.group, pos.Topic, pos.Partition, pos.Token, next, expected, pos.KeysEpoch)
+	tag, err := tx.Exec(ctx, s.advanceSQL, s.group, pos.Topic, pos.Partition, pos.Token, next, expected, pos.KeysEpoch, pos.source())
 	if err != nil {
 		return fmt.Errorf("advance %s to %d: %w", pos.TP(), next, err)
 	}
-	return s.CheckAdvance(ctx, tx, pos, next, tag.RowsAffected())
+	if err := s.CheckAdvance(ctx, tx, pos, next, tag.RowsAffected()); err != nil {
+		return err
+	}
+	paused, err := s.Paused(ctx, tx, pos.source(), pos.Partition)
+	if err != nil {
+		return err
+	}
+	return s.CheckPaused(pos, paused)
 }
 
 // CheckAdvance interprets the row count of an Advance. One row: nil. Zero rows: it reads the row
 // in tx and returns ErrFenced (another token), ErrAlreadyAdvanced (same token, offset already at
-// next), ErrKeysChanged (same token and offset, another keys_epoch) or an error describing the
-// unexpected offset.
+// next), ErrPaused (same token and offset, and a pause of the partition's source), ErrKeysChanged
+// (same token and offset, another keys_epoch) or an error describing the unexpected offset.
 func (s *Store) CheckAdvance(ctx context.Context, tx pgx.Tx, pos Position, next int64, rowsAffected int64) error {
 	if rowsAffected == 1 {
 		return nil
 	}
-	var token, epoch int64
+	var token, epoch, change int64
 	var stored, start *int64
-	err := tx.QueryRow(ctx, s.readSQL, s.group, pos.Topic, pos.Partition).Scan(&token, &stored, &epoch, &start)
+	err := tx.QueryRow(ctx, s.readSQL, s.group, pos.Topic, pos.Partition).Scan(&token, &stored, &epoch, &start, &change)
+	atOwners := err == nil && token == pos.Token && (stored == nil) == !pos.Known && (stored == nil || *stored == pos.Next)
+	if atOwners {
+		var paused bool
+		if err := tx.QueryRow(ctx, s.pausedSQL, s.group, pos.source(), pos.Partition).Scan(&paused); err != nil {
+			return fmt.Errorf("advance %s: read pauses: %w", pos.TP(), err)
+		}
+		if paused {
+			return fmt.Errorf("advance %s (source %s): %w", pos.TP(), pos.source(), ErrPaused)
+		}
+	}
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return fmt.Errorf("advance %s: the offsets row is missing (the database lost it, or it was deleted): %w", pos.TP(), ErrMoved)
@@ -356,19 +441,24 @@ func (s *Store) CheckAdvance(ctx context.Context, tx pgx.Tx, pos Position, next 
 		return fmt.Errorf("advance %s: token %d, stored %d (the database lost this owner's claim): %w", pos.TP(), pos.Token, token, ErrMoved)
 	case stored != nil && *stored == next:
 		return ErrAlreadyAdvanced
-	case epoch != pos.KeysEpoch && (stored == nil) == !pos.Known && (stored == nil || *stored == pos.Next):
+	case epoch != pos.KeysEpoch && atOwners:
 		return fmt.Errorf("advance %s: keys epoch %d, now %d: %w", pos.TP(), pos.KeysEpoch, epoch, ErrKeysChanged)
 	default:
 		// Same owner, another offset: the database lost this owner's last commits (a failover to
 		// a standby that lacked them, a restore), or an operator moved the offset.
+		if change > pos.PositionChange {
+			return fmt.Errorf("advance %s: position %s, change %d: %w",
+				pos.TP(), fmtOffset(stored), change, ErrPositionSet)
+		}
 		return fmt.Errorf("advance %s: stored offset is %s, this owner expected %s: %w",
 			pos.TP(), fmtOffset(stored), fmtPos(pos), ErrMoved)
 	}
 }
 
-// Stored is a partition's row as Stored reads it: its token and next offset (-1: none yet).
+// Stored is a partition's row as Stored reads it: its token, next offset (-1: none yet) and
+// position_change (0: none).
 type Stored struct {
-	Token, Next int64
+	Token, Next, PositionChange int64
 }
 
 // Stored reads the token and next offset of parts, in one query; a partition without a row is
@@ -386,7 +476,7 @@ func (s *Store) Stored(ctx context.Context, q Querier, parts []Partition) (map[P
 	out := make(map[Partition]Stored, len(parts))
 	var p Partition
 	var st Stored
-	_, err = pgx.ForEachRow(rows, []any{&p.Topic, &p.Partition, &st.Token, &st.Next}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&p.Topic, &p.Partition, &st.Token, &st.Next, &st.PositionChange}, func() error {
 		out[p] = st
 		return nil
 	})
@@ -400,7 +490,7 @@ func (s *Store) Stored(ctx context.Context, q Querier, parts []Partition) (map[P
 func (s *Store) Load(ctx context.Context, q Querier, p Partition) (Position, error) {
 	pos := Position{Topic: p.Topic, Partition: p.Partition}
 	var next, start *int64
-	err := q.QueryRow(ctx, s.readSQL, s.group, p.Topic, p.Partition).Scan(&pos.Token, &next, &pos.KeysEpoch, &start)
+	err := q.QueryRow(ctx, s.readSQL, s.group, p.Topic, p.Partition).Scan(&pos.Token, &next, &pos.KeysEpoch, &start, &pos.PositionChange)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return pos, nil
 	}
@@ -458,4 +548,69 @@ func fmtPos(p Position) string {
 		return "unset"
 	}
 	return fmt.Sprint(p.Next)
+}
+
+// Pause is a row of the pauses table: the group takes nothing of Topic (a source topic) and
+// Partition (-1: every partition of it) while it exists.
+type Pause struct {
+	Topic     string
+	Partition int32
+	At        time.Time
+}
+
+// Covers reports whether the pause holds back partition n of its topic.
+func (z Pause) Covers(n int32) bool { return z.Partition == -1 || z.Partition == n }
+
+// Control reads, in one query, what an owner must obey of the operators' hand: the stored rows of
+// parts (as Stored) and every pause of the group.
+func (s *Store) Control(ctx context.Context, q Querier, parts []Partition) (map[Partition]Stored, []Pause, error) {
+	topics := make([]string, len(parts))
+	nums := make([]int32, len(parts))
+	for i, p := range parts {
+		topics[i], nums[i] = p.Topic, p.Partition
+	}
+	rows, err := q.Query(ctx, s.controlSQL, s.group, topics, nums)
+	if err != nil {
+		return nil, nil, fmt.Errorf("read pauses and stored positions: %w", err)
+	}
+	stored := make(map[Partition]Stored, len(parts))
+	var pauses []Pause
+	var p Partition
+	var st Stored
+	var at *time.Time
+	_, err = pgx.ForEachRow(rows, []any{&p.Topic, &p.Partition, &st.Token, &st.Next, &st.PositionChange, &at}, func() error {
+		if at != nil {
+			pauses = append(pauses, Pause{Topic: p.Topic, Partition: p.Partition, At: *at})
+		} else {
+			stored[p] = st
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("read pauses and stored positions: %w", err)
+	}
+	return stored, pauses, nil
+}
+
+// Paused reports whether a pause of the group covers partition n of source (a source topic), in
+// q (a transaction: what it then applies of the partition is decided under the same check as an
+// Advance's). For work that does not advance a position: the held records' transactions.
+// PausedLocked is Paused for a transaction that applies n's records without advancing its
+// position (the held-record applier): it first takes a KEY SHARE lock of the partition's row,
+// which the pause's transaction must wait for (and which waits for a pause in flight), then reads
+// the pauses with a snapshot taken after the lock. KEY SHARE does not conflict with an owner's
+// advance.
+func (s *Store) PausedLocked(ctx context.Context, tx pgx.Tx, source string, n int32) (bool, error) {
+	if _, err := tx.Exec(ctx, s.keyShareSQL, s.group, source, n); err != nil {
+		return false, fmt.Errorf("lock the position of %s[%d]: %w", source, n, err)
+	}
+	return s.Paused(ctx, tx, source, n)
+}
+
+func (s *Store) Paused(ctx context.Context, q Querier, source string, n int32) (bool, error) {
+	var paused bool
+	if err := q.QueryRow(ctx, s.pausedSQL, s.group, source, n).Scan(&paused); err != nil {
+		return false, fmt.Errorf("read pauses of %s[%d]: %w", source, n, err)
+	}
+	return paused, nil
 }

@@ -14,7 +14,7 @@ import (
 	"github.com/kafkapg/kafkapg/offsets"
 )
 
-func setup(t *testing.T) (*pgxpool.Pool, *offsets.Store) {
+func setup(t testing.TB) (*pgxpool.Pool, *offsets.Store) {
 	t.Helper()
 	return testenv.Migrated(t), offsets.NewStore("kafkapg", "g1")
 }

@@ -211,6 +211,11 @@ type Config struct {
 	// a held key may go without progress before it counts as stuck (kafkapg_stuck_keys). Defaults
 	// to 2m.
 	StallTimeout time.Duration
+	// PausedTooLong is how long an operator's pause may last before the alert
+	// KafkapgPausedTooLong fires: published as kafkapg_paused_too_long_seconds, which the alert
+	// compares kafkapg_partition_paused_seconds with. A paused partition is never stalled.
+	// Defaults to 4h.
+	PausedTooLong time.Duration
 	// ShutdownTimeout bounds Run's shutdown after ctx is done: handing off the partitions, final
 	// commits, leaving the group. Defaults to 10s.
 	ShutdownTimeout time.Duration
@@ -354,6 +359,9 @@ func (c *Config) withDefaults() *Config {
 	}
 	if out.StallTimeout == 0 {
 		out.StallTimeout = 2 * time.Minute
+	}
+	if out.PausedTooLong == 0 {
+		out.PausedTooLong = 4 * time.Hour
 	}
 	if out.ShutdownTimeout == 0 {
 		out.ShutdownTimeout = 10 * time.Second
@@ -588,6 +596,7 @@ func (c *Config) validate() error {
 		{"TxIdleTimeout", c.TxIdleTimeout},
 		{"ShutdownTimeout", c.ShutdownTimeout},
 		{"StallTimeout", c.StallTimeout},
+		{"PausedTooLong", c.PausedTooLong},
 	} {
 		if d.v < 0 {
 			bad(d.name, "must not be negative, got %v", d.v)

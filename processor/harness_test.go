@@ -1,28 +1,14 @@
 package processor_test
 
 import (
-	"fmt"
-	"os"
 	"testing"
-
-	"go.uber.org/goleak"
 
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/internal/rig/testkit"
 )
 
-func TestMain(m *testing.M) {
-	code := m.Run()
-	if code == 0 {
-		// Workers, relays and clients must all be gone once every processor has stopped. The
-		// goroutine that starts pgcluster's servers lives as long as the process, on purpose.
-		if err := goleak.Find(goleak.IgnoreTopFunction("github.com/kafkapg/kafkapg/internal/pgcluster.spawnLoop")); err != nil {
-			fmt.Fprintf(os.Stderr, "goroutine leak: %v\n", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+// Workers, relays and clients must all be gone once every processor has stopped.
+func TestMain(m *testing.M) { testenv.RunWithoutLeaks(m) }
 
 // harness is testkit's, with the helpers only these tests need (methods in their files).
 type harness struct{ *testkit.Harness }

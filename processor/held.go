@@ -193,6 +193,9 @@ func (d *heldApplier) analyze() {
 // a bundle whose handler fails is applied again key by key, where a failing record is isolated.
 // It reports whether any key made progress, and returns errStopped if it was stopped.
 func (d *heldApplier) applyAll(keys []retrytopics.Key) (progressed bool, err error) {
+	// A paused source partition's held records wait too (until the control loop reads the
+	// resume and notifies the applier).
+	keys = slices.DeleteFunc(slices.Clone(keys), func(k retrytopics.Key) bool { return d.p.pausedHere(k.Topic, k.Partition) })
 	bundles := d.bundles(keys)
 	next := make(chan []retrytopics.Key)
 	var stopped, anyProgress atomic.Bool
@@ -379,6 +382,12 @@ func (d *heldApplier) applyNext(k retrytopics.Key) (more bool, err error) {
 func (d *heldApplier) applyHeld(k retrytopics.Key, limit int) (int, *Record, error) {
 	var recs []*Record
 	err := d.transact(func(ctx context.Context, tx pgx.Tx) error {
+		// An operator's pause of the key's source partition holds its held records back too,
+		// decided here as an advance decides it (applyAll skips them earlier, once the control
+		// loop has read the pause): nothing is taken, the key waits for the resume.
+		if paused, err := d.p.store.PausedLocked(ctx, tx, k.Topic, k.Partition); err != nil || paused {
+			return own(err)
+		}
 		held, err := d.p.retry.TakeHeld(ctx, tx, k, limit, d.pageBytes())
 		if err != nil {
 			return own(err)

@@ -3,8 +3,6 @@ package processor
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -319,18 +317,10 @@ func (p *Processor) dedupeByKey(ctx context.Context, tx pgx.Tx, recs []*Record, 
 	return nil
 }
 
-// keyHash is the idempotency_keys row of key, a key of a record of source: the SHA-256 of the
-// group, the topic and the key, each of the first two preceded by its length.
+// keyHash is the idempotency_keys row of key, a key of a record of source (keyring.Hash: the
+// SHA-256 of the group, the topic and the key, each of the first two preceded by its length).
 func (p *Processor) keyHash(source string, key []byte) [32]byte {
-	h := sha256.New()
-	for _, s := range []string{p.cfg.Group, source} {
-		h.Write(binary.AppendUvarint(nil, uint64(len(s))))
-		h.Write([]byte(s))
-	}
-	h.Write(key)
-	var out [32]byte
-	h.Sum(out[:0])
-	return out
+	return keyring.Hash(p.cfg.Group, source, key)
 }
 
 // idempotencyKey runs key over r, turning a panic into an error.

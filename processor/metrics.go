@@ -2,10 +2,12 @@ package processor
 
 import (
 	"strconv"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/kafkapg/kafkapg/offsets"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
@@ -57,7 +59,11 @@ type metrics struct {
 	// Progress: partitions of this process that make none, and failures nobody should wait out.
 	stalled        *prometheus.GaugeVec
 	internalErrors prometheus.Counter
-	stuckKeys      *prometheus.GaugeVec
+	// Pauses: partitions paused here by an operator, and how long each pause of the group lasts.
+	pausedParts   *prometheus.GaugeVec
+	pausedSeconds *prometheus.GaugeVec
+	pausedTooLong prometheus.Gauge
+	stuckKeys     *prometheus.GaugeVec
 
 	// The outbox (group-wide, from Postgres).
 	outboxWaiting prometheus.Gauge
@@ -192,6 +198,18 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Namespace: ns, Name: "replayed_records_total",
 			Help: "Dead letters brought back by a replay that settled here, by outcome: applied, skipped_duplicate (by its idempotency key: a copy was applied before), or dead_lettered again.",
 		}, []string{"topic", "outcome"}),
+		pausedParts: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Name: "paused_partitions",
+			Help: "Partitions of this process paused by an operator (the pauses table), by source topic; a retry tier's partition counts under its source.",
+		}, []string{"topic"}),
+		pausedSeconds: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: ns, Name: "partition_paused_seconds",
+			Help: "How long each pause of the group has lasted, by source topic and partition (\"all\": the whole topic); group-wide, from Postgres.",
+		}, []string{"topic", "partition"}),
+		pausedTooLong: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: ns, Name: "paused_too_long_seconds",
+			Help: "PAUSED_TOO_LONG (Config.PausedTooLong): the alert KafkapgPausedTooLong fires for a pause older than this.",
+		}),
 		deadLetters: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: ns, Name: "dead_letters",
 			Help: "Rows in the dead_letters table by status: new, replaying, replayed, discarded (group-wide, from Postgres).",
@@ -278,7 +296,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		}, []string{"topic", "partition"}),
 	}
 	for _, c := range []prometheus.Collector{m.breakerOpen, m.breakerOpened, m.breakerWaiting, m.consumed, m.handlerDuration, m.lag, m.applied, m.failures, m.deadLettered, m.published, m.infraRetries,
-		m.fenced, m.forgotten, m.windowOpen, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
+		m.pausedParts, m.pausedSeconds, m.pausedTooLong, m.fenced, m.forgotten, m.windowOpen, m.txDuration, m.batchRecords, m.assigned, m.rebalances, m.handlerPanics,
 		m.routed, m.recordsHeld, m.duplicates, m.replayed, m.deadLetters, m.tasks, m.interrupted, m.heldKeys, m.blockedKeys, m.heldRecords, m.oldestHeld,
 		m.tierRecords, m.tierOverdue, m.deadLetterDB, m.oldestNew, m.stalled, m.internalErrors, m.stuckKeys,
 		m.outboxWaiting, m.outboxAside, m.outboxOldest, m.publishWait, m.dupKeys, m.keysPruned, m.keyRows, m.keyBytes,
@@ -367,4 +385,17 @@ func observe(h prometheus.Histogram, v float64, sc trace.SpanContext) {
 		}
 	}
 	h.Observe(v)
+}
+
+// setPauses publishes the partitions paused here (by source topic) and the age of each pause of
+// the group; series of pauses gone are removed.
+func (m *metrics) setPauses(here map[string]int, pauses []offsets.Pause, now time.Time) {
+	m.pausedParts.Reset()
+	for topic, n := range here {
+		m.pausedParts.WithLabelValues(topic).Set(float64(n))
+	}
+	m.pausedSeconds.Reset()
+	for _, z := range pauses {
+		m.pausedSeconds.WithLabelValues(z.Topic, pauseKey(z.Partition)).Set(now.Sub(z.At).Seconds())
+	}
 }

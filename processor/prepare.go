@@ -357,7 +357,10 @@ func (win *window) take() (recs []*Record, verify bool) {
 		win.mu.Lock()
 		room := win.size - len(win.slots)
 		win.mu.Unlock()
-		if n := min(room, len(w.queue)); n > 0 {
+		// Paused by an operator: nothing more is prepared, nothing prepared is applied (the
+		// prepares under way finish); pauseByOperator wakes the worker at the resume.
+		paused := w.byOperator
+		if n := min(room, len(w.queue)); n > 0 && !paused {
 			raw = w.queue[:n:n]
 			w.queue = w.queue[n:]
 			c := costOf(raw)
@@ -372,9 +375,11 @@ func (win *window) take() (recs []*Record, verify bool) {
 		if len(raw) > 0 {
 			win.add(raw)
 		}
-		if recs := win.prefix(); recs != nil {
-			w.prog.working()
-			return recs, false
+		if !paused {
+			if recs := win.prefix(); recs != nil {
+				w.prog.working()
+				return recs, false
+			}
 		}
 		win.mu.Lock()
 		empty := len(win.slots) == 0

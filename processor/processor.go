@@ -92,6 +92,10 @@ type Processor struct {
 	failErr  error
 	stopPoll context.CancelFunc
 
+	// pauses: the group's pauses as the control loop last read them (control.go).
+	pauses     atomic.Pointer[pauseView]
+	pausesRead int // how many pauses the control loop read last (its goroutine only)
+
 	mu      sync.Mutex
 	workers map[offsets.Partition]*worker
 	// rewinds are the partitions whose fetch the poll loop must move back (worker.dropWaiting);
@@ -117,6 +121,7 @@ func New(pool *pgxpool.Pool, cfg *Config) (*Processor, error) {
 	if err != nil {
 		return nil, fmt.Errorf("processor: register metrics: %w", err)
 	}
+	m.pausedTooLong.Set(c.PausedTooLong.Seconds())
 	p := &Processor{
 		cfg:      c,
 		pool:     pool,
@@ -270,6 +275,7 @@ func (p *Processor) Run(ctx context.Context) error {
 		p.shutdownRelay(ctx, cl, stopRelay, relayDone)
 		return nil
 	}
+	go p.control(statsCtx)
 	go p.heldApplier.run()
 	if p.keysOn() {
 		go p.keepKeys(statsCtx)

@@ -33,6 +33,18 @@ type progress struct {
 	cause    string    // why it is retrying or waiting in place; "" while the handler runs
 	err      error     // the failure it is retrying, if any
 	reported bool      // this stall was logged
+	paused   bool      // an operator paused the partition: waiting is its purpose, not a stall
+}
+
+// pause says whether an operator paused the partition. A resume counts as progress: the time
+// paused is not a stall's.
+func (pr *progress) pause(paused bool) {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	if pr.paused && !paused {
+		pr.since = time.Now()
+	}
+	pr.paused = paused
 }
 
 // working says that records wait to be applied.
@@ -77,7 +89,7 @@ type stall struct {
 func (pr *progress) stalled(now time.Time, timeout time.Duration) (stall, bool) {
 	pr.mu.Lock()
 	defer pr.mu.Unlock()
-	if !pr.busy || now.Sub(pr.since) < timeout {
+	if !pr.busy || pr.paused || now.Sub(pr.since) < timeout {
 		return stall{}, false
 	}
 	st := stall{cause: pr.cause, err: pr.err, since: now.Sub(pr.since), first: !pr.reported}

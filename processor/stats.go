@@ -6,7 +6,6 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kadm"
 
-	"github.com/kafkapg/kafkapg/offsets"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
@@ -50,11 +49,6 @@ func (p *Processor) refreshStats(ctx context.Context) {
 			}
 		}
 		p.checkStalls()
-		qctx, cancel = context.WithTimeout(ctx, statsInterval)
-		if err := p.checkPositions(qctx); err != nil && ctx.Err() == nil {
-			p.log.Debug("cannot read the stored positions", "err", err)
-		}
-		cancel()
 		select {
 		case <-ctx.Done():
 			return
@@ -84,35 +78,5 @@ func (p *Processor) refreshStuck(ctx context.Context) error {
 			"orphaned", counts[retrytopics.StuckOrphaned], "overdue", counts[retrytopics.StuckOverdue], "unapplied", counts[retrytopics.StuckUnapplied])
 	}
 	p.lastStuck = counts
-	return nil
-}
-
-// checkPositions reads the stored positions of the partitions this processor owns, in one query,
-// and asks each worker whose row is not as it left it to check (worker.verifyPosition): after a
-// failover to a standby that lacked a worker's last commits, a partition that receives nothing
-// more would never find out, and the records the database lost would wait for ever (a retry
-// tier's copies, above all).
-func (p *Processor) checkPositions(ctx context.Context) error {
-	p.mu.Lock()
-	ws := make([]*worker, 0, len(p.workers))
-	parts := make([]offsets.Partition, 0, len(p.workers))
-	for tp, w := range p.workers {
-		ws = append(ws, w)
-		parts = append(parts, tp)
-	}
-	p.mu.Unlock()
-	if len(parts) == 0 {
-		return nil
-	}
-	stored, err := p.store.Stored(ctx, p.pool, parts)
-	if err != nil {
-		return err
-	}
-	for _, w := range ws {
-		// A worker that advanced after the read differs too: it checks, and finds it fine.
-		if st, ok := stored[w.tp]; !ok || st.Token != w.token || st.Next != w.nextSeen.Load() {
-			w.requestVerify()
-		}
-	}
 	return nil
 }

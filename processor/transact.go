@@ -112,6 +112,18 @@ func (p *Processor) inPlace(ctx context.Context, stopping <-chan struct{}, log *
 				err = fmt.Errorf("%d pieces of streams' work in a row for one transaction: %w", work, err)
 			}
 		}
+		if errors.Is(err, offsets.ErrPaused) {
+			// An operator paused the partition while the batch was on its way (the control
+			// loop stops the next ones): nothing was applied. Not a failure: no metric, no
+			// backoff growth; the advance is tried again once a control interval.
+			if prog != nil {
+				prog.pause(true)
+			}
+			if !backoff.Sleep(ctx, stopping, controlInterval) {
+				return errStopped
+			}
+			continue
+		}
 		if errors.Is(err, offsets.ErrFenced) || errors.Is(err, offsets.ErrMoved) || errors.Is(err, offsets.ErrKeysChanged) || errors.Is(err, retrytopics.ErrStale) {
 			return err
 		}

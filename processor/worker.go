@@ -43,9 +43,12 @@ type worker struct {
 	win *window
 
 	// token is pos.Token, and nextSeen the stored next offset as this worker last wrote it (-1:
-	// none yet), for Processor.checkPositions, which reads them from another goroutine.
+	// none yet), for Processor.controlOnce, which reads them from another goroutine.
 	token    int64
 	nextSeen atomic.Int64
+	// change is pos.PositionChange at the worker's start: the control loop restarts the
+	// partition once the stored one is larger (an operator set the position since).
+	change int64
 
 	// held is a superset of the partition's held keys (source partitions only): only this
 	// partition's owner ever adds a key to held_keys, and it loads the set when it starts, so a
@@ -63,7 +66,8 @@ type worker struct {
 	firstAt    time.Time // when the oldest queued record arrived
 	full       bool      // the queue holds the partition's share of the buffer budget
 	waiting    bool      // the first queued record is not due yet (retry tiers)
-	paused     bool      // fetching from the partition is paused (full or waiting)
+	paused     bool      // fetching from the partition is paused (full, waiting or byOperator)
+	byOperator bool      // its source partition is paused (the pauses table): no batch is taken
 	busy       bool      // the partition holds records (queued or in flight): counted in Processor.busy
 	closed     bool      // no more records are accepted
 	verify     bool      // check the stored position between batches (requestVerify)
@@ -101,7 +105,10 @@ func newWorker(p *Processor, cl *kgo.Client, pos offsets.Position) *worker {
 	if t, ok := p.tierOf[pos.Topic]; ok {
 		w.source, w.tier = t.source, t.n
 	}
-	w.token = pos.Token
+	w.pos.Source = w.source // a pause of the source holds its retry tiers' same partitions back
+	w.token, w.change = pos.Token, pos.PositionChange
+	w.byOperator = p.pausedHere(w.source, w.tp.Partition)
+	w.prog.pause(w.byOperator)
 	w.nextSeen.Store(-1)
 	if pos.Known {
 		w.nextSeen.Store(pos.Next)
@@ -172,9 +179,28 @@ func (w *worker) syncBusy() {
 	}
 }
 
+// pauseByOperator pauses or resumes the worker as its source partition's pause says: fetching
+// stops, take hands out no batch (the queue and the place are kept), and the stall detection does
+// not count the partition. It reports whether that changed.
+func (w *worker) pauseByOperator(paused bool) bool {
+	w.mu.Lock()
+	changed := w.byOperator != paused
+	w.byOperator = paused
+	w.prog.pause(paused)
+	w.syncPause()
+	w.mu.Unlock()
+	if changed {
+		select {
+		case w.wake <- struct{}{}:
+		default:
+		}
+	}
+	return changed
+}
+
 // syncPause pauses or resumes fetching from the partition to match full and waiting. w.mu is held.
 func (w *worker) syncPause() {
-	want := w.full || w.waiting
+	want := w.full || w.waiting || w.byOperator
 	if want == w.paused {
 		return
 	}
@@ -205,7 +231,9 @@ func (w *worker) take() []*kgo.Record {
 			w.mu.Unlock()
 			return verifyBatch
 		}
-		if n := len(w.queue); n > 0 {
+		if w.byOperator {
+			// Nothing is taken; pauseByOperator wakes the worker when the pause goes.
+		} else if n := len(w.queue); n > 0 {
 			limit := w.p.cfg.BatchMaxRecords
 			ready, nextDue := min(n, limit), time.Time{}
 			if w.tier > 0 {
@@ -390,6 +418,14 @@ func (w *worker) run() {
 	}
 	switch {
 	case errors.Is(err, errStopped):
+	case errors.Is(err, offsets.ErrPositionSet):
+		// An operator's rewind or skip: not a loss (kafkapg_forgotten_partitions_total is
+		// not counted). Its streams do not fork: the database forgot nothing, its counter rows
+		// go on, and what is applied again emits new events under new numbers (sink/doc.go).
+		w.log.Info("an operator set the partition's position; starting again from it", "err", err)
+		w.stop()
+		w.cl.PauseFetchPartitions(map[string][]int32{w.tp.Topic: {w.tp.Partition}})
+		w.p.restartPartition(w)
 	case errors.Is(err, offsets.ErrMoved):
 		// Not a zombie: the database lost this owner's last commits (or its claim), or an
 		// operator moved the position. Going on from here would skip what the database lost;
@@ -464,6 +500,9 @@ func (w *worker) verifyPosition() error {
 		return fmt.Errorf("%s: the offsets row is missing (the database lost it, or it was deleted): %w", w.tp, offsets.ErrMoved)
 	case st.Token < w.pos.Token:
 		return fmt.Errorf("%s: token %d, stored %d (the database lost this owner's claim): %w", w.tp, w.pos.Token, st.Token, offsets.ErrMoved)
+	case st.PositionChange > w.pos.PositionChange:
+		return fmt.Errorf("%s: position %s, change %d (this owner's is %s, change %d): %w", w.tp, fmtNext(st), st.PositionChange,
+			fmtNext(w.pos), w.pos.PositionChange, offsets.ErrPositionSet)
 	case st.Known != w.pos.Known || st.Known && st.Next != w.pos.Next:
 		return fmt.Errorf("%s: stored offset is %s, this owner's is %s: %w", w.tp, fmtNext(st), fmtNext(w.pos), offsets.ErrMoved)
 	}

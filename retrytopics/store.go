@@ -185,7 +185,8 @@ func (s *Store) LockHeldKeys(ctx context.Context, tx pgx.Tx, topic string, parti
 
 // Hold stores records behind their held keys, each with the record it waits behind (behind): the
 // key's head, or, with the head settled, the first record held before it. The caller holds the
-// keys' locks (LockHeldKeys).
+// keys' locks (LockHeldKeys). A record that already waits there (an operator set the position
+// back over it) is left as it is: it is applied once, when its key's turn comes.
 func (s *Store) Hold(ctx context.Context, tx pgx.Tx, recs []Rec) error {
 	b := &pgx.Batch{}
 	for _, r := range recs {
@@ -194,7 +195,8 @@ func (s *Store) Hold(ctx context.Context, tx pgx.Tx, recs []Rec) error {
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, clock_timestamp(), (SELECT coalesce(k.head_offset,
 					(SELECT min(r."offset") FROM `+s.heldRecords+` r
 						WHERE r.consumer_group = $1 AND r.topic = $2 AND r.partition = $3 AND r.key_hash = sha256($5::bytea) AND r.key = $5))
-				FROM `+s.heldKeys+` k WHERE k.consumer_group = $1 AND k.topic = $2 AND k.partition = $3 AND k.key_hash = sha256($5::bytea) AND k.key = $5))`,
+				FROM `+s.heldKeys+` k WHERE k.consumer_group = $1 AND k.topic = $2 AND k.partition = $3 AND k.key_hash = sha256($5::bytea) AND k.key = $5))
+			ON CONFLICT (consumer_group, topic, partition, "offset") DO NOTHING`,
 			s.group, r.Topic, r.Partition, r.Offset, r.Key, r.Value, keys, vals, r.Timestamp.UnixMilli())
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
@@ -267,7 +269,10 @@ func (s *Store) Applied(ctx context.Context, tx pgx.Tx, recs []Rec, held []bool)
 }
 
 // ToTier records that a failed record goes to a retry tier (attempt m.Attempt+1 is next). Moving
-// a record on from a tier returns ErrStale if its retry state is not at m.Attempt.
+// a record on from a tier returns ErrStale if its retry state is not at m.Attempt. A record sent
+// from its source partition while it is still in the tiers (an operator set the position back
+// over it) keeps the state it has: it goes on once, and the copy sent now is skipped as a
+// duplicate if it comes after the state moved on (see admitRetries in package processor).
 func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 	if m.Tier < 1 {
 		return fmt.Errorf("send %s to a retry tier: tier %d", m.Origin, m.Tier)
@@ -281,7 +286,8 @@ func (s *Store) ToTier(ctx context.Context, tx pgx.Tx, m Move) error {
 			}
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO `+s.retries+` (consumer_group, topic, partition, "offset", key, attempt, first_failed_at, due_at, error_class, error_message, dead_letter_id, tier, updated_at)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, nullif($11::bigint, 0), $12, clock_timestamp())`,
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, nullif($11::bigint, 0), $12, clock_timestamp())
+			ON CONFLICT (consumer_group, topic, partition, "offset") DO NOTHING`,
 			s.group, m.Topic, m.Partition, m.Offset, m.Key, next, m.FirstFailedAt, m.DueAt, m.Class, safetext.Text(m.Message, maxStoredMessage), m.DeadLetter, m.Tier); err != nil {
 			return fmt.Errorf("store retry state of %s: %w", m.Origin, err)
 		}

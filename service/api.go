@@ -21,8 +21,8 @@ import (
 	"github.com/kafkapg/kafkapg/internal/safetext"
 )
 
-// api is the operator JSON API under /api/v1/: the operations of the dlq, keys and trace
-// commands, over HTTP, for scripts and the console. It is served only when OPERATOR_TOKEN or
+// api is the operator JSON API under /api/v1/: the operations of the dlq, keys, positions and
+// trace commands, over HTTP, for scripts and the console. It is served only when OPERATOR_TOKEN or
 // OPERATOR_TOKENS is set, and every call must carry one of their tokens (Authorization: Bearer
 // <token>); a call without gets 401 and nothing else, record values included. A named token of
 // OPERATOR_TOKENS is who the audit names; a viewer's only reads.
@@ -82,7 +82,9 @@ type keysAPI struct {
 	keys    http.HandlerFunc
 	release http.HandlerFunc
 	trace   http.HandlerFunc
-	close   func() // releases what the routes hold (their Kafka client); nil: nothing
+	// positions are the positions routes (they share the Kafka client).
+	positions positionsAPI
+	close     func() // releases what the routes hold (their Kafka client); nil: nothing
 }
 
 // namedToken is an entry of OPERATOR_TOKENS: a caller the audit names.
@@ -138,6 +140,10 @@ func (a *api) handler() http.Handler {
 		mux.HandleFunc("GET /api/v1/keys", a.keys.keys)
 		mux.HandleFunc("POST /api/v1/keys/release", a.keys.release)
 		mux.HandleFunc("GET /api/v1/trace", a.keys.trace)
+		mux.HandleFunc("GET /api/v1/positions", a.keys.positions.list)
+		mux.HandleFunc("POST /api/v1/positions/pause", a.keys.positions.pause)
+		mux.HandleFunc("POST /api/v1/positions/resume", a.keys.positions.resume)
+		mux.HandleFunc("POST /api/v1/positions/set", a.keys.positions.set)
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		c, ok := a.authorized(w, r)

@@ -39,7 +39,8 @@ func keysRoutes(a *api, e *env, concurrency map[string]int) keysAPI {
 		kc = nil
 	}
 	return keysAPI{
-		close: closeKafka,
+		close:     closeKafka,
+		positions: positionsRoutes(a, traces, kc, kerr),
 		keys: func(w http.ResponseWriter, r *http.Request) {
 			n, err := limit(r, 100)
 			if err != nil {

@@ -77,6 +77,7 @@ type env struct {
 	BreakerProbeMax      time.Duration `envconfig:"BREAKER_PROBE_MAX" default:"30s" field:"BreakerProbeMax"`
 	DBTxIdleTimeout      time.Duration `envconfig:"DB_TX_IDLE_TIMEOUT" default:"30s" field:"TxIdleTimeout"`
 	StallTimeout         time.Duration `envconfig:"STALL_TIMEOUT" default:"2m" field:"StallTimeout"`
+	PausedTooLong        time.Duration `envconfig:"PAUSED_TOO_LONG" default:"4h" field:"PausedTooLong"`
 	IdempotencyRetention time.Duration `envconfig:"IDEMPOTENCY_RETENTION" default:"168h" field:"IdempotencyRetention"`
 	RelayOnly            bool          `envconfig:"RELAY_ONLY" default:"false" field:"RelayOnly"`
 	OutboxPollInterval   time.Duration `envconfig:"OUTBOX_POLL_INTERVAL" default:"1s" field:"OutboxPollInterval"`
@@ -327,6 +328,7 @@ func (e *env) validate(hs *registry) error {
 	positive("SHUTDOWN_TIMEOUT", e.ShutdownTimeout)
 	positive("DB_TX_IDLE_TIMEOUT", e.DBTxIdleTimeout)
 	positive("STALL_TIMEOUT", e.StallTimeout)
+	positive("PAUSED_TOO_LONG", e.PausedTooLong)
 	positive("IDEMPOTENCY_RETENTION", e.IdempotencyRetention)
 	positive("OUTBOX_POLL_INTERVAL", e.OutboxPollInterval)
 	if e.OutboxRetention < 0 {
@@ -634,6 +636,7 @@ func (e *env) processorConfig(hs *registry, log *slog.Logger, reg prometheus.Reg
 		BreakerProbeMax:        e.BreakerProbeMax,
 		TxIdleTimeout:          e.DBTxIdleTimeout,
 		StallTimeout:           e.StallTimeout,
+		PausedTooLong:          e.PausedTooLong,
 		IdempotencyRetention:   e.IdempotencyRetention,
 		RelayOnly:              e.RelayOnly,
 		OutboxPollInterval:     e.OutboxPollInterval,

@@ -105,6 +105,7 @@ func TestLoadEnvDefaults(t *testing.T) {
 		BreakerProbeMax:       30 * time.Second,
 		DBTxIdleTimeout:       30 * time.Second,
 		StallTimeout:          2 * time.Minute,
+		PausedTooLong:         4 * time.Hour,
 		IdempotencyRetention:  7 * 24 * time.Hour,
 		OutboxPollInterval:    time.Second,
 		OutboxListen:          true,

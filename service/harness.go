@@ -32,7 +32,7 @@ type harness struct {
 // supports says whether the harness runs cmd: not the commands that only touch the database's
 // schema (migrate, upgrade), which run reads its environment but once, at startup.
 func (h *harness) supports(cmd string) bool {
-	return slices.Contains([]string{"run", "config", "dlq", "keys", "trace", "help", "-h", "-help", "--help"}, cmd)
+	return slices.Contains([]string{"run", "config", "dlq", "keys", "positions", "trace", "help", "-h", "-help", "--help"}, cmd)
 }
 
 // harnessEnv serializes the harnesses' reads of the environment (h.read).

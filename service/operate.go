@@ -83,11 +83,14 @@ func operate(ctx context.Context, e *env, cmd string, args []string, hs *registr
 		}
 	}
 	c := newOpsCmd(progName(), e, pool, stdout, stderr)
+	c.ops = c.ops.WithIdempotencyKeys(e.idempotencyKeys(hs))
 	switch cmd {
 	case "dlq":
 		return dlqCmd(ctx, c, args)
 	case "keys":
 		return keysCmd(ctx, c, args)
+	case "positions":
+		return positionsCmd(ctx, c, args)
 	case "trace":
 		return traceCmd(ctx, c, args)
 	}

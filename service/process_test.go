@@ -24,7 +24,7 @@ import (
 // process that they can SIGKILL, SIGSTOP and SIGTERM.
 func TestMain(m *testing.M) {
 	testkit.ChildMain(func() int {
-		return Run([]string{"run"}, os.Stderr, append(slices.Clone(builtinHandlers), stuckHandler)...)
+		return Run([]string{"run"}, os.Stderr, append(slices.Clone(builtinHandlers), stuckHandler, stuckOnceHandler)...)
 	})
 	os.Exit(m.Run())
 }

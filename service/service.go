@@ -171,15 +171,16 @@ func progName() string {
 	return filepath.Base(os.Args[0])
 }
 
-const usage = `usage: %[1]s [run|config|migrate|upgrade|dlq|keys|trace|help]
+const usage = `usage: %[1]s [run|config|migrate|upgrade|dlq|keys|positions|trace|help]
 
-  run      consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
-  config   print the configuration in force (secrets redacted), then exit
-  migrate  create or upgrade kafkapg's tables in DB_SCHEMA, then exit
-  upgrade  the upgrade window: status, and finalize it once the release before no longer runs
-  dlq      list, show, replay, discard and purge dead letters; list and cancel tasks
-  keys     list held and blocked keys; release one
-  trace    where a record is now, and how it got there
+  run        consume KAFKA_TOPICS and apply them to DATABASE_URL (the default)
+  config     print the configuration in force (secrets redacted), then exit
+  migrate    create or upgrade kafkapg's tables in DB_SCHEMA, then exit
+  upgrade    the upgrade window: status, and finalize it once the release before no longer runs
+  dlq        list, show, replay, discard and purge dead letters; list and cancel tasks
+  keys       list held and blocked keys; release one
+  positions  the group's positions; pause and resume a topic or partition; set a position
+  trace      where a record is now, and how it got there
 
 Each operator command takes -h for its own help. Commands that change anything are
 dry runs unless given --execute, and then need --reason.
@@ -223,13 +224,13 @@ func runIn(ctx context.Context, args []string, stdout, stderr io.Writer, h *harn
 	if len(args) > 0 {
 		cmd = args[0]
 	}
-	withArgs := cmd == "dlq" || cmd == "keys" || cmd == "trace" || cmd == "config" || cmd == "upgrade"
+	withArgs := cmd == "dlq" || cmd == "keys" || cmd == "positions" || cmd == "trace" || cmd == "config" || cmd == "upgrade"
 	if len(args) > 1 && !withArgs {
 		help()
 		return 2
 	}
 	if h != nil && !h.supports(cmd) {
-		fmt.Fprintf(stderr, "%s: command %q is not run in a test harness (it runs run, config, dlq, keys and trace)\n", prog, cmd)
+		fmt.Fprintf(stderr, "%s: command %q is not run in a test harness (it runs run, config, dlq, keys, positions and trace)\n", prog, cmd)
 		return 2
 	}
 
@@ -244,7 +245,7 @@ func runIn(ctx context.Context, args []string, stdout, stderr io.Writer, h *harn
 		err = upgradeCmd(ctx, args[1:], stdout, stderr)
 	case "config":
 		h.read(func() { err = configCmd(args[1:], hs, stdout, stderr) }) // it escapes for the terminal or for JSON
-	case "dlq", "keys", "trace":
+	case "dlq", "keys", "positions", "trace":
 		stderr = safetext.TerminalWriter(stderr) // the errors below may quote what came from outside
 		var e *env
 		if h.read(func() { e, err = loadOpsEnv(hs) }); err == nil {
@@ -505,7 +506,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 		if err != nil {
 			return &configError{err} // validate refused it already
 		}
-		a := newAPI(ctx, ops.New(pool, env.DBSchema, env.KafkaGroupID), env.OperatorToken, tokens, log)
+		a := newAPI(ctx, ops.New(pool, env.DBSchema, env.KafkaGroupID).WithIdempotencyKeys(env.idempotencyKeys(hs)), env.OperatorToken, tokens, log)
 		a.keys = keysRoutes(a, env, env.concurrency(hs))
 		defer bound.within("stopping the operator API's tasks", a.wait) // before the pool closes: running tasks stop after their chunk in flight
 		operator = a.handler()
@@ -522,7 +523,7 @@ func serve(ctx context.Context, env *env, hs *registry, log *slog.Logger) error 
 	}
 	log.Info("http listening", "addr", ln.Addr().String(), "paths", paths)
 	if env.ConsoleAddr != "" {
-		stop, err := serveConsole(ctx, env, env.concurrency(hs), pool, reg, log)
+		stop, err := serveConsole(ctx, env, env.concurrency(hs), env.idempotencyKeys(hs), pool, reg, log)
 		if err != nil {
 			return err
 		}
@@ -634,7 +635,7 @@ func (b *exitBound) within(what string, fn func()) {
 
 // serveConsole serves the operator console on CONSOLE_ADDR (see package console). It returns a
 // function that stops it.
-func serveConsole(ctx context.Context, env *env, concurrency map[string]int, pool *pgxpool.Pool, reg prometheus.Gatherer, log *slog.Logger) (stop func(), err error) {
+func serveConsole(ctx context.Context, env *env, concurrency map[string]int, keys ops.IdempotencyKeys, pool *pgxpool.Pool, reg prometheus.Gatherer, log *slog.Logger) (stop func(), err error) {
 	users, tokens, err := env.consoleLogins()
 	if err != nil {
 		return nil, &configError{err}
@@ -644,7 +645,9 @@ func serveConsole(ctx context.Context, env *env, concurrency map[string]int, poo
 	if err != nil {
 		return nil, err
 	}
-	o := ops.New(pool, env.DBSchema, env.KafkaGroupID).WithTopics(env.KafkaTopics...) // all a trace may read
+	// The group's topics are all a trace may read; the keys let a rewind's dry run count the
+	// records a key would skip.
+	o := ops.New(pool, env.DBSchema, env.KafkaGroupID).WithTopics(env.KafkaTopics...).WithIdempotencyKeys(keys)
 	log = log.With("component", "console")
 	tasks := newTaskRunner(ctx, o, "console", log)
 	// The overview's chart and alerts come from this process's own metrics.

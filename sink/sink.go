@@ -158,8 +158,10 @@ func (s *Sink) apply(ctx context.Context, pos *offsets.Position, next int64, app
 		b.Queue(s.idleSQL)
 	}
 	var adv *pgx.QueuedQuery
+	var paused bool
 	if pos != nil {
 		adv = s.offsets.QueueAdvance(b, *pos, next)
+		s.offsets.QueuePauseCheck(b, *pos, &paused)
 	}
 	for _, m := range msgs {
 		keys, vals := SplitHeaders(m.Headers)
@@ -189,6 +191,9 @@ func (s *Sink) apply(ctx context.Context, pos *offsets.Position, next int64, app
 	}
 	if pos != nil {
 		if err := s.offsets.CheckAdvance(ctx, tx, *pos, next, advanced); err != nil {
+			return err
+		}
+		if err := s.offsets.CheckPaused(*pos, paused); err != nil {
 			return err
 		}
 	}

@@ -418,6 +418,9 @@ func TestAutoscaling(t *testing.T) {
 	if md["allowIdleConsumers"] != "false" {
 		t.Errorf("allowIdleConsumers = %q, want false: replicas beyond the partition count own nothing", md["allowIdleConsumers"])
 	}
+	if md["excludePersistentLag"] != "true" {
+		t.Errorf("excludePersistentLag = %q, want true: the lag of a partition an operator paused grows on purpose and must not add replicas", md["excludePersistentLag"])
+	}
 	if md["topic"] != "" {
 		t.Errorf("topic = %q: leave it empty, so that the lag of the retry tiers counts too", md["topic"])
 	}

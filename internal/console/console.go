@@ -39,7 +39,7 @@ type Role string
 
 const (
 	Viewer   Role = "viewer"   // browses every page
-	Operator Role = "operator" // also replays, discards and releases
+	Operator Role = "operator" // also replays, discards, releases, pauses, resumes and sets positions
 )
 
 // User is a console login.
@@ -155,7 +155,7 @@ func New(cfg Config) (*Console, error) {
 	for _, u := range cfg.Tokens {
 		c.tokens = append(c.tokens, hashedUser{u.Name, u.Role, sha256.Sum256([]byte(u.Password))})
 	}
-	for _, page := range []string{"overview", "deadletters", "deadletter", "confirm", "task", "retrypath", "release", "trace", "error", "nothing"} {
+	for _, page := range []string{"overview", "deadletters", "deadletter", "confirm", "task", "retrypath", "release", "trace", "positions", "position", "error", "nothing"} {
 		t, err := template.New("layout.html").Funcs(funcs).ParseFS(files, "templates/layout.html", "templates/"+page+".html")
 		if err != nil {
 			return nil, fmt.Errorf("console template %s: %w", page, err)
@@ -181,6 +181,9 @@ func (c *Console) Handler() http.Handler {
 	mux.HandleFunc("POST /keys/confirm", c.operator(c.confirmRelease))
 	mux.HandleFunc("POST /keys/release", c.operator(c.release))
 	mux.HandleFunc("GET /trace", c.trace)
+	mux.HandleFunc("GET /positions", c.positions)
+	mux.HandleFunc("POST /positions/confirm", c.operator(c.confirmPosition))
+	mux.HandleFunc("POST /positions/act", c.operator(c.actPosition))
 	return http.NewCrossOriginProtection().Handler(sameSiteReads(c.authenticate(mux)))
 }
 
@@ -331,7 +334,7 @@ func (c *Console) fail(w http.ResponseWriter, r *http.Request, err error) {
 		return
 	}
 	back := "/"
-	for _, prefix := range []string{"/dead-letters", "/retry-path", "/trace"} {
+	for _, prefix := range []string{"/dead-letters", "/retry-path", "/trace", "/positions"} {
 		if strings.HasPrefix(r.URL.Path, prefix) {
 			back = prefix
 		}
@@ -357,6 +360,7 @@ type partitionRow struct {
 	End    int64
 	Lag    int64
 	HasLag bool
+	Paused bool // by an operator (the Positions page says who and why)
 }
 
 type overviewData struct {
@@ -396,8 +400,16 @@ func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, err)
 		return
 	}
+	pauses, err := c.cfg.Ops.Pauses(ctx)
+	if err != nil {
+		c.fail(w, r, err)
+		return
+	}
 	for _, p := range positions {
-		d.Partitions = append(d.Partitions, partitionRow{Position: p})
+		paused := slices.ContainsFunc(pauses, func(q ops.Pause) bool {
+			return q.Topic == p.Topic && (q.Partition == ops.AllPartitions || q.Partition == p.Partition)
+		})
+		d.Partitions = append(d.Partitions, partitionRow{Position: p, Paused: paused})
 	}
 	if c.cfg.Admin != nil && len(d.Partitions) > 0 {
 		topics := map[string]bool{}

@@ -53,7 +53,7 @@ func TestAlertThresholdsAgree(t *testing.T) {
 	for _, c := range []struct {
 		alert, rule, readme string
 	}{
-		{"KafkapgLagGrowing", fmt.Sprintf("(kafkapg_consumer_lag_records)) > %d and", lagGrowingRecords),
+		{"KafkapgLagGrowing", fmt.Sprintf(`(kafkapg_partition_paused_seconds{partition="all"}) ) > %d and`, lagGrowingRecords),
 			fmt.Sprintf("more than %s records not applied", thousands(lagGrowingRecords))},
 		{"KafkapgFailureRateHigh", fmt.Sprintf("(rate(kafkapg_records_consumed_total[5m])), 1e-9) > %g", failureRateLimit),
 			fmt.Sprintf("exceed %g %% of the records consumed", 100*failureRateLimit)},

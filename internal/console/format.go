@@ -99,7 +99,9 @@ var funcs = template.FuncMap{
 		}
 		return fmt.Sprintf("%.1f", v)
 	},
-	"hex": func(b []byte) string { return hex.EncodeToString(b) },
+	"hex":       func(b []byte) string { return hex.EncodeToString(b) },
+	"partition": partitionText,
+	"oneline":   oneLineText,
 	"dur": func(d time.Duration) string {
 		if d < time.Second {
 			return d.Round(time.Millisecond).String()

@@ -32,6 +32,12 @@ type Sample struct {
 	TopicLag     map[string]int64         // the same by topic
 	PartitionLag map[TopicPartition]int64 // and by partition
 
+	// Paused is how long each pause of the group has lasted (kafkapg_partition_paused_seconds),
+	// by source topic and partition, "all" for a whole topic; PausedTooLong is PAUSED_TOO_LONG
+	// (kafkapg_paused_too_long_seconds). The lag rules leave paused partitions out.
+	Paused        map[TopicPartition]time.Duration
+	PausedTooLong time.Duration
+
 	// Counters, summed over their labels.
 	Applied      float64 // kafkapg_records_applied_total
 	Consumed     float64 // kafkapg_records_consumed_total
@@ -67,6 +73,25 @@ type Sample struct {
 
 // TopicPartition names a source partition (the labels of kafkapg_consumer_lag_records).
 type TopicPartition struct{ Topic, Partition string }
+
+// IsPaused reports whether an operator paused tp, or its whole topic.
+func (s Sample) IsPaused(tp TopicPartition) bool {
+	_, one := s.Paused[tp]
+	_, all := s.Paused[TopicPartition{tp.Topic, "all"}]
+	return one || all
+}
+
+// activeLag is the lag of topic's partitions that are not paused (KafkapgLagGrowing's).
+func (s Sample) activeLag(topic string) (int64, bool) {
+	var n int64
+	found := false
+	for tp, lag := range s.PartitionLag {
+		if tp.Topic == topic && !s.IsPaused(tp) {
+			n, found = n+lag, true
+		}
+	}
+	return n, found
+}
 
 // Counts are a topic's record counters (Sample's counters by their topic label).
 type Counts struct{ Applied, Consumed, Failed, DeadLettered float64 }
@@ -109,6 +134,10 @@ func (s *Sample) add(name string, v float64, label func(string) string) {
 		s.Lag += n
 		s.TopicLag[label("topic")] += n
 		s.PartitionLag[TopicPartition{label("topic"), label("partition")}] += n
+	case "kafkapg_partition_paused_seconds":
+		s.Paused[TopicPartition{label("topic"), label("partition")}] = seconds(v)
+	case "kafkapg_paused_too_long_seconds":
+		s.PausedTooLong = seconds(v)
 	case "kafkapg_records_applied_total":
 		s.Applied += v
 		count(func(c *Counts) { c.Applied += v })
@@ -204,6 +233,7 @@ func (s *Sampler) Sample(now time.Time) {
 		At:           now,
 		TopicLag:     map[string]int64{},
 		PartitionLag: map[TopicPartition]int64{},
+		Paused:       map[TopicPartition]time.Duration{},
 		ByTopic:      map[string]Counts{},
 		Stalled:      map[string]int64{},
 		Stuck:        map[string]int64{},
@@ -578,6 +608,23 @@ var rules = []rule{
 		return s.OutboxOldest > outboxStuckAfter, fmt.Sprintf("The oldest unpublished outbox record has waited %s", humanDuration(s.OutboxOldest))
 	})},
 	{"KafkapgIdempotencyKeysGrowing", "warning", 30 * time.Minute, idempotencyKeysGrowing},
+	{"KafkapgPausedTooLong", "warning", 0, pausedTooLong},
+}
+
+// pausedTooLong: a pause of the group has lasted longer than PAUSED_TOO_LONG.
+func pausedTooLong(samples []Sample) map[string]string {
+	held := map[string]string{}
+	s := samples[len(samples)-1]
+	if s.PausedTooLong <= 0 {
+		return held
+	}
+	for tp, d := range s.Paused {
+		if d > s.PausedTooLong {
+			held[tp.Topic+"["+tp.Partition+"]"] = fmt.Sprintf("%s partition %s has been paused for %s, longer than PAUSED_TOO_LONG (%s): resume it (positions resume), or raise PAUSED_TOO_LONG",
+				tp.Topic, tp.Partition, humanDuration(d), humanDuration(s.PausedTooLong))
+		}
+	}
+	return held
 }
 
 // Alerts returns the alerts whose condition holds at the newest sample, firing or pending, in the
@@ -671,13 +718,14 @@ func labelRule(get func(Sample) map[string]int64, summary func(n int64, label st
 func lagGrowing(samples []Sample) map[string]string {
 	held := map[string]string{}
 	w := lastWindow(samples, 15*time.Minute)
-	for topic, lag := range w[len(w)-1].TopicLag {
+	for topic := range w[len(w)-1].TopicLag {
+		lag, _ := w[len(w)-1].activeLag(topic)
 		if lag <= lagGrowingRecords {
 			continue
 		}
 		var xs, ys []float64
 		for _, s := range w {
-			if v, ok := s.TopicLag[topic]; ok {
+			if v, ok := s.activeLag(topic); ok {
 				xs = append(xs, s.At.Sub(w[0].At).Seconds())
 				ys = append(ys, float64(v))
 			}
@@ -750,7 +798,7 @@ func partitionStuck(samples []Sample) map[string]string {
 	applied := map[string]float64{} // by topic
 	for tp, lag := range newest.PartitionLag {
 		before, ok := oldest.PartitionLag[tp]
-		if lag <= 0 || !ok || lag < before {
+		if lag <= 0 || !ok || lag < before || newest.IsPaused(tp) {
 			continue
 		}
 		if _, ok := applied[tp.Topic]; !ok {

@@ -29,6 +29,8 @@ type process struct {
 	oldestHeld, interrupted              prometheus.Gauge
 	outboxSetAside, outboxOldest         prometheus.Gauge
 	idempotencyBytes                     prometheus.Gauge
+	paused                               *prometheus.GaugeVec
+	pausedTooLong                        prometheus.Gauge
 }
 
 func newProcess() *process {
@@ -50,6 +52,8 @@ func newProcess() *process {
 		infraRetries:     counter("kafkapg_infrastructure_retries_total").WithLabelValues(),
 		internalErrors:   counter("kafkapg_internal_errors_total").WithLabelValues(),
 		lag:              gauge("kafkapg_consumer_lag_records", "topic", "partition"),
+		paused:           gauge("kafkapg_partition_paused_seconds", "topic", "partition"),
+		pausedTooLong:    gauge("kafkapg_paused_too_long_seconds").WithLabelValues(),
 		stalled:          gauge("kafkapg_stalled_partitions", "cause"),
 		stuck:            gauge("kafkapg_stuck_keys", "reason"),
 		tierLag:          gauge("kafkapg_retry_tier_lag_seconds", "tier"),
@@ -323,6 +327,41 @@ func TestAlerts(t *testing.T) {
 			step: func(p *process, i int) { p.lag.WithLabelValues("orders", "0").Set(2000) }},
 		{name: "lag growing under 1000", alert: "KafkapgLagGrowing",
 			step: func(p *process, i int) { p.lag.WithLabelValues("orders", "0").Set(float64(10 + i)) }},
+
+		// A partition an operator paused (or its whole topic): its lag grows on purpose.
+		{name: "lag growing on a paused partition", alert: "KafkapgLagGrowing",
+			step: func(p *process, i int) {
+				p.lag.WithLabelValues("orders", "0").Set(float64(2000 + 5*i))
+				p.lag.WithLabelValues("orders", "1").Set(10)
+				p.paused.WithLabelValues("orders", "0").Set(float64(i) * 15)
+			}},
+		{name: "lag growing beside a paused partition", alert: "KafkapgLagGrowing", for_: 15 * time.Minute, holds: true, summary: "Lag on orders keeps growing: 2",
+			step: func(p *process, i int) {
+				p.lag.WithLabelValues("orders", "0").Set(float64(2000 + 5*i))
+				p.lag.WithLabelValues("orders", "1").Set(float64(2000 + 5*i))
+				p.paused.WithLabelValues("orders", "0").Set(float64(i) * 15)
+			}},
+		{name: "lag growing on a paused topic", alert: "KafkapgLagGrowing",
+			step: func(p *process, i int) {
+				p.lag.WithLabelValues("orders", "0").Set(float64(2000 + 5*i))
+				p.paused.WithLabelValues("orders", "all").Set(float64(i) * 15)
+			}},
+		{name: "lag and nothing applied, paused", alert: "KafkapgPartitionStuck",
+			step: func(p *process, i int) {
+				p.lag.WithLabelValues("orders", "3").Set(50)
+				p.applied.WithLabelValues("orders")
+				p.paused.WithLabelValues("orders", "3").Set(float64(i) * 15)
+			}},
+		{name: "paused longer than PAUSED_TOO_LONG", alert: "KafkapgPausedTooLong", holds: true, summary: "orders partition 3 has been paused for",
+			step: func(p *process, i int) {
+				p.pausedTooLong.Set(3600)
+				p.paused.WithLabelValues("orders", "3").Set(3600 + float64(i)*15 + 1)
+			}},
+		{name: "paused, not for long", alert: "KafkapgPausedTooLong",
+			step: func(p *process, i int) {
+				p.pausedTooLong.Set(3600)
+				p.paused.WithLabelValues("orders", "3").Set(60)
+			}},
 
 		{name: "lag and nothing applied", alert: "KafkapgPartitionStuck", for_: 30 * time.Minute, holds: true, summary: "nothing from orders partition 3: 50 records wait",
 			step: func(p *process, i int) {

@@ -3,6 +3,8 @@ package ops
 import (
 	"fmt"
 	"os"
+	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 )
@@ -43,4 +45,55 @@ func sizeText(n int) string {
 		return fmt.Sprintf("%d MiB", n>>20)
 	}
 	return fmt.Sprintf("%d KiB", n>>10)
+}
+
+// TestRunbookNamesTheAuditedActions: every action the operator commands write into the audit
+// table (o.audit's literal actions in this package's code, and the task actions) is named in
+// docs/runbook.md's guard rails, and no other.
+func TestRunbookNamesTheAuditedActions(t *testing.T) {
+	b, err := os.ReadFile("../../docs/runbook.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := strings.Join(strings.Fields(string(b)), " ")
+	const lead = "its `action` one of "
+	i := strings.Index(doc, lead)
+	if i < 0 {
+		t.Fatalf("docs/runbook.md does not say %q", lead)
+	}
+	listed := map[string]bool{}
+	for _, m := range regexp.MustCompile("`([a-z_]+)`").FindAllStringSubmatch(doc[i+len(lead):strings.Index(doc[i:], ", its `detail`")+i], -1) {
+		listed[m[1]] = true
+	}
+	audited := map[string]bool{string(Replay): true, string(Discard): true}
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	call := regexp.MustCompile(`o\.audit\(ctx, tx, a, "([a-z_]+)"`)
+	for _, f := range files {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		src, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range call.FindAllStringSubmatch(string(src), -1) {
+			audited[m[1]] = true
+		}
+	}
+	if len(audited) < 8 {
+		t.Fatalf("found %d audited actions in the code (%v): the pattern no longer matches o.audit's calls", len(audited), audited)
+	}
+	for a := range audited {
+		if !listed[a] {
+			t.Errorf("action %q is audited but docs/runbook.md does not list it", a)
+		}
+	}
+	for a := range listed {
+		if !audited[a] {
+			t.Errorf("docs/runbook.md lists action %q, which nothing audits", a)
+		}
+	}
 }

@@ -1,6 +1,7 @@
-// Package ops is what an operator does to a consumer group's dead letters, held keys and records:
-// list, show, replay, discard, purge, release, trace. The service binary's dlq, keys and trace
-// commands and its JSON API call these functions; there is one implementation of each operation.
+// Package ops is what an operator does to a consumer group's dead letters, held keys, records and
+// positions: list, show, replay, discard, purge, release, trace; pause, resume and set positions.
+// The service binary's dlq, keys, positions and trace commands, its JSON API and its console call
+// these functions; there is one implementation of each operation.
 //
 // Every change an operation makes is recorded in the audit table with its actor and reason, in
 // the transaction that makes it.
@@ -29,6 +30,8 @@ type Ops struct {
 	store  *retrytopics.Store
 	// sources are source topics of the group given by WithTopics (see CheckTopic).
 	sources []string
+	// keys finds a rewind's records' idempotency keys (WithIdempotencyKeys); nil: not checked.
+	keys *IdempotencyKeys
 }
 
 // New returns the operations on group's state in schema.

@@ -51,6 +51,10 @@ const (
 	// TraceBeyondRetention: the record is below the partition's log start offset: the broker
 	// deleted it, and no table of the retry path holds it.
 	TraceBeyondRetention = "beyond_retention"
+	// TraceSkippedByOperator: an operator set the partition's position past the record
+	// (positions set, forward): it was never given to the handler. The trace names who, when
+	// and why (position_changes).
+	TraceSkippedByOperator = "skipped_by_operator"
 )
 
 // TraceQuery chooses the records Trace follows: the record at Topic, Partition, Offset; or,
@@ -207,6 +211,9 @@ const (
 	StepSkippedDuplicate = "skipped_duplicate"
 	StepDiscarded        = "discarded" // its dead letter discarded
 	StepApplied          = "applied"   // the partition's position passed it
+	// StepPositionSet: an operator set the partition's position across the record: forward
+	// past it (skipped), or back before it (applied again once the position passes it).
+	StepPositionSet = "position_set"
 )
 
 // Trace answers, for the records q chooses, where each is now and how it got there, from the
@@ -624,6 +631,32 @@ type traceFacts struct {
 	keys      []HeldKey                      // the held keys of the records' keys
 	// tiers are the copies of the records found in the retry tiers' topics (tierHistory).
 	tiers map[traceOrigin][]tierCopy
+	// changes are the position changes whose range has the record, oldest first.
+	changes map[traceOrigin][]tracePositionChange
+}
+
+// tracePositionChange is a position_changes row: an operator set the position from from to to.
+type tracePositionChange struct {
+	from, to      int64 // from -1: the partition had no stored position (it covers [0, to))
+	at            time.Time
+	actor, reason string
+}
+
+// fromText says where the change set the position from.
+func (c tracePositionChange) fromText() string {
+	if c.from < 0 {
+		return "none stored"
+	}
+	return strconv.FormatInt(c.from, 10)
+}
+
+// step is the change's step of a record in its range.
+func (c tracePositionChange) step() TraceStep {
+	who := fmt.Sprintf("%s (%s)", safetext.Text(oneLine(c.actor), 80), safetext.Text(oneLine(c.reason), 200))
+	if c.to > c.from {
+		return TraceStep{At: c.at, Kind: StepPositionSet, What: fmt.Sprintf("skipped: %s set the partition's position forward from %s to %d, past it, never applied", who, c.fromText(), c.to)}
+	}
+	return TraceStep{At: c.at, Kind: StepPositionSet, What: fmt.Sprintf("rewound: %s set the partition's position back from %d to %d: it is applied again once the position passes it", who, c.from, c.to)}
 }
 
 // producedAt is when the record org was produced, as its Kafka record (kr, if read) or the tables
@@ -708,7 +741,7 @@ type traceRelease struct {
 func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigin, keys map[traceOrigin][]byte) (*traceFacts, error) {
 	f := &traceFacts{positions: map[int32]tracePosition{}, retries: map[traceOrigin]traceRetry{}, held: map[traceOrigin]traceHeld{},
 		dead: map[traceOrigin]traceDead{}, outbox: map[traceOrigin][]traceCopy{}, releases: map[traceOrigin][]traceRelease{},
-		history: map[traceOrigin][]traceHistory{}}
+		history: map[traceOrigin][]traceHistory{}, changes: map[traceOrigin][]tracePositionChange{}}
 	parts := make([]int32, len(origins))
 	offs := make([]int64, len(origins))
 	partText := make([]string, len(origins))
@@ -739,6 +772,7 @@ func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigi
 			fo     *int64
 			p, off []byte
 			rp, ro string
+			pc     tracePositionChange
 		)
 		queries := []query{
 			{"positions", `SELECT partition, next_offset, updated_at FROM ` + o.table("offsets") + `
@@ -802,6 +836,14 @@ func (o *Ops) traceFacts(ctx context.Context, topic string, origins []traceOrigi
 					return nil
 				}},
 		}
+		queries = append(queries, query{"position changes", `SELECT u.p, u.o, coalesce(c.from_offset, -1), c.to_offset, c.changed_at, c.actor, c.reason
+				FROM unnest($3::int[], $4::bigint[]) AS u(p, o)
+				JOIN ` + o.table("position_changes") + ` c ON c.consumer_group = $1 AND c.topic = $2 AND c.partition = u.p
+				AND u.o >= least(coalesce(c.from_offset, 0), c.to_offset) AND u.o < greatest(coalesce(c.from_offset, 0), c.to_offset)
+				ORDER BY c.id`,
+			[]any{o.group, topic, parts, offs},
+			[]any{&org.partition, &org.offset, &pc.from, &pc.to, &pc.at, &pc.actor, &pc.reason},
+			func() error { f.changes[org] = append(f.changes[org], pc); pc = tracePositionChange{}; return nil }})
 		for _, q := range queries {
 			rows, err := tx.Query(ctx, q.sql, q.args...)
 			if err != nil {
@@ -1145,6 +1187,30 @@ func (o *Ops) describe(q TraceQuery, org traceOrigin, f *traceFacts, kr *scanned
 		t.State, t.Now = TraceOutbox, strings.TrimPrefix(pendingCopies(o, q.Topic, copies), "; ")
 	default:
 		t.State, t.Now = o.position(org, f.positions[org.partition], bounds, q.Concurrency, step)
+		if n := len(f.changes[org]); n > 0 {
+			// The last position change across it decides: forward, it was skipped (the
+			// position passing it is that change, not an application); back, it was applied
+			// again (or will be) after the rewind.
+			last := f.changes[org][n-1]
+			for _, c := range f.changes[org] {
+				t.Steps = append(t.Steps, c.step())
+			}
+			switch {
+			case last.to > last.from && (t.State == TraceApplied || t.State == TraceBeyondRetention):
+				if i := len(t.Steps) - n - 1; i >= 0 && t.Steps[i].Kind == StepApplied {
+					t.Steps = slices.Delete(t.Steps, i, i+1)
+				}
+				t.State = TraceSkippedByOperator
+				t.Now = fmt.Sprintf("skipped, never applied: %s set the partition's position from %s to %d at %s: %s",
+					safetext.Text(oneLine(last.actor), 80), last.fromText(), last.to, timeText(last.at), safetext.Text(oneLine(last.reason), 200))
+			case last.to < last.from && t.State == TraceApplied:
+				t.Now = fmt.Sprintf("applied again after the rewind by %s at %s (from %d to %d: %s); %s",
+					safetext.Text(oneLine(last.actor), 80), timeText(last.at), last.from, last.to, safetext.Text(oneLine(last.reason), 200), t.Now)
+			case last.to < last.from && t.State == TraceNotConsumed:
+				t.Now = fmt.Sprintf("applied before, to be applied again: %s rewound the partition's position from %d to %d at %s (%s); %s",
+					safetext.Text(oneLine(last.actor), 80), last.from, last.to, timeText(last.at), safetext.Text(oneLine(last.reason), 200), t.Now)
+			}
+		}
 		if n := len(copiesInTiers); n > 0 && t.State == TraceApplied {
 			last := copiesInTiers[n-1]
 			t.Now = fmt.Sprintf("applied from retry tier %d (%s), at attempt %d (its source partition's position passed it by %s, as it left for the tiers)",

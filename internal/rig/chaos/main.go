@@ -66,6 +66,8 @@ func main() {
 		" and no two prepares of a key may overlap")
 	flag.StringVar(&c.upgradeFrom, "upgrade-from", "", "the release before's processor binary (scripts/build-release.sh): a rolling upgrade from it to bin/processor, a rollback mid-rollout,"+
 		" forward again and the window finalized, under the faults (upgrade.go; `make chaos-upgrade`)")
+	flag.BoolVar(&c.positions, "positions", false, "with -handler "+chainHandler+": an operator pauses, rewinds and skips stage 1's partitions among the faults (the producer sends no copies),"+
+		" and the check expects the skipped records never applied, the rewound ones exactly once still, nothing applied while paused")
 	flag.BoolVar(&c.trace, "trace", false, "the processors export OpenTelemetry traces to a receiver of the suite's, and every record's trace must go on through every hop")
 	flag.Parse()
 	if c.handler != "ledger" && c.handler != "ledger-careless" && c.handler != chainHandler {
@@ -74,6 +76,10 @@ func main() {
 	}
 	if c.concurrency != 0 && (c.handler != "ledger-careless" || c.concurrency < 2) {
 		fmt.Fprintf(os.Stderr, "chaos: -concurrency needs -handler ledger-careless and a value of 2 or more, got %d with %q\n", c.concurrency, c.handler)
+		os.Exit(2)
+	}
+	if c.positions && (c.handler != chainHandler || c.trace || c.upgradeFrom != "" || c.kafkaCluster != "" || c.postgres == pgAsyncHA || c.postgres == pgRestore) {
+		fmt.Fprintf(os.Stderr, "chaos: -positions needs -handler %s, and neither -trace, -upgrade-from, -kafka-cluster nor a Postgres that loses commits (its check replays position_changes)\n", chainHandler)
 		os.Exit(2)
 	}
 	if c.protocol != "auto" && c.protocol != "classic" {
@@ -119,6 +125,7 @@ type config struct {
 	trace        bool
 	concurrency  int    // CONCURRENCY, with HANDLER=ledger-careless-slow; 0: off
 	upgradeFrom  string // the release before's binary: the upgrade mode (upgrade.go); "": off
+	positions    bool   // the positions faults (positions.go)
 }
 
 // stageHandler is stage 1's HANDLER.
@@ -214,13 +221,24 @@ func run(ctx context.Context, c config) (err error) {
 		}
 	}
 
+	if c.positions {
+		if err := s.setupPositions(); err != nil {
+			return err
+		}
+	}
 	items := generate(c)
-	if c.chain() {
+	if c.chain() && !c.positions {
 		n := len(items)
 		items = ledger.Duplicate(items, copyPerMille, c.seed)
 		s.copies = len(items) - n
 	}
 	s.producedAt = make([]time.Time, len(items))
+	if c.positions {
+		s.placed, s.eventIDs = make([]placement, len(items)), make([]string, len(items))
+		for i, it := range items {
+			s.placed[i], s.eventIDs[i] = placement{offset: -1}, it.Event.EventID
+		}
+	}
 	produced := make(chan error, 1)
 	go func() { produced <- s.produce(ctx, items) }()
 
@@ -232,6 +250,21 @@ func run(ctx context.Context, c config) (err error) {
 	}
 	if err := s.restoreAll(ctx); err != nil {
 		return err
+	}
+	if c.positions {
+		var n int
+		if items, n, err = s.skippedItems(ctx, items); err != nil {
+			return err
+		}
+		s.count(func(st *stats) { st.skippedEvents = int64(n) })
+		defer func() {
+			// What the rewinds read again that stage 1 had applied: skipped by key (there are no
+			// copies to skip otherwise), in skipped_duplicates for trace.
+			var dups int64
+			if qerr := s.pool.QueryRow(ctx, `SELECT count(*) FROM skipped_duplicates WHERE consumer_group = $1 AND topic = $2`, s.group, s.topic).Scan(&dups); qerr == nil {
+				fmt.Printf("chaos: positions: %d records read again by the rewinds were skipped as duplicates by stage 1 (skipped_duplicates)\n", dups)
+			}
+		}()
 	}
 	settled := time.Now()
 	if err := s.waitSettled(ctx, items); err != nil {

@@ -61,6 +61,12 @@ type suite struct {
 	traces *traces     // -trace: the receiver of the processors' spans, or nil
 	traced traceReport // what the trace check found
 
+	// -positions: the ops code the positions faults run (positions.go), and where each item was
+	// produced (offset -1 until it is) and its event id, under mu.
+	positions *positionsRig
+	placed    []placement
+	eventIDs  []string
+
 	replayed *replayReport  // the replay phase's, once it ran
 	up       *upgrade       // -upgrade-from: the rollout (upgrade.go), or nil
 	bg       sync.WaitGroup // recovery measurements in flight
@@ -89,6 +95,10 @@ type stats struct {
 	rollingEvents              int
 	settle                     time.Duration
 	violations                 []string // problems seen during the run (bad exit codes)
+	// -positions: the faults, what the rewinds read again and the skips left out (offsets), and
+	// the events the skips left never applied.
+	pauses, pausesWaiting, rewinds, skips  int
+	rewound, skippedOffsets, skippedEvents int64
 	// skipped is, by stage (1, 2), what the chain's processes that have ended counted in
 	// kafkapg_duplicate_keys_skipped_total (see tally).
 	skipped [3]float64
@@ -321,6 +331,13 @@ func (s *suite) produce(ctx context.Context, items []ledger.Item) error {
 		if err != nil {
 			return err
 		}
+		if s.placed != nil {
+			s.mu.Lock()
+			for j, r := range recs {
+				s.placed[i+j] = placement{r.Partition, r.Offset}
+			}
+			s.mu.Unlock()
+		}
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
@@ -363,6 +380,9 @@ func (s *suite) inject(ctx context.Context) error {
 	}
 	if s.db.failover() {
 		faults = append(faults, fault{"pg-failover", 2, func(ctx context.Context) error { return s.pgFailover(ctx, false) }})
+	}
+	if s.positions != nil {
+		faults = append(faults, s.positionsFaults()...)
 	}
 	total := 0
 	for _, f := range faults {
@@ -876,6 +896,10 @@ func (s *suite) summary(rep report, err error) string {
 	chain, acksLost := "", ""
 	if s.cfg.chain() {
 		acksLost = fmt.Sprintf(", %d relay-ack-lost (%d postings)", st.acksLost, st.republished)
+		if s.positions != nil {
+			acksLost += fmt.Sprintf(", %d position-pause (%d with records waiting; nothing of the partition changed while paused), %d position-rewind (%d records read again), %d position-skip (%d offsets: %d events never applied nor dead-lettered; stage 1's /metrics count of duplicates skipped holds the rewinds')",
+				st.pauses, st.pausesWaiting, st.rewinds, st.rewound, st.skips, st.skippedOffsets, st.skippedEvents)
+		}
 		c := rep.chain
 		handler = fmt.Sprintf("chain HANDLER=%s -> HANDLER=%s", s.cfg.handler, postHandler)
 		events = fmt.Sprintf("%d events + %d copies", s.cfg.events, s.copies)
@@ -932,6 +956,9 @@ func (s *suite) close() {
 	}
 	if s.cluster != nil {
 		s.cluster.Close()
+	}
+	if s.positions != nil {
+		s.positions.kc.Close()
 	}
 	if s.brokerProxy != nil {
 		s.brokerProxy.Close()

@@ -1,0 +1,297 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/internal/localrun"
+	"github.com/kafkapg/kafkapg/internal/ops"
+)
+
+// -positions adds an operator's positions commands to the faults, run with the code the
+// `positions` command and the console run (internal/ops), against stage 1's topic while the
+// group runs and the other faults hit it. It needs a chain: stage 1 decides by idempotency key,
+// so a rewind applies nothing twice, and the producer sends no copies then, so that each event
+// has one offset.
+//
+//   - position-pause: a partition (one in four times the whole topic) paused for 1-3 s. Once
+//     Pause returns (it waits for the batches in flight), nothing of it may change until the
+//     resume: not its position nor its retry tiers', not one of its events applied (from the
+//     partition, its tiers or its held records).
+//   - position-rewind: a partition set back by 1-300 records: read again, skipped as duplicates
+//     (or dead-lettered again), exactly once still.
+//   - position-skip: a partition set forward by 1-30 records (at most to the log's end): never
+//     applied nor dead-lettered.
+//
+// skippedItems replays position_changes to tell, per partition, which records the group passed
+// (from each change's to_offset to the next one's from_offset, and from the last on); the others
+// were skipped, and the verification expects nothing of them.
+
+// placement is where an item was produced.
+type placement struct {
+	partition int32
+	offset    int64
+}
+
+// positionsRig is what the positions faults need: the ops code of stage 1's group and a Kafka
+// client for the logs' bounds.
+type positionsRig struct {
+	ops *ops.Ops
+	kc  *kgo.Client
+}
+
+var chaosActor = ops.Actor{Name: "chaos", Reason: "the chaos run's operator"}
+
+func (s *suite) positionsFaults() []fault {
+	return []fault{
+		{"position-pause", 2, s.positionPause},
+		{"position-rewind", 2, s.positionRewind},
+		{"position-skip", 2, s.positionSkip},
+	}
+}
+
+func (s *suite) setupPositions() error {
+	kc, err := kgo.NewClient(kgo.SeedBrokers(s.clientSeeds...))
+	if err != nil {
+		return err
+	}
+	s.positions = &positionsRig{ops: ops.New(s.pool, schema, s.group), kc: kc}
+	return nil
+}
+
+// retryOp runs an ops command until it succeeds, for 30 s: the suite's own faults (a broker
+// restart) can fail it.
+func retryOp(ctx context.Context, op func() error) error {
+	return localrun.WaitFor(ctx, 30*time.Second, op)
+}
+
+// partitionState is what must not change while partition p (or all, with ops.AllPartitions) is
+// paused: the positions of stage 1's group in it and its retry tiers, and how many of its events
+// are applied.
+func (s *suite) partitionState(ctx context.Context, p int32) (string, error) {
+	var ids []string
+	s.mu.Lock()
+	for i, pl := range s.placed {
+		if pl.offset >= 0 && (p == ops.AllPartitions || pl.partition == p) {
+			ids = append(ids, s.eventIDs[i])
+		}
+	}
+	s.mu.Unlock()
+	var positions string
+	var applied int
+	err := s.pool.QueryRow(ctx, `SELECT coalesce((SELECT string_agg(topic || '/' || partition || '@' || coalesce(next_offset, -1), ' ' ORDER BY topic, partition)
+			FROM offsets WHERE consumer_group = $1 AND ($2 < 0 OR partition = $2)), ''),
+		(SELECT count(*) FROM ledger_entries WHERE event_id = ANY($3))`, s.group, p, ids).Scan(&positions, &applied)
+	return fmt.Sprintf("%d applied; positions %s", applied, positions), err
+}
+
+func (s *suite) positionPause(ctx context.Context) error {
+	p := int32(s.rng.IntN(s.cfg.partitions))
+	if s.rng.IntN(4) == 0 {
+		p = ops.AllPartitions
+	}
+	r := s.positions
+	if err := retryOp(ctx, func() error {
+		_, err := r.ops.Pause(ctx, r.kc, s.topic, p, true, chaosActor)
+		return err
+	}); err != nil {
+		return fmt.Errorf("pause %s/%d: %w", s.topic, p, err)
+	}
+	before, err := s.partitionState(ctx, p)
+	if err != nil {
+		return err
+	}
+	if err := sleep(ctx, time.Duration(1000+s.rng.IntN(2000))*time.Millisecond); err != nil {
+		return err
+	}
+	after, err := s.partitionState(ctx, p)
+	if err != nil {
+		return err
+	}
+	waiting, err := s.waiting(ctx, p)
+	if err != nil {
+		return err
+	}
+	if err := retryOp(ctx, func() error {
+		_, err := r.ops.Resume(ctx, r.kc, s.topic, p, true, chaosActor)
+		return err
+	}); err != nil {
+		return fmt.Errorf("resume %s/%d: %w", s.topic, p, err)
+	}
+	s.count(func(st *stats) {
+		st.pauses++
+		if waiting > 0 {
+			st.pausesWaiting++
+		}
+		if after != before {
+			st.violations = append(st.violations, fmt.Sprintf("pause %d of %s/%d (-1: all): it changed while paused: %s, then %s", st.pauses, s.topic, p, before, after))
+		}
+	})
+	return nil
+}
+
+// waiting is how many records of stage 1's topic, in partition p (or all), are past the stored
+// positions: what a pause holds back.
+func (s *suite) waiting(ctx context.Context, p int32) (int64, error) {
+	var ends kadm.ListedOffsets
+	if err := retryOp(ctx, func() error {
+		var err error
+		ends, err = kadm.NewClient(s.positions.kc).ListEndOffsets(ctx, s.topic)
+		if err == nil {
+			err = ends.Error()
+		}
+		return err
+	}); err != nil {
+		return 0, err
+	}
+	var n int64
+	for q := range int32(s.cfg.partitions) {
+		if p != ops.AllPartitions && q != p {
+			continue
+		}
+		next, _, err := s.storedNext(ctx, q)
+		if err != nil {
+			return 0, err
+		}
+		if o, ok := ends.Lookup(s.topic, q); ok {
+			n += max(o.Offset-next, 0)
+		}
+	}
+	return n, nil
+}
+
+// storedNext is partition p's stored position (false: none yet).
+func (s *suite) storedNext(ctx context.Context, p int32) (int64, bool, error) {
+	var next *int64
+	err := s.pool.QueryRow(ctx, `SELECT next_offset FROM offsets WHERE consumer_group = $1 AND topic = $2 AND partition = $3`, s.group, s.topic, p).Scan(&next)
+	if errors.Is(err, pgx.ErrNoRows) || err == nil && next == nil {
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, err
+	}
+	return *next, true, nil
+}
+
+func (s *suite) positionRewind(ctx context.Context) error {
+	p := int32(s.rng.IntN(s.cfg.partitions))
+	next, ok, err := s.storedNext(ctx, p)
+	if err != nil || !ok || next == 0 {
+		return err
+	}
+	to := max(0, next-1-int64(s.rng.IntN(300)))
+	return s.setPosition(ctx, p, to)
+}
+
+func (s *suite) positionSkip(ctx context.Context) error {
+	p := int32(s.rng.IntN(s.cfg.partitions))
+	next, ok, err := s.storedNext(ctx, p)
+	if err != nil || !ok {
+		return err
+	}
+	var end int64
+	if err := retryOp(ctx, func() error {
+		ends, err := kadm.NewClient(s.positions.kc).ListEndOffsets(ctx, s.topic)
+		if err == nil {
+			err = ends.Error()
+		}
+		if err != nil {
+			return err
+		}
+		o, _ := ends.Lookup(s.topic, p)
+		end = o.Offset
+		return nil
+	}); err != nil {
+		return err
+	}
+	to := min(next+1+int64(s.rng.IntN(30)), end)
+	if to <= next {
+		return nil // nothing to skip: the partition is at its end
+	}
+	return s.setPosition(ctx, p, to)
+}
+
+func (s *suite) setPosition(ctx context.Context, p int32, to int64) error {
+	r := s.positions
+	var moves []ops.PositionMove
+	if err := retryOp(ctx, func() error {
+		var err error
+		moves, err = r.ops.SetPositions(ctx, r.kc, ops.PositionPlan{Topic: s.topic, Partition: p, Target: ops.Target{Offset: &to}}, true, chaosActor)
+		return err
+	}); err != nil {
+		return fmt.Errorf("set the position of %s/%d to %d: %w", s.topic, p, to, err)
+	}
+	s.count(func(st *stats) {
+		for _, m := range moves {
+			if m.Reapplied > 0 {
+				st.rewinds++
+				st.rewound += m.Reapplied
+			}
+			if m.Skipped > 0 {
+				st.skips++
+				st.skippedOffsets += m.Skipped
+			}
+		}
+	})
+	return nil
+}
+
+// skippedItems returns items without those the group never passed (position_changes says so), and
+// how many it left out.
+func (s *suite) skippedItems(ctx context.Context, items []ledger.Item) ([]ledger.Item, int, error) {
+	rows, err := s.pool.Query(ctx, `SELECT partition, from_offset, to_offset FROM position_changes
+		WHERE consumer_group = $1 AND topic = $2 ORDER BY id`, s.group, s.topic)
+	if err != nil {
+		return nil, 0, fmt.Errorf("read position_changes: %w", err)
+	}
+	type change struct {
+		Partition int32
+		From      *int64
+		To        int64
+	}
+	changes, err := pgx.CollectRows(rows, pgx.RowToStructByPos[change])
+	if err != nil {
+		return nil, 0, fmt.Errorf("read position_changes: %w", err)
+	}
+	// passed[p] are the ranges [from, to) of partition p the group passed; the last one open.
+	type span struct{ from, to int64 }
+	passed := map[int32][]span{}
+	at := map[int32]int64{} // where the group went on from after the last change (0: the start)
+	for _, c := range changes {
+		if c.From != nil && *c.From > at[c.Partition] {
+			passed[c.Partition] = append(passed[c.Partition], span{at[c.Partition], *c.From})
+		}
+		at[c.Partition] = c.To
+	}
+	was := func(pl placement) bool {
+		if pl.offset >= at[pl.partition] {
+			return true
+		}
+		for _, sp := range passed[pl.partition] {
+			if pl.offset >= sp.from && pl.offset < sp.to {
+				return true
+			}
+		}
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]ledger.Item, 0, len(items))
+	for i, it := range items {
+		pl := s.placed[i]
+		if pl.offset < 0 {
+			return nil, 0, fmt.Errorf("item %d (%s) has no offset: not produced?", i, it.Event.EventID)
+		}
+		if was(pl) {
+			out = append(out, it)
+		}
+	}
+	return out, len(items) - len(out), nil
+}
