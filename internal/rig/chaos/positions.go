@@ -27,8 +27,10 @@ import (
 //     partition, its tiers or its held records).
 //   - position-rewind: a partition set back by 1-300 records: read again, skipped as duplicates
 //     (or dead-lettered again), exactly once still.
-//   - position-skip: a partition set forward by 1-30 records (at most to the log's end): never
-//     applied nor dead-lettered.
+//   - position-skip: a partition set forward by 1-30 records (at most to the log's end), half the
+//     time paused first and resumed after, as the runbook does: never applied nor dead-lettered.
+//
+// Each run pauses, skips (paused first) and rewinds at least once, right after the measurements.
 //
 // skippedItems replays position_changes to tell, per partition, which records the group passed
 // (from each change's to_offset to the next one's from_offset, and from the last on); the others
@@ -53,7 +55,8 @@ func (s *suite) positionsFaults() []fault {
 	return []fault{
 		{"position-pause", 2, s.positionPause},
 		{"position-rewind", 2, s.positionRewind},
-		{"position-skip", 2, s.positionSkip},
+		{"position-skip", 1, s.positionSkip},
+		{"position-skip", 1, s.positionSkipPaused},
 	}
 }
 
@@ -191,7 +194,34 @@ func (s *suite) positionRewind(ctx context.Context) error {
 }
 
 func (s *suite) positionSkip(ctx context.Context) error {
+	return s.skip(ctx, int32(s.rng.IntN(s.cfg.partitions)))
+}
+
+// positionSkipPaused skips as the runbook does: the partition paused first (its records wait),
+// then set forward, then resumed.
+func (s *suite) positionSkipPaused(ctx context.Context) error {
 	p := int32(s.rng.IntN(s.cfg.partitions))
+	r := s.positions
+	if err := retryOp(ctx, func() error {
+		_, err := r.ops.Pause(ctx, r.kc, s.topic, p, true, chaosActor)
+		return err
+	}); err != nil {
+		return fmt.Errorf("pause %s/%d: %w", s.topic, p, err)
+	}
+	if err := sleep(ctx, 1500*time.Millisecond); err != nil { // records arrive meanwhile
+		return err
+	}
+	if err := s.skip(ctx, p); err != nil {
+		return err
+	}
+	return retryOp(ctx, func() error {
+		_, err := r.ops.Resume(ctx, r.kc, s.topic, p, true, chaosActor)
+		return err
+	})
+}
+
+// skip sets partition p forward by 1-30 records, at most to the log's end.
+func (s *suite) skip(ctx context.Context, p int32) error {
 	next, ok, err := s.storedNext(ctx, p)
 	if err != nil || !ok {
 		return err

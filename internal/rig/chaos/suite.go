@@ -396,6 +396,13 @@ func (s *suite) inject(ctx context.Context) error {
 			return fmt.Errorf("fault relay-ack-lost: %w", err)
 		}
 	}
+	if s.positions != nil { // each at least once a run
+		for _, f := range []fault{{"position-pause", 0, s.positionPause}, {"position-skip", 0, s.positionSkipPaused}, {"position-rewind", 0, s.positionRewind}} {
+			if err := f.run(ctx); err != nil {
+				return fmt.Errorf("fault %s: %w", f.name, err)
+			}
+		}
+	}
 	if s.cluster != nil { // once a run, as at every upgrade
 		if err := s.rollingRestart(ctx); err != nil {
 			return fmt.Errorf("rolling restart: %w", err)
