@@ -169,15 +169,7 @@ type PauseChange struct {
 // upgrade window is open (a processor of the release before would not obey it).
 func (o *Ops) Pause(ctx context.Context, kc *kgo.Client, topic string, partition int32, execute bool, a Actor) (PauseChange, error) {
 	c := PauseChange{Topic: topic, Partition: partition}
-	if err := o.checkTarget(ctx, kc, topic, partition); err != nil {
-		return c, err
-	}
-	if execute {
-		if err := a.check(); err != nil {
-			return c, err
-		}
-	}
-	err := pgx.BeginFunc(ctx, o.pool, func(tx pgx.Tx) error {
+	err := o.changePause(ctx, kc, topic, partition, execute, a, func(tx pgx.Tx) error {
 		var by string
 		err := tx.QueryRow(ctx, `SELECT paused_by FROM `+o.table("pauses")+` WHERE consumer_group = $1 AND topic = $2 AND partition IN (-1, $3)
 			ORDER BY partition LIMIT 1`, o.group, topic, partition).Scan(&by)
@@ -218,15 +210,7 @@ func (o *Ops) Pause(ctx context.Context, kc *kgo.Client, topic string, partition
 // or of a partition. A partition of a topic paused as a whole is refused: resume the topic.
 func (o *Ops) Resume(ctx context.Context, kc *kgo.Client, topic string, partition int32, execute bool, a Actor) (PauseChange, error) {
 	c := PauseChange{Topic: topic, Partition: partition}
-	if err := o.checkTarget(ctx, kc, topic, partition); err != nil {
-		return c, err
-	}
-	if execute {
-		if err := a.check(); err != nil {
-			return c, err
-		}
-	}
-	err := pgx.BeginFunc(ctx, o.pool, func(tx pgx.Tx) error {
+	err := o.changePause(ctx, kc, topic, partition, execute, a, func(tx pgx.Tx) error {
 		var whole bool
 		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT FROM `+o.table("pauses")+` WHERE consumer_group = $1 AND topic = $2 AND partition = -1)`,
 			o.group, topic).Scan(&whole); err != nil {
@@ -259,6 +243,28 @@ func (o *Ops) Resume(ctx context.Context, kc *kgo.Client, topic string, partitio
 		return c, fmt.Errorf("resume %s: %w", partitionName(topic, partition), err)
 	}
 	return c, nil
+}
+
+// changePause runs change, Pause's or Resume's, in a transaction, once the target is checked
+// (checkTarget) and, to execute, the actor; executed, the upgrade window is read again first, as
+// setPosition does: a release before started since the check would not obey a pause.
+func (o *Ops) changePause(ctx context.Context, kc *kgo.Client, topic string, partition int32, execute bool, a Actor, change func(pgx.Tx) error) error {
+	if err := o.checkTarget(ctx, kc, topic, partition); err != nil {
+		return err
+	}
+	if execute {
+		if err := a.check(); err != nil {
+			return err
+		}
+	}
+	return pgx.BeginFunc(ctx, o.pool, func(tx pgx.Tx) error {
+		if execute {
+			if err := o.checkWindow(ctx); err != nil {
+				return err
+			}
+		}
+		return change(tx)
+	})
 }
 
 func partitionName(topic string, partition int32) string {
