@@ -139,31 +139,62 @@ func partitionOrAll(fs *flag.FlagSet, p int) (int32, error) {
 	return int32(p), nil
 }
 
-func positionsPause(ctx context.Context, c *opsCmd, verb string, args []string) error {
-	fs := c.flags("positions " + verb)
-	synopsis(c, fs, "positions "+verb+" --topic T [--partition N] [--execute --reason R [--actor A]] [--json]")
-	topic := fs.String("topic", "", "source `topic` (required)")
-	partition := fs.Int("partition", -1, "one `partition` (default: the whole topic)")
-	execute := fs.Bool("execute", false, "do it (without: a dry run that changes nothing)")
-	reason := fs.String("reason", "", "why (required with --execute; kept in the audit table)")
-	actor := fs.String("actor", defaultActor(), "who (kept in the audit table)")
-	asJSON := fs.Bool("json", false, "print JSON")
-	if err := parse(fs, args); err != nil {
+// changeFlags are the flags every positions change takes: what (--topic, --partition), and
+// --execute --reason --actor, --json.
+type changeFlags struct {
+	fs              *flag.FlagSet
+	topic           *string
+	partition       *int
+	execute, asJSON *bool
+	reason, actor   *string
+	p               int32 // --partition, or ops.AllPartitions (see parse)
+}
+
+func newChangeFlags(fs *flag.FlagSet) *changeFlags {
+	return &changeFlags{
+		fs:        fs,
+		topic:     fs.String("topic", "", "source `topic` (required)"),
+		partition: fs.Int("partition", -1, "one `partition` (default: every partition of the topic)"),
+		execute:   fs.Bool("execute", false, "do it (without: a dry run that changes nothing)"),
+		reason:    fs.String("reason", "", "why (required with --execute; kept in the audit table)"),
+		actor:     fs.String("actor", defaultActor(), "who (kept in the audit table)"),
+		asJSON:    fs.Bool("json", false, "print JSON"),
+	}
+}
+
+// parse parses args and checks the shared flags; why completes "--execute needs --reason: why
+// you ...".
+func (f *changeFlags) parse(args []string, why string) error {
+	if err := parse(f.fs, args); err != nil {
 		return err
 	}
-	if err := noArgs(fs); err != nil {
+	if err := noArgs(f.fs); err != nil {
 		return err
 	}
-	if *topic == "" {
+	if *f.topic == "" {
 		return usagef("--topic is required")
 	}
-	p, err := partitionOrAll(fs, *partition)
+	p, err := partitionOrAll(f.fs, *f.partition)
 	if err != nil {
 		return err
 	}
-	if *execute && strings.TrimSpace(*reason) == "" {
-		return usagef("--execute needs --reason: why you %s it (kept in the audit table)", verb)
+	f.p = p
+	if *f.execute && strings.TrimSpace(*f.reason) == "" {
+		return usagef("--execute needs --reason: why you %s (kept in the audit table)", why)
 	}
+	return nil
+}
+
+func (f *changeFlags) who() ops.Actor { return ops.Actor{Name: *f.actor, Reason: *f.reason} }
+
+func positionsPause(ctx context.Context, c *opsCmd, verb string, args []string) error {
+	fs := c.flags("positions " + verb)
+	synopsis(c, fs, "positions "+verb+" --topic T [--partition N] [--execute --reason R [--actor A]] [--json]")
+	f := newChangeFlags(fs)
+	if err := f.parse(args, verb+" it"); err != nil {
+		return err
+	}
+	topic, p, asJSON := f.topic, f.p, f.asJSON
 	kc, err := c.kafka()
 	if err != nil {
 		return err
@@ -173,7 +204,7 @@ func positionsPause(ctx context.Context, c *opsCmd, verb string, args []string) 
 	if verb == "resume" {
 		do = c.ops.Resume
 	}
-	ch, err := do(ctx, kc, *topic, p, *execute, ops.Actor{Name: *actor, Reason: *reason})
+	ch, err := do(ctx, kc, *topic, p, *f.execute, f.who())
 	if err != nil {
 		return err
 	}
@@ -198,49 +229,33 @@ func positionsPause(ctx context.Context, c *opsCmd, verb string, args []string) 
 func positionsSet(ctx context.Context, c *opsCmd, args []string) error {
 	fs := c.flags("positions set")
 	synopsis(c, fs, "positions set --topic T [--partition N] (--offset N | --time T | --start | --end) [--execute --reason R [--actor A]] [--json]")
-	topic := fs.String("topic", "", "source `topic` (required)")
-	partition := fs.Int("partition", -1, "one `partition` (default: every partition of the topic)")
+	f := newChangeFlags(fs)
 	offset := fs.Int64("offset", -1, "to this `offset`")
 	at := fs.String("time", "", "to the first record at or after this `time`: RFC 3339 (2026-12-04T14:00:00Z) or a duration ago (90m)")
 	start := fs.Bool("start", false, "to the log's start")
 	end := fs.Bool("end", false, "to the log's end (skip everything there is)")
-	execute := fs.Bool("execute", false, "do it (without: a dry run that changes nothing)")
-	reason := fs.String("reason", "", "why (required with --execute; kept in the audit table)")
-	actor := fs.String("actor", defaultActor(), "who (kept in the audit table)")
-	asJSON := fs.Bool("json", false, "print JSON")
-	if err := parse(fs, args); err != nil {
+	if err := f.parse(args, "move the position"); err != nil {
 		return err
 	}
-	if err := noArgs(fs); err != nil {
-		return err
-	}
-	if *topic == "" {
-		return usagef("--topic is required")
-	}
-	p, err := partitionOrAll(fs, *partition)
-	if err != nil {
-		return err
-	}
-	plan := ops.PositionPlan{Topic: *topic, Partition: p, Target: ops.Target{Start: *start, End: *end}}
+	execute, asJSON := f.execute, f.asJSON
+	plan := ops.PositionPlan{Topic: *f.topic, Partition: f.p, Target: ops.Target{Start: *start, End: *end}}
 	fs.Visit(func(fl *flag.Flag) {
 		if fl.Name == "offset" {
 			plan.Target.Offset = offset
 		}
 	})
 	if *at != "" {
+		var err error
 		if plan.Target.Time, err = parseTimeOrAgo(*at, time.Now()); err != nil {
 			return err
 		}
-	}
-	if *execute && strings.TrimSpace(*reason) == "" {
-		return usagef("--execute needs --reason: why you move the position (kept in the audit table)")
 	}
 	kc, err := c.kafka()
 	if err != nil {
 		return err
 	}
 	defer kc.Close()
-	moves, err := c.ops.SetPositions(ctx, kc, plan, *execute, ops.Actor{Name: *actor, Reason: *reason})
+	moves, err := c.ops.SetPositions(ctx, kc, plan, *execute, f.who())
 	if err != nil {
 		return err
 	}
