@@ -54,6 +54,22 @@ func produceTo(h *testkit.Harness, p int32, n int) {
 	}
 }
 
+// produceKeys produces a record of each key, in order, to partition 0 of the harness's topic; a
+// record's value is its index.
+func produceKeys(h *testkit.Harness, keys ...string) {
+	h.T.Helper()
+	cl := h.K.Client(h.T, kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	recs := make([]*kgo.Record, len(keys))
+	for i, k := range keys {
+		recs[i] = &kgo.Record{Topic: h.Topic, Key: []byte(k), Value: []byte(strconv.Itoa(i))}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+		h.T.Fatal(err)
+	}
+}
+
 // applied returns the offsets of partition p applied, in the order applied.
 func applied(h *testkit.Harness, p int32) []int64 {
 	h.T.Helper()
@@ -309,16 +325,7 @@ func TestPauseHoldsRetryTiersAndHeldRecords(t *testing.T) {
 		cfg.LocalAttempts = 1
 		cfg.RetryTiers = []time.Duration{time.Second, time.Second, time.Second}
 		h.Start(cfg)
-		cl := h.K.Client(h.T, kgo.RecordPartitioner(kgo.ManualPartitioner()))
-		recs := []*kgo.Record{
-			{Topic: h.Topic, Key: []byte("a"), Value: []byte("0")},
-			{Topic: h.Topic, Key: []byte("a"), Value: []byte("1")},
-			{Topic: h.Topic, Key: []byte("b"), Value: []byte("2")},
-			{Topic: h.Topic, Key: []byte("a"), Value: []byte("3")},
-		}
-		if err := cl.ProduceSync(context.Background(), recs...).FirstErr(); err != nil {
-			t.Fatal(err)
-		}
+		produceKeys(h, "a", "a", "b", "a")
 		waitApplied(h, 0, 1, 30*time.Second) // "b"; "a"'s wait behind offset 0, in a tier
 		pause(h, 0)
 		time.Sleep(1500 * time.Millisecond) // the control loop reads it
@@ -406,16 +413,7 @@ func TestRewindOverRecordsStillHeld(t *testing.T) {
 		}))
 		cfg.OnDeadLetter = processor.OnDeadLetterBlock
 		h.Start(cfg)
-		cl := h.K.Client(h.T, kgo.RecordPartitioner(kgo.ManualPartitioner()))
-		recs := []*kgo.Record{
-			{Topic: h.Topic, Key: []byte("a"), Value: []byte("0")},
-			{Topic: h.Topic, Key: []byte("a"), Value: []byte("1")},
-			{Topic: h.Topic, Key: []byte("b"), Value: []byte("2")},
-			{Topic: h.Topic, Key: []byte("a"), Value: []byte("3")},
-		}
-		if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
-			t.Fatal(err)
-		}
+		produceKeys(h, "a", "a", "b", "a")
 		heldOffsets := func() []int64 {
 			rows, _ := h.Pool.Query(ctx, `SELECT "offset" FROM kafkapg.held_records WHERE consumer_group = $1 ORDER BY "offset"`, h.Group)
 			out, err := pgx.CollectRows(rows, pgx.RowTo[int64])
