@@ -30,7 +30,7 @@ func TestDocsTellPositions(t *testing.T) {
 		"a rewind applies again **every record between**",
 		"is **skipped as a duplicate**, not applied again",
 		"kafkapg has no command to forget keys",
-		fmt.Sprintf("it reads the records of the range (at most %s a partition)", fmt.Sprintf("%d,%03d", ops.KeyCheckRecords/1000, ops.KeyCheckRecords%1000)),
+		fmt.Sprintf("it reads the records of the range (at most %s and %s in all, over the partitions)", fmt.Sprintf("%d,%03d", ops.KeyCheckRecords/1000, ops.KeyCheckRecords%1000), fmt.Sprintf("%d MiB", ops.KeyCheckBytes>>20)),
 		"`positions [--json]`",
 		"`positions pause --topic T [--partition N] [--execute --reason R]`",
 		"`positions set --topic T [--partition N] (--offset N \\| --time T \\| --start \\| --end) [--execute --reason R]`",

@@ -323,3 +323,43 @@ func TestRewindDryRunChecksIdempotencyKeys(t *testing.T) {
 		t.Errorf("without a key function: %+v, %v", moves, err)
 	}
 }
+
+// TestRewindDryRunReadsABoundedWhole: a rewind's dry run over every partition of a topic reads at
+// most ops.KeyCheckRecords records in all, not that many per partition: with two partitions of
+// 6,000 records each, the first is checked and the second says the dry run's reads are spent.
+func TestRewindDryRunReadsABoundedWhole(t *testing.T) {
+	k := testenv.NewKfake(t)
+	e := newKeysEnv(t)
+	ctx := context.Background()
+	topic := k.CreateTopic(t, 2)
+	const each = 6_000 // two of them: more than KeyCheckRecords
+	if 2*each <= ops.KeyCheckRecords || each > ops.KeyCheckRecords {
+		t.Fatalf("the test needs %d records a partition to be under KeyCheckRecords (%d), twice over it", each, ops.KeyCheckRecords)
+	}
+	var recs []*kgo.Record
+	for p := range int32(2) {
+		for i := range each {
+			recs = append(recs, &kgo.Record{Topic: topic, Partition: p, Key: []byte(fmt.Sprint("k", i)), Value: []byte("v")})
+		}
+	}
+	if err := k.Client(t, kgo.RecordPartitioner(kgo.ManualPartitioner())).ProduceSync(ctx, recs...).FirstErr(); err != nil {
+		t.Fatal(err)
+	}
+	e.position(topic, 0, each)
+	e.position(topic, 1, each)
+	byKey := func(r *kgo.Record) ([]byte, error) { return r.Key, nil }
+	o := e.ops.WithTopics(topic).WithIdempotencyKeys(ops.IdempotencyKeys{Ring: keyring.New("kafkapg"), Of: func(string) func(*kgo.Record) ([]byte, error) { return byKey }})
+	moves, err := o.SetPositions(ctx, k.Client(t), ops.PositionPlan{Topic: topic, Partition: ops.AllPartitions, Target: ops.Target{Start: true}}, false, ops.Actor{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(moves) != 2 {
+		t.Fatalf("moves %+v", moves)
+	}
+	if m := moves[0]; m.KeySkipped == nil || !strings.HasPrefix(m.KeyCheck, fmt.Sprintf("0 of the %d records read", each)) {
+		t.Errorf("partition 0: %q (%v)", m.KeyCheck, m.KeySkipped)
+	}
+	if m := moves[1]; m.KeySkipped != nil || !strings.Contains(m.KeyCheck, fmt.Sprintf("more than the %d a dry run still reads", ops.KeyCheckRecords-each)) {
+		t.Errorf("partition 1: %q (%v): want the dry run's reads spent", m.KeyCheck, m.KeySkipped)
+	}
+}

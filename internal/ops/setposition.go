@@ -173,8 +173,9 @@ func (o *Ops) SetPositions(ctx context.Context, kc *kgo.Client, plan PositionPla
 		}
 	}
 	if !execute {
+		budget := keyBudget{records: KeyCheckRecords, bytes: KeyCheckBytes} // for the whole dry run
 		for i := range moves {
-			o.checkKeys(ctx, kc, &moves[i])
+			o.checkKeys(ctx, kc, &moves[i], &budget)
 		}
 		return moves, nil
 	}
@@ -272,15 +273,19 @@ func (o *Ops) WithIdempotencyKeys(k IdempotencyKeys) *Ops {
 	return &c
 }
 
-// Bounds of what a rewind's dry run reads to check idempotency keys, per partition.
+// Bounds of what a rewind's dry run reads to check idempotency keys, over all its partitions: a
+// dry run of a topic of a hundred partitions reads no more than one of a single partition.
 const (
 	KeyCheckRecords = 10_000
-	keyCheckBytes   = 32 << 20 // of record values
+	KeyCheckBytes   = 32 << 20 // of record values
 )
+
+// keyBudget is what a dry run may still read to check idempotency keys.
+type keyBudget struct{ records, bytes int }
 
 // checkKeys fills in m.KeyCheck and m.KeySkipped for a rewind: which of the records it applies
 // again would be skipped as duplicates, their idempotency key still in the ring.
-func (o *Ops) checkKeys(ctx context.Context, kc *kgo.Client, m *PositionMove) {
+func (o *Ops) checkKeys(ctx context.Context, kc *kgo.Client, m *PositionMove, budget *keyBudget) {
 	if m.From == nil || m.To >= *m.From {
 		return
 	}
@@ -294,15 +299,16 @@ func (o *Ops) checkKeys(ctx context.Context, kc *kgo.Client, m *PositionMove) {
 			"if it has one, records of the range whose key is still in the key ring will be skipped as duplicates"
 		return
 	}
-	if m.Reapplied > KeyCheckRecords {
-		m.KeyCheck = fmt.Sprintf("not checked: %d records, more than the %d a dry run reads; those whose idempotency key is still in the key ring will be skipped as duplicates",
-			m.Reapplied, KeyCheckRecords)
+	if m.Reapplied > int64(budget.records) || budget.bytes <= 0 {
+		m.KeyCheck = fmt.Sprintf("not checked: %d records, more than the %d a dry run still reads (%d in all, over its partitions); those whose idempotency key is still in the key ring will be skipped as duplicates",
+			m.Reapplied, budget.records, KeyCheckRecords)
 		return
 	}
 	var hashes [][32]byte
 	read, unkeyed := 0, 0
-	notes := scanRanges(ctx, kc, m.Topic, map[int32][2]int64{m.Partition: {m.To, *m.From}}, keyCheckBytes, func(r *kgo.Record) {
+	notes := scanRanges(ctx, kc, m.Topic, map[int32][2]int64{m.Partition: {m.To, *m.From}}, budget.bytes, func(r *kgo.Record) {
 		read++
+		budget.bytes -= len(r.Value)
 		k, err := keyOf(r)
 		if err != nil || k == nil {
 			unkeyed++
@@ -310,6 +316,7 @@ func (o *Ops) checkKeys(ctx context.Context, kc *kgo.Client, m *PositionMove) {
 		}
 		hashes = append(hashes, keyring.Hash(o.group, m.Topic, k))
 	})
+	budget.records -= read
 	if len(notes) > 0 {
 		m.KeyCheck = "not checked: " + strings.Join(notes, "; ")
 		return
