@@ -76,23 +76,30 @@ func retryOp(ctx context.Context, op func() error) error {
 }
 
 // partitionState is what must not change while partition p (or all, with ops.AllPartitions) is
-// paused: the positions of stage 1's group in it and its retry tiers, and how many of its events
-// are applied.
-func (s *suite) partitionState(ctx context.Context, p int32) (string, error) {
-	var ids []string
-	s.mu.Lock()
-	for i, pl := range s.placed {
-		if pl.offset >= 0 && (p == ops.AllPartitions || pl.partition == p) {
-			ids = append(ids, s.eventIDs[i])
-		}
-	}
-	s.mu.Unlock()
+// paused: the positions of stage 1's group in it and its retry tiers, and how many of ids (its
+// events) are applied. The ids are the same for both reads: an event is placed when its produce
+// is acknowledged, which can be after it was applied, so the events known at the second read may
+// include some applied before the pause.
+func (s *suite) partitionState(ctx context.Context, p int32, ids []string) (string, error) {
 	var positions string
 	var applied int
 	err := s.pool.QueryRow(ctx, `SELECT coalesce((SELECT string_agg(topic || '/' || partition || '@' || coalesce(next_offset, -1), ' ' ORDER BY topic, partition)
 			FROM offsets WHERE consumer_group = $1 AND ($2 < 0 OR partition = $2)), ''),
 		(SELECT count(*) FROM ledger_entries WHERE event_id = ANY($3))`, s.group, p, ids).Scan(&positions, &applied)
 	return fmt.Sprintf("%d applied; positions %s", applied, positions), err
+}
+
+// placedIn returns the ids of the events known to be in partition p (or all) so far.
+func (s *suite) placedIn(p int32) []string {
+	var ids []string
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, pl := range s.placed {
+		if pl.offset >= 0 && (p == ops.AllPartitions || pl.partition == p) {
+			ids = append(ids, s.eventIDs[i])
+		}
+	}
+	return ids
 }
 
 func (s *suite) positionPause(ctx context.Context) error {
@@ -107,14 +114,15 @@ func (s *suite) positionPause(ctx context.Context) error {
 	}); err != nil {
 		return fmt.Errorf("pause %s/%d: %w", s.topic, p, err)
 	}
-	before, err := s.partitionState(ctx, p)
+	ids := s.placedIn(p)
+	before, err := s.partitionState(ctx, p, ids)
 	if err != nil {
 		return err
 	}
 	if err := sleep(ctx, time.Duration(1000+s.rng.IntN(2000))*time.Millisecond); err != nil {
 		return err
 	}
-	after, err := s.partitionState(ctx, p)
+	after, err := s.partitionState(ctx, p, ids)
 	if err != nil {
 		return err
 	}
