@@ -289,7 +289,14 @@ func (d *heldApplier) applyBundle(keys []retrytopics.Key) (more []retrytopics.Ke
 	var recs []*Record
 	err = d.transact(func(ctx context.Context, tx pgx.Tx) error {
 		recs, more = recs[:0], more[:0]
-		held, err := d.p.retry.TakeHeldKeys(ctx, tx, keys, perKey, d.pageBytes()/len(keys))
+		// A pause holds the keys of its partitions back, decided here under the partition's
+		// lock as applyHeld decides it (the skip of paused keys before the transaction reads the
+		// control loop's view, up to a control interval old).
+		live, err := d.unpaused(ctx, tx, keys)
+		if err != nil || len(live) == 0 {
+			return own(err)
+		}
+		held, err := d.p.retry.TakeHeldKeys(ctx, tx, live, perKey, d.pageBytes()/len(keys))
 		if err != nil {
 			return own(err)
 		}
@@ -298,7 +305,7 @@ func (d *heldApplier) applyBundle(keys []retrytopics.Key) (more []retrytopics.Ke
 				recs = append(recs, d.heldRecord(r))
 			}
 			if len(h) > 0 {
-				more = append(more, keys[i]) // until a transaction finds none
+				more = append(more, live[i]) // until a transaction finds none
 			}
 		}
 		if len(recs) == 0 {
@@ -314,7 +321,7 @@ func (d *heldApplier) applyBundle(keys []retrytopics.Key) (more []retrytopics.Ke
 			return err // retried here if Postgres failed (see Processor.inPlace)
 		}
 		markDuplicates(held, recs)
-		return own(d.p.retry.AppliedHeldKeys(ctx, tx, keys, held))
+		return own(d.p.retry.AppliedHeldKeys(ctx, tx, live, held))
 	}, topic)
 	var herr *sink.HandlerError
 	if errors.Is(err, retrytopics.ErrStale) || (errors.As(err, &herr) && !errors.Is(err, errStopped)) {
@@ -325,6 +332,27 @@ func (d *heldApplier) applyBundle(keys []retrytopics.Key) (more []retrytopics.Ke
 	}
 	d.applied(topic, recs)
 	return more, len(recs) > 0, nil
+}
+
+// unpaused returns the keys of keys whose source partition no pause covers, each partition
+// checked once with Store.PausedLocked in tx.
+func (d *heldApplier) unpaused(ctx context.Context, tx pgx.Tx, keys []retrytopics.Key) ([]retrytopics.Key, error) {
+	paused := map[int32]bool{}
+	live := make([]retrytopics.Key, 0, len(keys))
+	for _, k := range keys {
+		p, ok := paused[k.Partition]
+		if !ok {
+			var err error
+			if p, err = d.p.store.PausedLocked(ctx, tx, k.Topic, k.Partition); err != nil {
+				return nil, err
+			}
+			paused[k.Partition] = p
+		}
+		if !p {
+			live = append(live, k)
+		}
+	}
+	return live, nil
 }
 
 // applyKey applies the records held behind k in order, until none is left, the key is held
