@@ -93,9 +93,15 @@ func waitThenRecover(t *testing.T, pool *pgxpool.Pool, k *testenv.Kafka, dbURL, 
 	if code, _, err := get("http://" + svc.httpAddr + "/healthz"); err != nil || code != http.StatusOK {
 		t.Fatalf("/healthz = %d, %v; want 200 while waiting", code, err)
 	}
-	if !strings.Contains(svc.logs.String(), logLine) {
-		t.Errorf("no log line %q; logs:\n%s", logLine, svc.logs.String())
-	}
+	// The first failed attempt is logged when it ends: a client's retries against a refusing
+	// broker take seconds on a loaded machine (CI: over 3 s), so wait for it, as for /readyz.
+	testenv.Eventually(t, 20*time.Second, func() error {
+		if !strings.Contains(svc.logs.String(), logLine) {
+			return fmt.Errorf("no log line %q; logs:\n%s", logLine, svc.logs.String())
+		}
+		return nil
+	})
+	svc.waitNotReady(readyzWaiting)
 
 	if got := svc.metric("kafkapg_ready"); got != 0 {
 		t.Errorf("kafkapg_ready = %v while waiting, want 0", got)
