@@ -137,7 +137,7 @@ func VerifyChain(ctx context.Context, db Querier, items []Item, maxAttempt int) 
 
 // VerifyChainWith is VerifyChain with options. Recovered events (dead-lettered, then applied by
 // a replay, which emitted their postings) must be posted exactly once too, and are left out of
-// the order check; ExternalFailures has no bearing on stage 2, which records no attempts.
+// the order check, as are Unordered ones; ExternalFailures has no bearing on stage 2, which records no attempts.
 func VerifyChainWith(ctx context.Context, db Querier, items []Item, maxAttempt int, opts VerifyOptions) (posted int, err error) {
 	want := map[string]bool{}
 	for _, it := range items {
@@ -183,8 +183,8 @@ func VerifyChainWith(ctx context.Context, db Querier, items []Item, maxAttempt i
 		if !want[r.ID] {
 			unexpected("posting %s: its event must not be applied", r.ID)
 		}
-		if opts.Recovered[r.ID] {
-			continue // posted when it was replayed, after its account's later events
+		if opts.Recovered[r.ID] || opts.Unordered[r.ID] {
+			continue // posted when it was replayed or rewound over, after its account's later events
 		}
 		if r.Seq < last[r.Account] {
 			order("account %s: posting of seq %d applied after seq %d", r.Account, r.Seq, last[r.Account])

@@ -59,7 +59,7 @@ func (s *suite) verifyChain(ctx context.Context, items []ledger.Item, recovered 
 	}
 	rep.published = published
 	var errs []error
-	rep.posted, err = ledger.VerifyChainWith(ctx, s.pool, items, maxAttempt, ledger.VerifyOptions{Recovered: recovered})
+	rep.posted, err = ledger.VerifyChainWith(ctx, s.pool, items, maxAttempt, ledger.VerifyOptions{Recovered: recovered, Unordered: s.unordered})
 	if err != nil {
 		errs = append(errs, fmt.Errorf("ledger_postings (stage 2):\n%w", err))
 	}

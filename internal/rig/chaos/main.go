@@ -253,10 +253,10 @@ func run(ctx context.Context, c config) (err error) {
 	}
 	if c.positions {
 		var n int
-		if items, n, err = s.skippedItems(ctx, items); err != nil {
+		if items, n, s.unordered, err = s.skippedItems(ctx, items); err != nil {
 			return err
 		}
-		s.count(func(st *stats) { st.skippedEvents = int64(n) })
+		s.count(func(st *stats) { st.skippedEvents, st.lateEvents = int64(n), int64(len(s.unordered)) })
 		defer func() {
 			// What the rewinds read again that stage 1 had applied: skipped by key (there are no
 			// copies to skip otherwise), in skipped_duplicates for trace.

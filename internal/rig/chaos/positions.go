@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -34,7 +35,9 @@ import (
 //
 // skippedItems replays position_changes to tell, per partition, which records the group passed
 // (from each change's to_offset to the next one's from_offset, and from the last on); the others
-// were skipped, and the verification expects nothing of them.
+// were skipped, and the verification expects nothing of them. A record skipped and then passed by
+// a later rewind is applied by it, after its account's later events: the order check leaves it
+// out (ledger.VerifyOptions.Unordered).
 
 // placement is where an item was produced.
 type placement struct {
@@ -282,12 +285,15 @@ func (s *suite) setPosition(ctx context.Context, p int32, to int64) error {
 }
 
 // skippedItems returns items without those the group never passed (position_changes says so), and
-// how many it left out.
-func (s *suite) skippedItems(ctx context.Context, items []ledger.Item) ([]ledger.Item, int, error) {
+// how many it left out; and the ids of those it passed only after a change had jumped past them
+// (a skip, then a rewind back over the skipped records): the rewind applied them after their
+// accounts' later events, which the group had gone on with, so they are out of order by the
+// operator's doing.
+func (s *suite) skippedItems(ctx context.Context, items []ledger.Item) (kept []ledger.Item, skipped int, late map[string]bool, err error) {
 	rows, err := s.pool.Query(ctx, `SELECT partition, from_offset, to_offset FROM position_changes
 		WHERE consumer_group = $1 AND topic = $2 ORDER BY id`, s.group, s.topic)
 	if err != nil {
-		return nil, 0, fmt.Errorf("read position_changes: %w", err)
+		return nil, 0, nil, fmt.Errorf("read position_changes: %w", err)
 	}
 	type change struct {
 		Partition int32
@@ -296,40 +302,68 @@ func (s *suite) skippedItems(ctx context.Context, items []ledger.Item) ([]ledger
 	}
 	changes, err := pgx.CollectRows(rows, pgx.RowToStructByPos[change])
 	if err != nil {
-		return nil, 0, fmt.Errorf("read position_changes: %w", err)
+		return nil, 0, nil, fmt.Errorf("read position_changes: %w", err)
 	}
-	// passed[p] are the ranges [from, to) of partition p the group passed; the last one open.
-	type span struct{ from, to int64 }
-	passed := map[int32][]span{}
+	// history[p] is what the group did in partition p, in order: it passed the ranges [from, to)
+	// (the last one open), and each change that moved forward jumped over [from, to).
+	type step struct {
+		from, to int64
+		jump     bool
+	}
+	history := map[int32][]step{}
 	at := map[int32]int64{} // where the group went on from after the last change (0: the start)
 	for _, c := range changes {
-		if c.From != nil && *c.From > at[c.Partition] {
-			passed[c.Partition] = append(passed[c.Partition], span{at[c.Partition], *c.From})
+		from := int64(0) // no position yet: the group had passed nothing
+		if c.From != nil {
+			from = *c.From
+		}
+		if from > at[c.Partition] {
+			history[c.Partition] = append(history[c.Partition], step{from: at[c.Partition], to: from})
+		}
+		if c.To > from {
+			history[c.Partition] = append(history[c.Partition], step{from: from, to: c.To, jump: true})
 		}
 		at[c.Partition] = c.To
 	}
-	was := func(pl placement) bool {
-		if pl.offset >= at[pl.partition] {
-			return true
+	for p, o := range at {
+		history[p] = append(history[p], step{from: o, to: math.MaxInt64})
+	}
+	// passed says whether the group passed pl, and whether a change had jumped over it before.
+	passed := func(pl placement) (was, after bool) {
+		h, ok := history[pl.partition]
+		if !ok {
+			return true, false // no change in its partition
 		}
-		for _, sp := range passed[pl.partition] {
-			if pl.offset >= sp.from && pl.offset < sp.to {
-				return true
+		jumped := false
+		for _, st := range h {
+			if pl.offset < st.from || pl.offset >= st.to {
+				continue
 			}
+			if st.jump {
+				jumped = true
+				continue
+			}
+			return true, jumped
 		}
-		return false
+		return false, false
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	out := make([]ledger.Item, 0, len(items))
+	kept = make([]ledger.Item, 0, len(items))
+	late = map[string]bool{}
 	for i, it := range items {
 		pl := s.placed[i]
 		if pl.offset < 0 {
-			return nil, 0, fmt.Errorf("item %d (%s) has no offset: not produced?", i, it.Event.EventID)
+			return nil, 0, nil, fmt.Errorf("item %d (%s) has no offset: not produced?", i, it.Event.EventID)
 		}
-		if was(pl) {
-			out = append(out, it)
+		was, after := passed(pl)
+		if !was {
+			continue
+		}
+		kept = append(kept, it)
+		if after {
+			late[it.Event.EventID] = true
 		}
 	}
-	return out, len(items) - len(out), nil
+	return kept, len(items) - len(kept), late, nil
 }

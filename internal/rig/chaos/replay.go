@@ -190,7 +190,7 @@ func (s *suite) replay(ctx context.Context, items []ledger.Item) (replayReport, 
 	s.bg.Wait() // their recovery measurements
 
 	var errs []error
-	if _, err := ledger.VerifyWith(ctx, s.pool, items, maxAttempt, ledger.VerifyOptions{Recovered: recovered}); err != nil {
+	if _, err := ledger.VerifyWith(ctx, s.pool, items, maxAttempt, ledger.VerifyOptions{Recovered: recovered, Unordered: s.unordered}); err != nil {
 		errs = append(errs, fmt.Errorf("ledger after the replay:\n%w", err))
 	}
 	// One row per dead letter still, each queued exactly once, replayed or back to new as
