@@ -10,7 +10,10 @@
 # Otherwise this script initdb's a cluster in a temp dir, starts it on a free TCP port
 # on 127.0.0.1 (unix socket in the temp dir), creates database `kafkapg`, sets
 #
-#   VAR=postgres://postgres@127.0.0.1:PORT/kafkapg?sslmode=disable
+#   VAR=postgres://postgres:PASSWORD@127.0.0.1:PORT/kafkapg?sslmode=disable
+#
+# PASSWORD is random, made for this cluster: every connection must give it (scram-sha-256),
+# so no other local user logs in as its superuser while CMD runs.
 #
 # runs CMD, then stops the server and removes the temp dir (also on Ctrl-C/TERM) and
 # exits with CMD's exit status.
@@ -182,7 +185,12 @@ show_log() {
 }
 
 # ---- initdb -------------------------------------------------------------------------
-if ! as_server_user "$BIN/initdb" -D "$PGDATA_DIR" -A trust -U postgres --no-sync \
+# A password of the cluster's own: with trust, any local user would be its superuser (and run
+# commands as the server's user: COPY ... FROM PROGRAM).
+PASSWORD="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
+(umask 077 && printf '%s\n' "$PASSWORD" >"$PGTMP/pwfile")
+[[ -z "$AS_USER" ]] || chown "$AS_USER:" "$PGTMP/pwfile"
+if ! as_server_user "$BIN/initdb" -D "$PGDATA_DIR" -A scram-sha-256 --pwfile="$PGTMP/pwfile" -U postgres --no-sync \
 	-E UTF8 --locale=C >"$PGTMP/initdb.log" 2>&1; then
 	show_log "$PGTMP/initdb.log"
 	die "initdb failed"
@@ -244,12 +252,12 @@ if [[ "$ready" -ne 1 ]]; then
 	die "PostgreSQL on 127.0.0.1:$PORT not ready after ${START_TIMEOUT}s"
 fi
 
-if ! "$BIN/createdb" -h 127.0.0.1 -p "$PORT" -U postgres kafkapg >"$PGTMP/createdb.log" 2>&1; then
+if ! PGPASSWORD="$PASSWORD" "$BIN/createdb" -h 127.0.0.1 -p "$PORT" -U postgres kafkapg >"$PGTMP/createdb.log" 2>&1; then
 	show_log "$PGTMP/createdb.log" "$PGLOG"
 	die "createdb kafkapg failed"
 fi
 
-URL="postgres://postgres@127.0.0.1:$PORT/kafkapg?sslmode=disable"
+URL="postgres://postgres:$PASSWORD@127.0.0.1:$PORT/kafkapg?sslmode=disable"
 export "$VAR=$URL"
 version="$("$BIN/postgres" --version 2>/dev/null | awk '{print $3}')"
 say "throwaway PostgreSQL ${version:-?} at 127.0.0.1:$PORT (data $PGDATA_DIR, fsync=$PG_FSYNC${AS_USER:+, run as $AS_USER}); $VAR=$URL"

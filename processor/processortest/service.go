@@ -2,6 +2,8 @@ package processortest
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"fmt"
 	"os"
 	"strings"
@@ -23,7 +25,8 @@ import (
 // database is on the server at TEST_DATABASE_URL (a URL whose user may CREATE DATABASE) if that
 // is set; otherwise on a throwaway server that the test binary starts once, from the PostgreSQL
 // server binaries (initdb and postgres, found through pg_config, /usr/lib/postgresql/*/bin or
-// PATH; nothing needs to be running), on a free port of 127.0.0.1, and that stops, its files
+// PATH; nothing needs to be running), on a free port of 127.0.0.1 with a random password (no other
+// local user may log in), and that stops, its files
 // removed, when the test binary exits. So `go test ./...` runs handler tests with no setup on a
 // machine that has the binaries (apt-get install postgresql, brew install postgresql@16).
 func DB(t testing.TB) *pgxpool.Pool {
@@ -43,7 +46,12 @@ func DB(t testing.TB) *pgxpool.Pool {
 var throwaway = sync.OnceValues(func() (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	s, err := pgcluster.Start(ctx, pgcluster.Options{})
+	// A password of its own: without one, any local user would be its superuser while it runs.
+	pw := make([]byte, 16)
+	if _, err := rand.Read(pw); err != nil {
+		return "", err
+	}
+	s, err := pgcluster.Start(ctx, pgcluster.Options{Password: hex.EncodeToString(pw)})
 	if err == nil {
 		err = s.CloseWhenProcessExits()
 	}

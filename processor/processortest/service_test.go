@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"reflect"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -118,13 +120,25 @@ func TestServiceRunsWhatTheServiceWould(t *testing.T) {
 }
 
 // TestDBWithoutTestDatabaseURL: with TEST_DATABASE_URL unset, DB starts a throwaway server
-// from the PostgreSQL binaries and gives each test a database of its own.
+// from the PostgreSQL binaries and gives each test a database of its own. The server asks for a
+// password: another local user may not log in as its superuser while the tests run.
 func TestDBWithoutTestDatabaseURL(t *testing.T) {
 	t.Setenv("TEST_DATABASE_URL", "")
 	a := processortest.DB(t)
 	var name, port string
 	if err := a.QueryRow(context.Background(), `SELECT current_database(), current_setting('port')`).Scan(&name, &port); err != nil {
 		t.Fatal(err)
+	}
+	cc := a.Config().ConnConfig
+	if cc.Password == "" {
+		t.Errorf("DB's pool connects without a password")
+	}
+	anyone := fmt.Sprintf("postgres://postgres@%s/postgres?sslmode=disable&connect_timeout=5", net.JoinHostPort(cc.Host, strconv.Itoa(int(cc.Port))))
+	if conn, err := pgx.Connect(context.Background(), anyone); err == nil {
+		conn.Close(context.Background())
+		t.Errorf("another local user logged in to the throwaway server as postgres without a password")
+	} else if !strings.Contains(err.Error(), "password") {
+		t.Errorf("a login without a password failed, but not for the want of one: %v", err)
 	}
 	t.Run("another test", func(t *testing.T) {
 		b := processortest.DB(t)
