@@ -4,6 +4,7 @@
 # /apis/ccompat/v7 API is the Confluent Schema Registry's (see ../shared/notes/schema-registry.md).
 #
 # Usage: scripts/schema-registry.sh start|stop|status|restart|fetch|url|log
+#        scripts/schema-registry.sh with VAR CMD [ARG...]
 #
 #   start    fetch the registry (cached), start it in the background and wait until it answers.
 #            Prints its Confluent-compatible URL (for SCHEMA_REGISTRY_URL).
@@ -13,6 +14,9 @@
 #   fetch    only download it into the cache.
 #   url      print the Confluent-compatible URL.
 #   log      print the last 100 lines of its log.
+#   with     run CMD with VAR set to the URL of a registry of its own (a free port, a temp
+#            directory), stopped afterwards; if VAR is already set, CMD runs against that one.
+#            `make test` runs the tests so: scripts/schema-registry.sh with TEST_SCHEMA_REGISTRY_URL go test ...
 #
 # Environment (all optional):
 #   KAFKAPG_CACHE          cache root                   (default $HOME/.cache/kafkapg)
@@ -134,6 +138,35 @@ stop() {
 	echo "schema-registry.sh: registry (pid $pid) stopped" >&2
 }
 
+# with VAR CMD...: see the usage above.
+with() {
+	local var="${1:-}"
+	shift || true
+	[[ -n "$var" && $# -gt 0 ]] || die "usage: $0 with VAR CMD [ARG...]"
+	if [[ -n "${!var:-}" ]]; then
+		exec "$@"
+	fi
+	local p
+	for _ in $(seq 1 50); do
+		p=$((20000 + RANDOM % 20000))
+		if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+			break
+		fi
+	done
+	PORT="$p"
+	URL="http://127.0.0.1:$PORT/apis/ccompat/v7"
+	STATE_DIR="$(mktemp -d)"
+	PID_FILE="$STATE_DIR/registry.pid"
+	LOG_FILE="$STATE_DIR/registry.log"
+	trap 'stop; rm -rf "$STATE_DIR"' EXIT
+	trap 'exit 130' INT TERM
+	start >/dev/null
+	export "$var=$URL"
+	local rc=0
+	"$@" || rc=$?
+	exit "$rc"
+}
+
 case "${1:-}" in
 start) start ;;
 stop) stop ;;
@@ -142,5 +175,6 @@ restart) stop; start ;;
 fetch) fetch ;;
 url) echo "$URL" ;;
 log) tail -100 "$LOG_FILE" ;;
-*) die "usage: $0 start|stop|status|restart|fetch|url|log" ;;
+with) shift; with "$@" ;;
+*) die "usage: $0 start|stop|status|restart|fetch|url|log, or $0 with VAR CMD [ARG...]" ;;
 esac

@@ -1,0 +1,443 @@
+package registry_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hamba/avro/v2"
+	"github.com/twmb/franz-go/pkg/sr"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/kafkapg/kafkapg/internal/rig/testenv"
+	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/processor/registry"
+)
+
+// The tests run against a real registry (testenv.SchemaRegistry: Apicurio's Confluent-compatible
+// API). A registryProxy in front of it plays the network and the registry's outages; what it
+// forwards, the registry answers.
+
+// proxyMode is how a registryProxy answers.
+type proxyMode int32
+
+const (
+	forward     proxyMode = iota // to the registry
+	unavailable                  // 503, as a registry that is restarting
+	unauthorized                 // 401, as a registry whose credentials were rotated
+	hang                         // no answer until the client gives up
+	hangUp                       // the connection closed without an answer
+)
+
+type registryProxy struct {
+	*httptest.Server
+	mode     atomic.Int32
+	byID     atomic.Int64 // requests for a schema by id that reached the registry
+	released chan struct{}
+}
+
+func newProxy(t *testing.T) *registryProxy {
+	t.Helper()
+	target, err := url.Parse(testenv.SchemaRegistry(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rp := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: target.Scheme, Host: target.Host})
+	p := &registryProxy{released: make(chan struct{})}
+	p.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch proxyMode(p.mode.Load()) {
+		case unavailable:
+			http.Error(w, `{"error_code":50301,"message":"the registry is restarting"}`, http.StatusServiceUnavailable)
+			return
+		case unauthorized:
+			http.Error(w, `{"error_code":40101,"message":"unauthorized"}`, http.StatusUnauthorized)
+			return
+		case hang:
+			select {
+			case <-r.Context().Done():
+			case <-p.released:
+			}
+			return
+		case hangUp:
+			conn, _, err := w.(http.Hijacker).Hijack()
+			if err == nil {
+				conn.Close()
+			}
+			return
+		}
+		if strings.Contains(r.URL.Path, "/schemas/ids/") {
+			p.byID.Add(1)
+		}
+		rp.ServeHTTP(w, r)
+	}))
+	t.Cleanup(func() {
+		close(p.released)
+		p.Close()
+	})
+	return p
+}
+
+// url is the proxy's URL with the registry's path.
+func (p *registryProxy) url(t *testing.T) string {
+	u, _ := url.Parse(testenv.SchemaRegistry(t))
+	return p.URL + u.Path
+}
+
+func newRegistry(t *testing.T, urls ...string) *registry.Registry {
+	t.Helper()
+	r, err := registry.New(registry.Config{URLs: urls, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// register registers schema under the test's own subject (suffix tells its schemas apart) and
+// returns its id.
+func register(t *testing.T, r *registry.Registry, suffix string, s sr.Schema) int {
+	t.Helper()
+	ss, err := r.Client().CreateSchema(context.Background(), testenv.Name(t, 60)+"-"+suffix, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ss.ID
+}
+
+// wire is payload in the wire format under schema id (and, for Protobuf, message indexes).
+func wire(t *testing.T, id int, index []int, payload []byte) []byte {
+	t.Helper()
+	var h sr.ConfluentHeader
+	b, err := h.AppendEncode(nil, id, index)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return append(b, payload...)
+}
+
+// decodeError returns err as a *processor.DecodeError, failing the test if it is none.
+func decodeError(t *testing.T, err error) *processor.DecodeError {
+	t.Helper()
+	var de *processor.DecodeError
+	if !errors.As(err, &de) {
+		t.Fatalf("error %v (%T) is not a *processor.DecodeError", err, err)
+	}
+	return de
+}
+
+const orderV1 = `{"type": "record", "name": "Order", "namespace": "shop", "fields": [
+	{"name": "id", "type": "string"},
+	{"name": "amount", "type": "long"}]}`
+
+// orderV2 adds a field with a default: a compatible evolution, both ways.
+const orderV2 = `{"type": "record", "name": "Order", "namespace": "shop", "fields": [
+	{"name": "id", "type": "string"},
+	{"name": "amount", "type": "long"},
+	{"name": "note", "type": "string", "default": "none"}]}`
+
+// orderBad changes amount's type: v1's readers cannot read it.
+const orderBad = `{"type": "record", "name": "Order", "namespace": "shop", "fields": [
+	{"name": "id", "type": "string"},
+	{"name": "amount", "type": "string"}]}`
+
+type order struct {
+	ID     string `avro:"id"`
+	Amount int64  `avro:"amount"`
+}
+
+type orderWithNote struct {
+	ID     string `avro:"id"`
+	Amount int64  `avro:"amount"`
+	Note   string `avro:"note"`
+}
+
+func avroWire(t *testing.T, id int, schema string, v any) []byte {
+	t.Helper()
+	b, err := avro.Marshal(avro.MustParse(schema), v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return wire(t, id, nil, b)
+}
+
+// TestAvroReadsEvolvedSchemas: a record written with the handler's schema, a newer one (a field
+// added with a default) and an older one decode into the handler's type, by Avro's resolution
+// rules; a writer schema the reader cannot read (a field's type changed) fails as permanent,
+// naming the schema.
+func TestAvroReadsEvolvedSchemas(t *testing.T) {
+	ctx := context.Background()
+	r := newRegistry(t, testenv.SchemaRegistry(t))
+	v1 := register(t, r, "value", sr.Schema{Schema: orderV1})
+	v2 := register(t, r, "value", sr.Schema{Schema: orderV2})
+	bad := register(t, r, "bad", sr.Schema{Schema: orderBad})
+
+	readV1, err := registry.Avro[order](r, orderV1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		data []byte
+	}{
+		{"same schema", avroWire(t, v1, orderV1, order{"o-1", 42})},
+		{"newer writer", avroWire(t, v2, orderV2, orderWithNote{"o-1", 42, "gift"})},
+	} {
+		got, err := readV1.Decode(ctx, tc.data)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if got != (order{"o-1", 42}) {
+			t.Errorf("%s: decoded %#v", tc.name, got)
+		}
+	}
+	readV2, err := registry.Avro[orderWithNote](r, orderV2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := readV2.Decode(ctx, avroWire(t, v1, orderV1, order{"o-2", 7}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got != (orderWithNote{"o-2", 7, "none"}) {
+		t.Errorf("older writer: decoded %#v, want the added field's default", got)
+	}
+
+	_, err = readV1.Decode(ctx, avroWire(t, bad, orderBad, map[string]any{"id": "o-3", "amount": "lots"}))
+	de := decodeError(t, err)
+	if de.Infrastructure || de.SchemaID != bad || !strings.Contains(err.Error(), "shop.Order") || !strings.Contains(err.Error(), "cannot be read as the handler's") {
+		t.Errorf("incompatible writer: %v (infrastructure %v, schema id %d)", err, de.Infrastructure, de.SchemaID)
+	}
+
+	generic := registry.AvroGeneric(r)
+	m, err := generic.Decode(ctx, avroWire(t, v2, orderV2, orderWithNote{"o-4", 1, "x"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if mm, ok := m.(map[string]any); !ok || mm["id"] != "o-4" || mm["note"] != "x" {
+		t.Errorf("generic: decoded %#v", m)
+	}
+}
+
+// TestTheRecordsFaultsArePermanent: bytes not in the wire format, a schema id the registry does
+// not have, bytes that do not decode with their schema, and a schema of another format each fail
+// as permanent, saying which.
+func TestTheRecordsFaultsArePermanent(t *testing.T) {
+	ctx := context.Background()
+	r := newRegistry(t, testenv.SchemaRegistry(t))
+	v1 := register(t, r, "value", sr.Schema{Schema: orderV1})
+	js := register(t, r, "json", sr.Schema{Schema: `{"type": "object", "properties": {"id": {"type": "string"}}}`, Type: sr.TypeJSON})
+	dec, err := registry.Avro[order](r, orderV1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name, want string
+		data       []byte
+	}{
+		{"plain JSON", "its first byte is 0x7b, want 0 (the magic byte)", []byte(`{"id": "o-1"}`)},
+		{"empty", "its first byte is none: the bytes are empty", []byte{}},
+		{"short header", "not in the Schema Registry's wire format", []byte{0, 0, 1}},
+		{"unknown id", "schema id 2000000000 is not in the registry (404", wire(t, 2000000000, nil, []byte{2, 'x'})},
+		{"truncated payload", "the bytes do not decode with their Avro schema", wire(t, v1, nil, []byte{8, 'o'})},
+		{"JSON Schema id", "is JSON, and this topic's values are decoded as AVRO", wire(t, js, nil, []byte(`{}`))},
+	} {
+		_, err := dec.Decode(ctx, tc.data)
+		if err == nil {
+			t.Errorf("%s: decoded", tc.name)
+			continue
+		}
+		if de := decodeError(t, err); de.Infrastructure || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v (infrastructure %v); want permanent, saying %q", tc.name, err, de.Infrastructure, tc.want)
+		}
+		if got := processor.Classify(err); got != processor.ClassPermanent {
+			t.Errorf("%s: Classify = %v", tc.name, got)
+		}
+	}
+}
+
+// TestARegistryOutageIsAnOutage: a registry that answers 503 or 401, hangs past the timeout,
+// hangs up, or is not there at all fails a record whose schema is not cached as infrastructure
+// (it waits in place); a schema fetched before keeps decoding throughout.
+func TestARegistryOutageIsAnOutage(t *testing.T) {
+	ctx := context.Background()
+	p := newProxy(t)
+	r := newRegistry(t, p.url(t))
+	v1 := register(t, r, "value", sr.Schema{Schema: orderV1})
+	v2 := register(t, r, "value", sr.Schema{Schema: orderV2})
+	dec, err := registry.Avro[order](r, orderV1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cached := avroWire(t, v1, orderV1, order{"o-1", 1})
+	if _, err := dec.Decode(ctx, cached); err != nil {
+		t.Fatal(err)
+	}
+	notCached := avroWire(t, v2, orderV2, orderWithNote{"o-2", 2, "n"})
+	for _, tc := range []struct {
+		mode proxyMode
+		want string
+	}{
+		{unavailable, "the registry answered 503"},
+		{unauthorized, "the registry answered 401"},
+		{hang, "fetch schema id"},
+		{hangUp, "fetch schema id"},
+	} {
+		p.mode.Store(int32(tc.mode))
+		_, err := dec.Decode(ctx, notCached)
+		if err == nil {
+			t.Fatalf("mode %d: decoded a schema the registry could not give", tc.mode)
+		}
+		if de := decodeError(t, err); !de.Infrastructure || de.SchemaID != v2 || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("mode %d: %v (infrastructure %v, schema id %d); want infrastructure, saying %q", tc.mode, err, de.Infrastructure, de.SchemaID, tc.want)
+		}
+		if got := processor.Classify(err); got != processor.ClassInfrastructure {
+			t.Errorf("mode %d: Classify = %v", tc.mode, got)
+		}
+		if v, err := dec.Decode(ctx, cached); err != nil || v != (order{"o-1", 1}) {
+			t.Errorf("mode %d: the cached schema's record: %v, %v", tc.mode, v, err)
+		}
+	}
+
+	// Nobody listening at all.
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	gone := newRegistry(t, "http://"+addr+"/apis/ccompat/v7")
+	dec2, err := registry.Avro[order](gone, orderV1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dec2.Decode(ctx, cached); err == nil || !decodeError(t, err).Infrastructure {
+		t.Errorf("no registry: %v; want infrastructure", err)
+	}
+
+	// Back: the record decodes.
+	p.mode.Store(int32(forward))
+	if v, err := dec.Decode(ctx, notCached); err != nil || v != (order{"o-2", 2}) {
+		t.Errorf("registry back: %v, %v", v, err)
+	}
+}
+
+// TestASchemaIsFetchedOnce: records of a schema not yet fetched, decoded at once from many
+// goroutines, cost the registry one request; later ones none.
+func TestASchemaIsFetchedOnce(t *testing.T) {
+	ctx := context.Background()
+	p := newProxy(t)
+	r := newRegistry(t, p.url(t))
+	id := register(t, r, "value", sr.Schema{Schema: orderV1})
+	dec, err := registry.Avro[order](r, orderV1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := avroWire(t, id, orderV1, order{"o", 1})
+	p.byID.Store(0) // registering read the schema back
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := dec.Decode(ctx, data); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	for range 100 {
+		if _, err := dec.Decode(ctx, data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := p.byID.Load(); n != 1 {
+		t.Errorf("%d requests for schema %d, want 1", n, id)
+	}
+}
+
+// timestampProto is google/protobuf/timestamp.proto's message as a producer would register it:
+// the tests' generated message is timestamppb.Timestamp.
+const timestampProto = `syntax = "proto3";
+package google.protobuf;
+message Timestamp {
+  int64 seconds = 1;
+  int32 nanos = 2;
+}
+message Other {
+  string name = 1;
+}`
+
+// TestProtobufDecodesIntoTheGeneratedMessage: a record of the handler's message decodes into it;
+// one of another message of the schema (its message indexes) fails as permanent, naming both.
+func TestProtobufDecodesIntoTheGeneratedMessage(t *testing.T) {
+	ctx := context.Background()
+	r := newRegistry(t, testenv.SchemaRegistry(t))
+	id := register(t, r, "value", sr.Schema{Schema: timestampProto, Type: sr.TypeProtobuf})
+	dec := registry.Protobuf[*timestamppb.Timestamp](r)
+	want := &timestamppb.Timestamp{Seconds: 1764900000, Nanos: 5}
+	b, err := proto.Marshal(want)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := dec.Decode(ctx, wire(t, id, []int{0}, b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !proto.Equal(got.(*timestamppb.Timestamp), want) {
+		t.Errorf("decoded %v, want %v", got, want)
+	}
+	_, err = dec.Decode(ctx, wire(t, id, []int{1}, []byte{10, 1, 'x'}))
+	if de := decodeError(t, err); de.Infrastructure || !strings.Contains(err.Error(), "the record is a google.protobuf.Other") || !strings.Contains(err.Error(), "the handler reads google.protobuf.Timestamp") {
+		t.Errorf("another message: %v", err)
+	}
+	_, err = dec.Decode(ctx, wire(t, id, []int{5}, b))
+	if de := decodeError(t, err); de.Infrastructure || !strings.Contains(err.Error(), "name no message") {
+		t.Errorf("indexes past the schema's messages: %v", err)
+	}
+}
+
+type payment struct {
+	ID     string `json:"id"`
+	Amount int64  `json:"amount"`
+}
+
+// TestJSONSchemaValidates: a record that validates against its schema decodes into the handler's
+// type; one that does not fails as permanent, saying where.
+func TestJSONSchemaValidates(t *testing.T) {
+	ctx := context.Background()
+	r := newRegistry(t, testenv.SchemaRegistry(t))
+	id := register(t, r, "value", sr.Schema{Type: sr.TypeJSON, Schema: `{"type": "object",
+		"properties": {"id": {"type": "string"}, "amount": {"type": "integer", "minimum": 0}},
+		"required": ["id", "amount"]}`})
+	dec := registry.JSONSchema[payment](r)
+	got, err := dec.Decode(ctx, wire(t, id, nil, []byte(`{"id": "p-1", "amount": 5}`)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got != (payment{"p-1", 5}) {
+		t.Errorf("decoded %#v", got)
+	}
+	for _, tc := range []struct{ data, want string }{
+		{`{"id": "p-2"}`, "missing property 'amount'"},
+		{`{"id": "p-3", "amount": -1}`, "minimum"},
+		{`{"id": `, "are not JSON"},
+	} {
+		_, err := dec.Decode(ctx, wire(t, id, nil, []byte(tc.data)))
+		if err == nil {
+			t.Errorf("%s: decoded", tc.data)
+			continue
+		}
+		if de := decodeError(t, err); de.Infrastructure || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v; want permanent, saying %q", tc.data, err, tc.want)
+		}
+	}
+}
