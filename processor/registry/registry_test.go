@@ -32,11 +32,11 @@ import (
 type proxyMode int32
 
 const (
-	forward     proxyMode = iota // to the registry
-	unavailable                  // 503, as a registry that is restarting
-	unauthorized                 // 401, as a registry whose credentials were rotated
-	hang                         // no answer until the client gives up
-	hangUp                       // the connection closed without an answer
+	forward      proxyMode = iota // to the registry
+	unavailable                   // 503, as a registry that is restarting
+	unauthorized                  // 401, as a registry whose credentials were rotated
+	hang                          // no answer until the client gives up
+	hangUp                        // the connection closed without an answer
 )
 
 type registryProxy struct {
