@@ -26,8 +26,8 @@ demo: build ## Run the ledger demo: dev broker, throwaway Postgres, processor, r
 	scripts/with-postgres.sh DATABASE_URL $(BIN)/demo
 
 .PHONY: test
-test: ## Unit and integration tests (real Postgres; kfake, plus real Kafka if KAFKA_BROKERS is set)
-	scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test $(TESTFLAGS) $(PKGS)
+test: ## Unit and integration tests (real Postgres and Schema Registry; kfake, plus real Kafka if KAFKA_BROKERS is set)
+	scripts/with-postgres.sh TEST_DATABASE_URL scripts/schema-registry.sh with TEST_SCHEMA_REGISTRY_URL $(GO) test $(TESTFLAGS) $(PKGS)
 
 # PROTOCOL_CHECKS histories of about PROTOCOL_STEPS steps each (make test runs 10,000 of 100).
 PROTOCOL_CHECKS ?= 300000

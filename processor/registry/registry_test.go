@@ -4,13 +4,8 @@ import (
 	"context"
 	"errors"
 	"net"
-	"net/http"
-	"net/http/httptest"
-	"net/http/httputil"
-	"net/url"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -19,79 +14,14 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/kafkapg/kafkapg/internal/rig/srproxy"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/processor/registry"
 )
 
 // The tests run against a real registry (testenv.SchemaRegistry: Apicurio's Confluent-compatible
-// API). A registryProxy in front of it plays the network and the registry's outages; what it
-// forwards, the registry answers.
-
-// proxyMode is how a registryProxy answers.
-type proxyMode int32
-
-const (
-	forward      proxyMode = iota // to the registry
-	unavailable                   // 503, as a registry that is restarting
-	unauthorized                  // 401, as a registry whose credentials were rotated
-	hang                          // no answer until the client gives up
-	hangUp                        // the connection closed without an answer
-)
-
-type registryProxy struct {
-	*httptest.Server
-	mode     atomic.Int32
-	byID     atomic.Int64 // requests for a schema by id that reached the registry
-	released chan struct{}
-}
-
-func newProxy(t *testing.T) *registryProxy {
-	t.Helper()
-	target, err := url.Parse(testenv.SchemaRegistry(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	rp := httputil.NewSingleHostReverseProxy(&url.URL{Scheme: target.Scheme, Host: target.Host})
-	p := &registryProxy{released: make(chan struct{})}
-	p.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		switch proxyMode(p.mode.Load()) {
-		case unavailable:
-			http.Error(w, `{"error_code":50301,"message":"the registry is restarting"}`, http.StatusServiceUnavailable)
-			return
-		case unauthorized:
-			http.Error(w, `{"error_code":40101,"message":"unauthorized"}`, http.StatusUnauthorized)
-			return
-		case hang:
-			select {
-			case <-r.Context().Done():
-			case <-p.released:
-			}
-			return
-		case hangUp:
-			conn, _, err := w.(http.Hijacker).Hijack()
-			if err == nil {
-				conn.Close()
-			}
-			return
-		}
-		if strings.Contains(r.URL.Path, "/schemas/ids/") {
-			p.byID.Add(1)
-		}
-		rp.ServeHTTP(w, r)
-	}))
-	t.Cleanup(func() {
-		close(p.released)
-		p.Close()
-	})
-	return p
-}
-
-// url is the proxy's URL with the registry's path.
-func (p *registryProxy) url(t *testing.T) string {
-	u, _ := url.Parse(testenv.SchemaRegistry(t))
-	return p.URL + u.Path
-}
+// API); an srproxy in front of it plays the network and the registry's outages.
 
 func newRegistry(t *testing.T, urls ...string) *registry.Registry {
 	t.Helper()
@@ -269,8 +199,8 @@ func TestTheRecordsFaultsArePermanent(t *testing.T) {
 // (it waits in place); a schema fetched before keeps decoding throughout.
 func TestARegistryOutageIsAnOutage(t *testing.T) {
 	ctx := context.Background()
-	p := newProxy(t)
-	r := newRegistry(t, p.url(t))
+	p := srproxy.New(t, testenv.SchemaRegistry(t))
+	r := newRegistry(t, p.URL())
 	v1 := register(t, r, "value", sr.Schema{Schema: orderV1})
 	v2 := register(t, r, "value", sr.Schema{Schema: orderV2})
 	dec, err := registry.Avro[order](r, orderV1)
@@ -283,15 +213,15 @@ func TestARegistryOutageIsAnOutage(t *testing.T) {
 	}
 	notCached := avroWire(t, v2, orderV2, orderWithNote{"o-2", 2, "n"})
 	for _, tc := range []struct {
-		mode proxyMode
+		mode srproxy.Mode
 		want string
 	}{
-		{unavailable, "the registry answered 503"},
-		{unauthorized, "the registry answered 401"},
-		{hang, "fetch schema id"},
-		{hangUp, "fetch schema id"},
+		{srproxy.Unavailable, "the registry answered 503"},
+		{srproxy.Unauthorized, "the registry answered 401"},
+		{srproxy.Hang, "fetch schema id"},
+		{srproxy.HangUp, "fetch schema id"},
 	} {
-		p.mode.Store(int32(tc.mode))
+		p.Set(tc.mode)
 		_, err := dec.Decode(ctx, notCached)
 		if err == nil {
 			t.Fatalf("mode %d: decoded a schema the registry could not give", tc.mode)
@@ -324,7 +254,7 @@ func TestARegistryOutageIsAnOutage(t *testing.T) {
 	}
 
 	// Back: the record decodes.
-	p.mode.Store(int32(forward))
+	p.Set(srproxy.Forward)
 	if v, err := dec.Decode(ctx, notCached); err != nil || v != (order{"o-2", 2}) {
 		t.Errorf("registry back: %v, %v", v, err)
 	}
@@ -334,15 +264,15 @@ func TestARegistryOutageIsAnOutage(t *testing.T) {
 // goroutines, cost the registry one request; later ones none.
 func TestASchemaIsFetchedOnce(t *testing.T) {
 	ctx := context.Background()
-	p := newProxy(t)
-	r := newRegistry(t, p.url(t))
+	p := srproxy.New(t, testenv.SchemaRegistry(t))
+	r := newRegistry(t, p.URL())
 	id := register(t, r, "value", sr.Schema{Schema: orderV1})
 	dec, err := registry.Avro[order](r, orderV1)
 	if err != nil {
 		t.Fatal(err)
 	}
 	data := avroWire(t, id, orderV1, order{"o", 1})
-	p.byID.Store(0) // registering read the schema back
+	p.ResetSchemaRequests() // registering read the schema back
 	var wg sync.WaitGroup
 	for range 64 {
 		wg.Add(1)
@@ -359,7 +289,7 @@ func TestASchemaIsFetchedOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if n := p.byID.Load(); n != 1 {
+	if n := p.SchemaRequests(); n != 1 {
 		t.Errorf("%d requests for schema %d, want 1", n, id)
 	}
 }
