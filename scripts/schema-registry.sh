@@ -146,21 +146,29 @@ with() {
 	if [[ -n "${!var:-}" ]]; then
 		exec "$@"
 	fi
-	local p
-	for _ in $(seq 1 50); do
-		p=$((20000 + RANDOM % 20000))
-		if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
-			break
-		fi
-	done
-	PORT="$p"
-	URL="http://127.0.0.1:$PORT/apis/ccompat/v7"
 	STATE_DIR="$(mktemp -d)"
 	PID_FILE="$STATE_DIR/registry.pid"
 	LOG_FILE="$STATE_DIR/registry.log"
 	trap 'stop; rm -rf "$STATE_DIR"' EXIT
 	trap 'exit 130' INT TERM
-	start >/dev/null
+	# A free port below the ephemeral range (32768 on): a port a client socket holds cannot be
+	# bound. Another process may still take it first: then a new port, up to three times.
+	local try
+	for try in 1 2 3; do
+		local p
+		for _ in $(seq 1 50); do
+			p=$((20000 + RANDOM % 12000))
+			if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
+				break
+			fi
+		done
+		PORT="$p"
+		URL="http://127.0.0.1:$PORT/apis/ccompat/v7"
+		if (start >/dev/null); then
+			break
+		fi
+		((try < 3)) || die "no registry after three ports"
+	done
 	export "$var=$URL"
 	local rc=0
 	"$@" || rc=$?

@@ -8,6 +8,7 @@ import (
 	"github.com/twmb/franz-go/pkg/sr"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/types/dynamicpb"
 
 	"github.com/kafkapg/kafkapg/processor"
 )
@@ -95,4 +96,40 @@ func (r *Registry) protoFile(ctx context.Context, s *Schema) (protoreflect.FileD
 		return nil, &processor.DecodeError{SchemaID: s.ID, Err: fmt.Errorf("schema id %d does not compile as Protobuf: %w", s.ID, err)}
 	}
 	return files[0], nil
+}
+
+// ProtobufGeneric returns a Decoder of Protobuf records without a generated type: each decodes
+// into a *dynamicpb.Message of the message its schema and indexes name (read it with
+// protoreflect, or render it with protojson).
+func ProtobufGeneric(reg *Registry) processor.Decoder {
+	return &protoGeneric{reg: reg}
+}
+
+// ProtobufGenericFormat is ProtobufGeneric's Format: TOPIC_<topic>_VALUE_FORMAT=protobuf.
+func ProtobufGenericFormat() Format {
+	return format{"protobuf", func(r *Registry) (processor.Decoder, error) { return ProtobufGeneric(r), nil }}
+}
+
+type protoGeneric struct {
+	reg *Registry
+}
+
+func (d *protoGeneric) Decode(ctx context.Context, data []byte) (any, error) {
+	id, idx, payload, err := header(data, true)
+	if err != nil {
+		return nil, err
+	}
+	s, err := d.reg.SchemaByID(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	md, err := d.reg.protoMessage(ctx, s, idx)
+	if err != nil {
+		return nil, err
+	}
+	m := dynamicpb.NewMessage(md)
+	if err := proto.Unmarshal(payload, m); err != nil {
+		return nil, &processor.DecodeError{SchemaID: id, Err: fmt.Errorf("the bytes do not decode as %s (schema id %d): %w", md.FullName(), id, err)}
+	}
+	return m, nil
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/hamba/avro/v2"
 	"github.com/twmb/franz-go/pkg/sr"
+	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -332,6 +333,37 @@ func TestProtobufDecodesIntoTheGeneratedMessage(t *testing.T) {
 	_, err = dec.Decode(ctx, wire(t, id, []int{5}, b))
 	if de := decodeError(t, err); de.Infrastructure || !strings.Contains(err.Error(), "name no message") {
 		t.Errorf("indexes past the schema's messages: %v", err)
+	}
+
+	// Without a generated type (TOPIC_<topic>_VALUE_FORMAT=protobuf): a dynamic message of the
+	// schema's, whatever message the record is.
+	f, err := registry.FormatNamed("protobuf")
+	if err != nil {
+		t.Fatal(err)
+	}
+	generic, err := f.Decoder(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		index []int
+		data  []byte
+		want  string
+	}{
+		{[]int{0}, b, `"2025-12-05T02:00:00.000000005Z"`}, // protojson writes the well-known Timestamp so
+		{[]int{1}, []byte{10, 1, 'x'}, `{"name":"x"}`},
+	} {
+		m, err := generic.Decode(ctx, wire(t, id, tc.index, tc.data))
+		if err != nil {
+			t.Fatal(err)
+		}
+		j, err := protojson.MarshalOptions{}.Marshal(m.(proto.Message))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := strings.ReplaceAll(string(j), " ", ""); got != tc.want {
+			t.Errorf("generic, indexes %v: %s, want %s", tc.index, got, tc.want)
+		}
 	}
 }
 
