@@ -17,7 +17,7 @@ import (
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/internal/rig/testkit"
 	"github.com/kafkapg/kafkapg/processor"
-	"github.com/kafkapg/kafkapg/processor/registry"
+	"github.com/kafkapg/kafkapg/processor/schemaregistry"
 )
 
 const avroOrder = `{"type": "record", "name": "Order", "namespace": "shop", "fields": [
@@ -49,7 +49,7 @@ func TestARegistryOutageWaitsAndBadBytesAreDeadLettered(t *testing.T) {
 			t.Fatal(err)
 		}
 		p := srproxy.New(t, testenv.SchemaRegistry(t))
-		reg, err := registry.New(registry.Config{URLs: []string{p.URL()}, Timeout: time.Second})
+		reg, err := schemaregistry.New(schemaregistry.Config{URLs: []string{p.URL()}, Timeout: time.Second})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -57,7 +57,7 @@ func TestARegistryOutageWaitsAndBadBytesAreDeadLettered(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		dec, err := registry.Avro[avroOrderT](reg, avroOrder)
+		dec, err := schemaregistry.Avro[avroOrderT](reg, avroOrder)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -1,4 +1,4 @@
-// Package registry decodes records written in the Confluent Schema Registry's wire format (a
+// Package schemaregistry decodes records written in the Confluent Schema Registry's wire format (a
 // magic byte 0, a 4-byte schema id, for Protobuf the message's indexes, then the payload), for
 // kafkapg handlers: Avro into a Go struct or a generic map, Protobuf into a generated message,
 // JSON Schema into a Go value, validated. A topic's Decoder goes in processor.TopicPolicy.Values
@@ -12,7 +12,7 @@
 // wrong (no magic byte, a schema id the registry does not have, bytes that do not decode with
 // their schema, a schema the handler's type cannot read) is permanent, and the dead letter's
 // error says which.
-package registry
+package schemaregistry
 
 import (
 	"context"
@@ -57,10 +57,10 @@ type Registry struct {
 // New returns a Registry for cfg. It does not contact the registry.
 func New(cfg Config) (*Registry, error) {
 	if len(cfg.URLs) == 0 {
-		return nil, errors.New("registry: no URLs")
+		return nil, errors.New("schemaregistry: no URLs")
 	}
 	if cfg.BearerToken != "" && (cfg.Username != "" || cfg.Password != "") {
-		return nil, errors.New("registry: basic authentication and a bearer token are both set: choose one")
+		return nil, errors.New("schemaregistry: basic authentication and a bearer token are both set: choose one")
 	}
 	timeout := cfg.Timeout
 	if timeout <= 0 {
@@ -83,7 +83,7 @@ func New(cfg Config) (*Registry, error) {
 	}
 	cl, err := sr.NewClient(opts...)
 	if err != nil {
-		return nil, fmt.Errorf("registry: %w", err)
+		return nil, fmt.Errorf("schemaregistry: %w", err)
 	}
 	return &Registry{cl: cl, timeout: timeout, byID: map[int]*Schema{}}, nil
 }

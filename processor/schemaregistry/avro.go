@@ -1,4 +1,4 @@
-package registry
+package schemaregistry
 
 import (
 	"context"
@@ -20,7 +20,7 @@ import (
 func Avro[T any](reg *Registry, readerSchema string) (processor.Decoder, error) {
 	rs, err := avro.ParseWithCache(readerSchema, "", &avro.SchemaCache{})
 	if err != nil {
-		return nil, fmt.Errorf("registry: the reader schema does not parse as Avro: %w", err)
+		return nil, fmt.Errorf("schemaregistry: the reader schema does not parse as Avro: %w", err)
 	}
 	return &avroDecoder[T]{reg: reg, reader: rs}, nil
 }

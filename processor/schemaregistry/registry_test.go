@@ -1,4 +1,4 @@
-package registry_test
+package schemaregistry_test
 
 import (
 	"context"
@@ -18,15 +18,15 @@ import (
 	"github.com/kafkapg/kafkapg/internal/rig/srproxy"
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/processor"
-	"github.com/kafkapg/kafkapg/processor/registry"
+	"github.com/kafkapg/kafkapg/processor/schemaregistry"
 )
 
 // The tests run against a real registry (testenv.SchemaRegistry: Apicurio's Confluent-compatible
 // API); an srproxy in front of it plays the network and the registry's outages.
 
-func newRegistry(t *testing.T, urls ...string) *registry.Registry {
+func newRegistry(t *testing.T, urls ...string) *schemaregistry.Registry {
 	t.Helper()
-	r, err := registry.New(registry.Config{URLs: urls, Timeout: 2 * time.Second})
+	r, err := schemaregistry.New(schemaregistry.Config{URLs: urls, Timeout: 2 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -35,7 +35,7 @@ func newRegistry(t *testing.T, urls ...string) *registry.Registry {
 
 // register registers schema under the test's own subject (suffix tells its schemas apart) and
 // returns its id.
-func register(t *testing.T, r *registry.Registry, suffix string, s sr.Schema) int {
+func register(t *testing.T, r *schemaregistry.Registry, suffix string, s sr.Schema) int {
 	t.Helper()
 	ss, err := r.Client().CreateSchema(context.Background(), testenv.Name(t, 60)+"-"+suffix, s)
 	if err != nil {
@@ -111,7 +111,7 @@ func TestAvroReadsEvolvedSchemas(t *testing.T) {
 	v2 := register(t, r, "value", sr.Schema{Schema: orderV2})
 	bad := register(t, r, "bad", sr.Schema{Schema: orderBad})
 
-	readV1, err := registry.Avro[order](r, orderV1)
+	readV1, err := schemaregistry.Avro[order](r, orderV1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -130,7 +130,7 @@ func TestAvroReadsEvolvedSchemas(t *testing.T) {
 			t.Errorf("%s: decoded %#v", tc.name, got)
 		}
 	}
-	readV2, err := registry.Avro[orderWithNote](r, orderV2)
+	readV2, err := schemaregistry.Avro[orderWithNote](r, orderV2)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -148,7 +148,7 @@ func TestAvroReadsEvolvedSchemas(t *testing.T) {
 		t.Errorf("incompatible writer: %v (infrastructure %v, schema id %d)", err, de.Infrastructure, de.SchemaID)
 	}
 
-	generic := registry.AvroGeneric(r)
+	generic := schemaregistry.AvroGeneric(r)
 	m, err := generic.Decode(ctx, avroWire(t, v2, orderV2, orderWithNote{"o-4", 1, "x"}))
 	if err != nil {
 		t.Fatal(err)
@@ -166,7 +166,7 @@ func TestTheRecordsFaultsArePermanent(t *testing.T) {
 	r := newRegistry(t, testenv.SchemaRegistry(t))
 	v1 := register(t, r, "value", sr.Schema{Schema: orderV1})
 	js := register(t, r, "json", sr.Schema{Schema: `{"type": "object", "properties": {"id": {"type": "string"}}}`, Type: sr.TypeJSON})
-	dec, err := registry.Avro[order](r, orderV1)
+	dec, err := schemaregistry.Avro[order](r, orderV1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -204,7 +204,7 @@ func TestARegistryOutageIsAnOutage(t *testing.T) {
 	r := newRegistry(t, p.URL())
 	v1 := register(t, r, "value", sr.Schema{Schema: orderV1})
 	v2 := register(t, r, "value", sr.Schema{Schema: orderV2})
-	dec, err := registry.Avro[order](r, orderV1)
+	dec, err := schemaregistry.Avro[order](r, orderV1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -246,7 +246,7 @@ func TestARegistryOutageIsAnOutage(t *testing.T) {
 	addr := l.Addr().String()
 	l.Close()
 	gone := newRegistry(t, "http://"+addr+"/apis/ccompat/v7")
-	dec2, err := registry.Avro[order](gone, orderV1)
+	dec2, err := schemaregistry.Avro[order](gone, orderV1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -268,7 +268,7 @@ func TestASchemaIsFetchedOnce(t *testing.T) {
 	p := srproxy.New(t, testenv.SchemaRegistry(t))
 	r := newRegistry(t, p.URL())
 	id := register(t, r, "value", sr.Schema{Schema: orderV1})
-	dec, err := registry.Avro[order](r, orderV1)
+	dec, err := schemaregistry.Avro[order](r, orderV1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -313,7 +313,7 @@ func TestProtobufDecodesIntoTheGeneratedMessage(t *testing.T) {
 	ctx := context.Background()
 	r := newRegistry(t, testenv.SchemaRegistry(t))
 	id := register(t, r, "value", sr.Schema{Schema: timestampProto, Type: sr.TypeProtobuf})
-	dec := registry.Protobuf[*timestamppb.Timestamp](r)
+	dec := schemaregistry.Protobuf[*timestamppb.Timestamp](r)
 	want := &timestamppb.Timestamp{Seconds: 1764900000, Nanos: 5}
 	b, err := proto.Marshal(want)
 	if err != nil {
@@ -337,7 +337,7 @@ func TestProtobufDecodesIntoTheGeneratedMessage(t *testing.T) {
 
 	// Without a generated type (TOPIC_<topic>_VALUE_FORMAT=protobuf): a dynamic message of the
 	// schema's, whatever message the record is.
-	f, err := registry.FormatNamed("protobuf")
+	f, err := schemaregistry.FormatNamed("protobuf")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -380,7 +380,7 @@ func TestJSONSchemaValidates(t *testing.T) {
 	id := register(t, r, "value", sr.Schema{Type: sr.TypeJSON, Schema: `{"type": "object",
 		"properties": {"id": {"type": "string"}, "amount": {"type": "integer", "minimum": 0}},
 		"required": ["id", "amount"]}`})
-	dec := registry.JSONSchema[payment](r)
+	dec := schemaregistry.JSONSchema[payment](r)
 	got, err := dec.Decode(ctx, wire(t, id, nil, []byte(`{"id": "p-1", "amount": 5}`)))
 	if err != nil {
 		t.Fatal(err)
