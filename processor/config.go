@@ -81,7 +81,7 @@ type TopicPolicy struct {
 	// Concurrency replaces Config.Concurrency.
 	Concurrency int
 	// Values, if not nil, decodes the topic's record values before its handler sees them
-	// (Record.Decoded), and Keys its keys (Record.DecodedKey): see Decoder, and package registry
+	// (Record.Decoded), and Keys its keys (Record.DecodedKey): see Decoder, and package schemaregistry
 	// for the Schema Registry's formats.
 	Values, Keys Decoder
 }
