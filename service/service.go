@@ -61,6 +61,7 @@ import (
 	"github.com/kafkapg/kafkapg/internal/schema"
 	"github.com/kafkapg/kafkapg/internal/tracing"
 	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/processor/schemaregistry"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
@@ -90,6 +91,12 @@ type Handler struct {
 	// ON_DEAD_LETTER, MAX_RECORD_BYTES) for these topics, and TOPIC_<topic>_<setting> overrides
 	// it in turn. An empty, non-nil RetryTiers means no tiers: records are dead-lettered after
 	// their local attempts. `<binary> config` shows which one is in force, and where it came from.
+	// Values and Keys, if set, decode the values (keys) of every topic this handler handles with
+	// the Schema Registry at SCHEMA_REGISTRY_URL, into Record.Decoded (DecodedKey), before
+	// Prepare and Handle: schemaregistry.AvroFormat[Order](schema), ProtobufFormat[*pb.Order](),
+	// JSONSchemaFormat[Order](). TOPIC_<topic>_VALUE_FORMAT (_KEY_FORMAT) overrides it: avro,
+	// protobuf or json-schema decode without a Go type, none not at all.
+	Values, Keys   schemaregistry.Format
 	RetryTiers     []time.Duration
 	LocalAttempts  int
 	OnDeadLetter   processor.OnDeadLetter
