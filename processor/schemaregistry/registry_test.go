@@ -3,7 +3,9 @@ package schemaregistry_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
+	"path"
 	"strings"
 	"sync"
 	"testing"
@@ -401,5 +403,47 @@ func TestJSONSchemaValidates(t *testing.T) {
 		if de := decodeError(t, err); de.Infrastructure || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: %v; want permanent, saying %q", tc.data, err, tc.want)
 		}
+	}
+}
+
+// TestRenderForOperators: a record of each format renders as indented JSON with what it is
+// (type, schema id, subject and version, Protobuf's message); bytes not in the wire format and
+// an unknown schema id say why not.
+func TestRenderForOperators(t *testing.T) {
+	ctx := context.Background()
+	r := newRegistry(t, testenv.SchemaRegistry(t))
+	// Schemas of this test's own: the registry gives the same content the same id, whatever the
+	// subject, and lists every subject it is under.
+	renderOrder := strings.Replace(orderV2, `"namespace": "shop"`, `"namespace": "render"`, 1)
+	av := register(t, r, "avro", sr.Schema{Schema: renderOrder})
+	pb := register(t, r, "proto", sr.Schema{Schema: strings.Replace(timestampProto, "package google.protobuf;", "package render;", 1), Type: sr.TypeProtobuf})
+	js := register(t, r, "json", sr.Schema{Type: sr.TypeJSON, Schema: `{"title": "render", "type": "object", "properties": {"id": {"type": "string"}}}`})
+	for _, tc := range []struct {
+		name     string
+		data     []byte
+		describe string
+		json     string
+	}{
+		{"avro", avroWire(t, av, renderOrder, orderWithNote{"o-1", 42, "gift"}), fmt.Sprintf("AVRO, schema id %d (testrenderforoperators_*-avro v1)", av),
+			"{\n  \"amount\": 42,\n  \"id\": \"o-1\",\n  \"note\": \"gift\"\n}"},
+		{"protobuf", wire(t, pb, []int{1}, []byte{10, 1, 'x'}), fmt.Sprintf("PROTOBUF, schema id %d, message render.Other (testrenderforoperators_*-proto v1)", pb),
+			"{\n  \"name\": \"x\"\n}"},
+		{"json", wire(t, js, nil, []byte(`{"id":"p-1"}`)), fmt.Sprintf("JSON, schema id %d (testrenderforoperators_*-json v1)", js),
+			"{\n  \"id\": \"p-1\"\n}"},
+	} {
+		got, err := r.Render(ctx, tc.data)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		// The subject's name ends in a suffix of the run's own (testenv.Name).
+		if ok, _ := path.Match(tc.describe, got.Describe()); !ok || got.JSON != tc.json {
+			t.Errorf("%s: %q\n%s\nwant %q\n%s", tc.name, got.Describe(), got.JSON, tc.describe, tc.json)
+		}
+	}
+	if _, err := r.Render(ctx, []byte(`{"id": 1}`)); !errors.Is(err, schemaregistry.ErrNotWireFormat) {
+		t.Errorf("plain JSON: %v", err)
+	}
+	if _, err := r.Render(ctx, wire(t, 2000000000, nil, []byte{1})); err == nil || !strings.Contains(err.Error(), "is not in the registry") {
+		t.Errorf("unknown id: %v", err)
 	}
 }
