@@ -219,6 +219,9 @@ func loadOpsEnv(hs *registry) (*env, error) {
 	opts, err := e.kafkaSecurityEnv.options()
 	errs = append(errs, err, tracing.CheckViewerURL(e.TraceURL))
 	e.kafkaOpts = opts
+	sr, err := e.schemaRegistryEnv.registry() // values in the wire format are shown decoded
+	errs = append(errs, err)
+	e.sr = sr
 	if len(e.KafkaTopics) > 0 { // per-topic variables name topics of KAFKA_TOPICS
 		topics, err := topicEnv(e.KafkaTopics, hs)
 		errs = append(errs, err)

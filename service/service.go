@@ -662,7 +662,7 @@ func serveConsole(ctx context.Context, env *env, concurrency map[string]int, key
 	sctx, stopSampling := context.WithCancel(ctx)
 	go samples.Run(sctx)
 	con, err := console.New(console.Config{
-		Ops: o, Admin: kadm.NewClient(cl), Kafka: cl, Stuck: env.stuckScope(), HideValues: env.ConsoleHideValues, Samples: samples,
+		Ops: o, Admin: kadm.NewClient(cl), Kafka: cl, Stuck: env.stuckScope(), HideValues: env.ConsoleHideValues, Registry: env.sr, Samples: samples,
 		TraceURL: env.TraceURL, Concurrency: concurrency,
 		Users: users, Tokens: tokens, Log: log, Run: tasks.run,
 	})
