@@ -48,18 +48,25 @@ func (d *avroDecoder[T]) Decode(ctx context.Context, data []byte) (any, error) {
 	if s.Type != sr.TypeAvro {
 		return nil, wrongType(s, sr.TypeAvro)
 	}
-	schema, err := s.parse(d, func() (any, error) {
-		w, err := d.reg.avroSchema(ctx, s)
-		if err != nil || d.reader == nil {
-			return w, err
-		}
-		res, err := avro.NewSchemaCompatibility().Resolve(d.reader, w)
-		if err != nil {
-			return nil, &processor.DecodeError{SchemaID: id, Err: fmt.Errorf("the record's schema (id %d, %s) cannot be read as the handler's (%s): %w",
-				id, avroName(w), avroName(d.reader), err)}
-		}
-		return res, nil
-	})
+	// A writer schema is parsed once per schema; resolved against a reader, once per decoder
+	// (they live as long as the service).
+	var schema any
+	if d.reader == nil {
+		schema, err = d.reg.avroWriter(ctx, s)
+	} else {
+		schema, err = s.parse(d, func() (any, error) {
+			w, err := d.reg.avroWriter(ctx, s)
+			if err != nil {
+				return nil, err
+			}
+			res, err := avro.NewSchemaCompatibility().Resolve(d.reader, w)
+			if err != nil {
+				return nil, &processor.DecodeError{SchemaID: id, Err: fmt.Errorf("the record's schema (id %d, %s) cannot be read as the handler's (%s): %w",
+					id, avroName(w), avroName(d.reader), err)}
+			}
+			return res, nil
+		})
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -68,6 +75,18 @@ func (d *avroDecoder[T]) Decode(ctx context.Context, data []byte) (any, error) {
 		return nil, &processor.DecodeError{SchemaID: id, Err: fmt.Errorf("the bytes do not decode with their Avro schema (id %d): %w", id, err)}
 	}
 	return v, nil
+}
+
+// avroWriterKey is the key under which a Schema keeps its parsed Avro schema.
+type avroWriterKey struct{}
+
+// avroWriter returns s, an Avro schema, parsed (once) with the schemas it references.
+func (r *Registry) avroWriter(ctx context.Context, s *Schema) (avro.Schema, error) {
+	w, err := s.parse(avroWriterKey{}, func() (any, error) { return r.avroSchema(ctx, s) })
+	if err != nil {
+		return nil, err
+	}
+	return w.(avro.Schema), nil
 }
 
 // avroSchema parses s, an Avro schema, with the schemas it references.

@@ -97,32 +97,41 @@ type Schema struct {
 	sr.Schema
 
 	mu     sync.Mutex
-	parsed map[any]parsed // by what parsed it (see Schema.parse)
+	parsed map[any]*parsed // by what parsed it (see Schema.parse)
 }
 
 type parsed struct {
-	v   any
-	err error
+	done chan struct{} // closed once v and err are set
+	v    any
+	err  error
 }
 
-// parse returns what fn makes of s, made once for each key; an outage's error (fetching a
-// referenced schema) is not kept: the next record tries again.
+// parse returns what fn makes of s, made once for each key (callers of a key being made wait for
+// it; fn may parse s under another key); an outage's error (fetching a referenced schema) is not
+// kept: the next record tries again.
 func (s *Schema) parse(key any, fn func() (any, error)) (any, error) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if p, ok := s.parsed[key]; ok {
+	p, ok := s.parsed[key]
+	if ok {
+		s.mu.Unlock()
+		<-p.done
 		return p.v, p.err
 	}
-	v, err := fn()
-	var de *processor.DecodeError
-	if errors.As(err, &de) && de.Infrastructure {
-		return nil, err
-	}
 	if s.parsed == nil {
-		s.parsed = map[any]parsed{}
+		s.parsed = map[any]*parsed{}
 	}
-	s.parsed[key] = parsed{v, err}
-	return v, err
+	p = &parsed{done: make(chan struct{})}
+	s.parsed[key] = p
+	s.mu.Unlock()
+	p.v, p.err = fn()
+	var de *processor.DecodeError
+	if errors.As(p.err, &de) && de.Infrastructure {
+		s.mu.Lock()
+		delete(s.parsed, key)
+		s.mu.Unlock()
+	}
+	close(p.done)
+	return p.v, p.err
 }
 
 // references returns the text of every schema s references, directly or not, by the name it is

@@ -425,7 +425,7 @@ func TestRenderForOperators(t *testing.T) {
 		json     string
 	}{
 		{"avro", avroWire(t, av, renderOrder, orderWithNote{"o-1", 42, "gift"}), fmt.Sprintf("AVRO, schema id %d (testrenderforoperators_*-avro v1)", av),
-			"{\n  \"amount\": 42,\n  \"id\": \"o-1\",\n  \"note\": \"gift\"\n}"},
+			"{\n  \"id\": \"o-1\",\n  \"amount\": 42,\n  \"note\": \"gift\"\n}"}, // the schema's order
 		{"protobuf", wire(t, pb, []int{1}, []byte{10, 1, 'x'}), fmt.Sprintf("PROTOBUF, schema id %d, message render.Other (testrenderforoperators_*-proto v1)", pb),
 			"{\n  \"name\": \"x\"\n}"},
 		{"json", wire(t, js, nil, []byte(`{"id":"p-1"}`)), fmt.Sprintf("JSON, schema id %d (testrenderforoperators_*-json v1)", js),

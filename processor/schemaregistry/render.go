@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/hamba/avro/v2"
 	"github.com/twmb/franz-go/pkg/sr"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
@@ -77,6 +78,9 @@ func (r *Registry) Render(ctx context.Context, data []byte) (Rendered, error) {
 		if err != nil {
 			return out, err
 		}
+		if w, err := r.avroWriter(ctx, s); err == nil { // parsed by Decode just now
+			v = avroOrdered(w, v)
+		}
 		if raw, err = json.Marshal(v); err != nil {
 			return out, &processor.DecodeError{SchemaID: id, Err: fmt.Errorf("render as JSON: %w", err)}
 		}
@@ -127,3 +131,96 @@ func (r *Registry) subjects(ctx context.Context, s *Schema) []string {
 }
 
 type subjectsKey struct{}
+
+// avroOrdered arranges v, an Avro value decoded generically with schema s, so that it marshals as
+// JSON with each record's fields in the schema's order (a map would sort them), recursing into
+// arrays, maps and unions (whose named branches decode as a one-entry map, as Avro's JSON
+// encoding writes them).
+func avroOrdered(s avro.Schema, v any) any {
+	switch s := s.(type) {
+	case *avro.RecordSchema:
+		m, ok := v.(map[string]any)
+		if !ok {
+			return v
+		}
+		o := make(orderedObject, 0, len(s.Fields()))
+		for _, f := range s.Fields() {
+			o = append(o, field{f.Name(), avroOrdered(f.Type(), m[f.Name()])})
+		}
+		return o
+	case *avro.ArraySchema:
+		a, ok := v.([]any)
+		if !ok {
+			return v
+		}
+		out := make([]any, len(a))
+		for i, e := range a {
+			out[i] = avroOrdered(s.Items(), e)
+		}
+		return out
+	case *avro.MapSchema:
+		m, ok := v.(map[string]any)
+		if !ok {
+			return v
+		}
+		out := make(map[string]any, len(m))
+		for k, e := range m {
+			out[k] = avroOrdered(s.Values(), e)
+		}
+		return out
+	case *avro.UnionSchema:
+		m, ok := v.(map[string]any)
+		if !ok || len(m) != 1 {
+			return v
+		}
+		for name, inner := range m {
+			for _, t := range s.Types() {
+				if avroTypeName(t) == name {
+					return orderedObject{{name, avroOrdered(t, inner)}}
+				}
+			}
+		}
+	case *avro.RefSchema:
+		return avroOrdered(s.Schema(), v)
+	}
+	return v
+}
+
+// avroTypeName is how a union names its branch of type t in a generic value.
+func avroTypeName(t avro.Schema) string {
+	if n, ok := t.(avro.NamedSchema); ok {
+		return n.FullName()
+	}
+	return string(t.Type())
+}
+
+type field struct {
+	name  string
+	value any
+}
+
+// orderedObject is a JSON object whose fields keep their order.
+type orderedObject []field
+
+func (o orderedObject) MarshalJSON() ([]byte, error) {
+	var b bytes.Buffer
+	b.WriteByte('{')
+	for i, f := range o {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		k, err := json.Marshal(f.name)
+		if err != nil {
+			return nil, err
+		}
+		v, err := json.Marshal(f.value)
+		if err != nil {
+			return nil, err
+		}
+		b.Write(k)
+		b.WriteByte(':')
+		b.Write(v)
+	}
+	b.WriteByte('}')
+	return b.Bytes(), nil
+}
