@@ -447,3 +447,100 @@ func TestRenderForOperators(t *testing.T) {
 		t.Errorf("unknown id: %v", err)
 	}
 }
+
+// TestEncodersWriteWhatDecodersRead: an event encoded for Emit with each format's Encoder (the
+// schema registered on the first Encode with AutoRegister) decodes with the same format's
+// Decoder; the schema's id is looked up once.
+func TestEncodersWriteWhatDecodersRead(t *testing.T) {
+	ctx := context.Background()
+	p := srproxy.New(t, testenv.SchemaRegistry(t))
+	r := newRegistry(t, p.URL())
+	subject := testenv.Name(t, 50)
+
+	ae, err := schemaregistry.AvroEncoder(r, schemaregistry.TopicSubject(subject+".avro", false), orderV1, schemaregistry.AutoRegister())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := ae.Encode(ctx, order{"o-1", 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.ResetSchemaRequests()
+	for range 20 {
+		if _, err := ae.Encode(ctx, order{"o-1", 10}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ad, err := schemaregistry.Avro[order](r, orderV1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, err := ad.Decode(ctx, b); err != nil || v != (order{"o-1", 10}) {
+		t.Errorf("avro: %v, %v", v, err)
+	}
+	if n := p.SchemaRequests(); n != 1 { // the decoder's fetch; the encoder asked nothing more
+		t.Errorf("%d requests for schemas after the first encode, want the decoder's 1", n)
+	}
+
+	pe := schemaregistry.ProtobufEncoder[*timestamppb.Timestamp](r, schemaregistry.TopicSubject(subject+".proto", false), timestampProto, schemaregistry.AutoRegister())
+	want := &timestamppb.Timestamp{Seconds: 5, Nanos: 6}
+	b, err = pe.Encode(ctx, want)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, err := schemaregistry.Protobuf[*timestamppb.Timestamp](r).Decode(ctx, b); err != nil || !proto.Equal(v.(*timestamppb.Timestamp), want) {
+		t.Errorf("protobuf: %v, %v", v, err)
+	}
+
+	je := schemaregistry.JSONSchemaEncoder(r, schemaregistry.TopicSubject(subject+".json", false), `{"type": "object", "title": "encoders",
+		"properties": {"id": {"type": "string"}, "amount": {"type": "integer"}}, "required": ["id", "amount"]}`, schemaregistry.AutoRegister())
+	b, err = je.Encode(ctx, payment{"p-1", 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, err := schemaregistry.JSONSchema[payment](r).Decode(ctx, b); err != nil || v != (payment{"p-1", 3}) {
+		t.Errorf("json schema: %v, %v", v, err)
+	}
+}
+
+// TestAnEncodersOutageIsAnOutage: an Encoder that cannot learn its schema's id (the registry
+// unreachable or answering 503, or the schema not registered without AutoRegister) fails as
+// infrastructure, so that the emitting record waits in place; once known, the id keeps working
+// through an outage.
+func TestAnEncodersOutageIsAnOutage(t *testing.T) {
+	ctx := context.Background()
+	p := srproxy.New(t, testenv.SchemaRegistry(t))
+	r := newRegistry(t, p.URL())
+	subject := testenv.Name(t, 50) + "-value"
+
+	unregistered, err := schemaregistry.AvroEncoder(r, subject, orderV1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = unregistered.Encode(ctx, order{"o", 1})
+	if processor.Classify(err) != processor.ClassInfrastructure || !strings.Contains(err.Error(), "not registered under subject "+subject) {
+		t.Errorf("an unregistered schema: %v (%v)", err, processor.Classify(err))
+	}
+
+	enc, err := schemaregistry.AvroEncoder(r, subject, orderV1, schemaregistry.AutoRegister())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Set(srproxy.Unavailable)
+	if _, err := enc.Encode(ctx, order{"o", 1}); processor.Classify(err) != processor.ClassInfrastructure || !strings.Contains(err.Error(), "503") {
+		t.Errorf("the registry answering 503: %v (%v)", err, processor.Classify(err))
+	}
+	p.Set(srproxy.Forward)
+	if _, err := enc.Encode(ctx, order{"o", 1}); err != nil {
+		t.Fatal(err)
+	}
+	p.Set(srproxy.HangUp)
+	if _, err := enc.Encode(ctx, order{"o", 2}); err != nil {
+		t.Errorf("the id known, the registry down: %v", err)
+	}
+	p.Set(srproxy.Forward)
+	// And the unregistered encoder, the schema registered meanwhile (by the other), now works.
+	if _, err := unregistered.Encode(ctx, order{"o", 3}); err != nil {
+		t.Errorf("the schema registered since: %v", err)
+	}
+}
