@@ -143,5 +143,18 @@ func (e *env) buildDecoders(hs *registry) error {
 		}
 		e.decoders[t] = decs
 	}
+	for _, name := range e.handlersUsed() {
+		h := hs.get(name)
+		if h == nil || len(h.Encoders) == 0 {
+			continue
+		}
+		if e.sr == nil {
+			errs = append(errs, fmt.Errorf("SCHEMA_REGISTRY_URL is required: handler %q emits with %d Encoder(s) (service.Handler{Name: %q}.Encoders)", name, len(h.Encoders), name))
+			continue
+		}
+		for _, enc := range h.Encoders {
+			enc.Bind(e.sr)
+		}
+	}
 	return errors.Join(errs...)
 }

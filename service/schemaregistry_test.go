@@ -1,10 +1,12 @@
 package service
 
 import (
+	"context"
 	"strings"
 	"testing"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/processor"
 	"github.com/kafkapg/kafkapg/processor/schemaregistry"
 )
 
@@ -12,9 +14,14 @@ import (
 // checked at startup, each error naming the variable (or the handler's field) at fault, and a
 // format without a registry is refused; what is valid becomes the topic's Decoders.
 func TestSchemaRegistryConfiguration(t *testing.T) {
+	emitted, err := schemaregistry.AvroEncoder(nil, "shipped-value", `{"type": "string"}`)
+	if err != nil {
+		t.Fatal(err)
+	}
 	hs, err := newRegistry(append(builtinHandlers, Handler{Name: "orders", Handler: ledger.Handler{},
 		Values: schemaregistry.AvroFormat[map[string]any](`{"type": "record", "name": "Order", "fields": [{"name": "id", "type": "string"}]}`)},
-		Handler{Name: "badschema", Handler: ledger.Handler{}, Values: schemaregistry.AvroFormat[map[string]any](`{"type": "recrod"}`)}))
+		Handler{Name: "badschema", Handler: ledger.Handler{}, Values: schemaregistry.AvroFormat[map[string]any](`{"type": "recrod"}`)},
+		Handler{Name: "emitter", Handler: ledger.Handler{}, Encoders: []*schemaregistry.Encoder{emitted}}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,6 +53,8 @@ func TestSchemaRegistryConfiguration(t *testing.T) {
 			[]string{"SCHEMA_REGISTRY_TLS_CA_FILE: open /nonexistent/ca.pem"}},
 		{"a client certificate without its key", with("SCHEMA_REGISTRY_URL", "https://registry:8081", "SCHEMA_REGISTRY_TLS_CERT_FILE", "/tmp/c.pem"),
 			[]string{"SCHEMA_REGISTRY_TLS_CERT_FILE and SCHEMA_REGISTRY_TLS_KEY_FILE must be set together"}},
+		{"a handler's encoders without a registry", with("HANDLER", "emitter"),
+			[]string{`SCHEMA_REGISTRY_URL is required: handler "emitter" emits with 1 Encoder(s) (service.Handler{Name: "emitter"}.Encoders)`}},
 		{"a timeout of zero", with("SCHEMA_REGISTRY_URL", url, "SCHEMA_REGISTRY_TIMEOUT", "0s"),
 			[]string{"SCHEMA_REGISTRY_TIMEOUT must be positive"}},
 		{"valid: an env format and a handler's", with("SCHEMA_REGISTRY_URL", url+","+url, "HANDLER", "orders", "SCHEMA_REGISTRY_USERNAME", "u",
@@ -90,5 +99,30 @@ func TestSchemaRegistryConfiguration(t *testing.T) {
 				t.Errorf("the error shows a secret: %v", err)
 			}
 		})
+	}
+}
+
+// TestHandlersEncodersAreBound: a handler's Encoders are bound at startup to the registry
+// SCHEMA_REGISTRY_URL names: an Encode then asks it (here nobody listens: an outage), where an
+// unbound one says it has no registry.
+func TestHandlersEncodersAreBound(t *testing.T) {
+	enc, err := schemaregistry.AvroEncoder(nil, "shipped-value", `{"type": "string"}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := enc.Encode(context.Background(), "x"); err == nil || !strings.Contains(err.Error(), "has no registry") {
+		t.Fatalf("unbound: %v", err)
+	}
+	hs, err := newRegistry(append(builtinHandlers, Handler{Name: "emitter", Handler: ledger.Handler{}, Encoders: []*schemaregistry.Encoder{enc}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	setEnv(t, with("HANDLER", "emitter", "SCHEMA_REGISTRY_URL", "http://127.0.0.1:1", "SCHEMA_REGISTRY_TIMEOUT", "1s"))
+	if _, err := loadEnv(hs); err != nil {
+		t.Fatal(err)
+	}
+	_, err = enc.Encode(context.Background(), "x")
+	if processor.Classify(err) != processor.ClassInfrastructure || !strings.Contains(err.Error(), "look up the schema of subject shipped-value") {
+		t.Errorf("bound, the registry down: %v (%v)", err, processor.Classify(err))
 	}
 }

@@ -96,7 +96,11 @@ type Handler struct {
 	// Prepare and Handle: schemaregistry.AvroFormat[Order](schema), ProtobufFormat[*pb.Order](),
 	// JSONSchemaFormat[Order](). TOPIC_<topic>_VALUE_FORMAT (_KEY_FORMAT) overrides it: avro,
 	// protobuf or json-schema decode without a Go type, none not at all.
-	Values, Keys   schemaregistry.Format
+	Values, Keys schemaregistry.Format
+	// Encoders are the handler's Encoders of the events it emits in the wire format
+	// (schemaregistry.AvroEncoder(nil, subject, schema) and the like): the service binds them to
+	// the registry SCHEMA_REGISTRY_URL names when it starts.
+	Encoders       []*schemaregistry.Encoder
 	RetryTiers     []time.Duration
 	LocalAttempts  int
 	OnDeadLetter   processor.OnDeadLetter

@@ -63,7 +63,7 @@ type EncoderOpt func(*Encoder)
 func AutoRegister() EncoderOpt { return func(e *Encoder) { e.auto = true } }
 
 // AvroEncoder returns an Encoder of values (a struct with avro tags, or a map) with the Avro
-// schema, under subject.
+// schema, under subject. reg may be nil until Bind.
 func AvroEncoder(reg *Registry, subject, schema string, opts ...EncoderOpt) (*Encoder, error) {
 	s, err := avro.ParseWithCache(schema, "", &avro.SchemaCache{})
 	if err != nil {
@@ -103,6 +103,17 @@ func newEncoder(reg *Registry, subject string, s sr.Schema, index []int, encode 
 // Subject is the subject the Encoder's schema is under.
 func (e *Encoder) Subject() string { return e.subject }
 
+// Bind sets the registry of an Encoder made without one (a nil *Registry): a service's handler
+// declares its Encoders (service.Handler.Encoders), and the service binds them to the registry
+// SCHEMA_REGISTRY_URL names when it starts.
+func (e *Encoder) Bind(reg *Registry) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.reg != reg {
+		e.reg, e.id = reg, 0
+	}
+}
+
 // Encode returns v in the wire format: the schema's id (see Encoder), then v encoded.
 func (e *Encoder) Encode(ctx context.Context, v any) ([]byte, error) {
 	id, err := e.schemaID(ctx)
@@ -128,6 +139,9 @@ func (e *Encoder) schemaID(ctx context.Context) (int, error) {
 	defer e.mu.Unlock()
 	if e.id != 0 {
 		return e.id, nil
+	}
+	if e.reg == nil {
+		return 0, fmt.Errorf("schemaregistry: the encoder of subject %s has no registry: give it one, or declare it in service.Handler.Encoders", e.subject)
 	}
 	fctx, cancel := context.WithTimeout(ctx, e.reg.timeout)
 	defer cancel()
