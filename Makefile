@@ -88,6 +88,11 @@ chaos-upgrade: build ## make chaos through a rolling upgrade from RELEASE_BEFORE
 	$(GO) build -o $(BIN)/ ./internal/rig/chaos
 	$(BIN)/chaos -upgrade-from $(BIN)/processor-$(RELEASE_BEFORE) -handler ledger-forward -postgres async-standby -duration 2m $(CHAOS_FLAGS)
 
+.PHONY: chaos-registry
+chaos-registry: build ## make chaos on Avro events in the Schema Registry's wire format: a real registry (started here), new schema versions during the run, the registry cut among the faults
+	$(GO) build -o $(BIN)/ ./internal/rig/chaos
+	scripts/with-postgres.sh DATABASE_URL scripts/schema-registry.sh with SCHEMA_REGISTRY_URL $(BIN)/chaos -schema-registry $(CHAOS_FLAGS)
+
 .PHONY: chaos-pgbouncer
 chaos-pgbouncer: build ## make chaos with the processors behind PgBouncer (Debian's) in transaction mode
 	$(GO) build -o $(BIN)/ ./internal/rig/chaos

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -53,6 +54,7 @@ func TestARegistryOutageWaitsAndBadBytesAreDeadLettered(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		t.Cleanup(reg.Close)
 		ss, err := reg.Client().CreateSchema(ctx, h.Topic+"-value", sr.Schema{Schema: avroOrder})
 		if err != nil {
 			t.Fatal(err)
@@ -133,4 +135,89 @@ func TestARegistryOutageWaitsAndBadBytesAreDeadLettered(t *testing.T) {
 			t.Errorf("%d records went to a retry tier", tiers)
 		}
 	})
+}
+
+// TestHeldRecordsAreDecodedToo: the records held behind a key whose first record went round the
+// retry tiers reach the handler decoded, as the others (before, a held record prepared by a
+// transaction that did not commit came back with its Prepare's result but without its decoded
+// value: the ledger read the wire format's bytes as JSON and dead-lettered it).
+func TestHeldRecordsAreDecodedToo(t *testing.T) {
+	testenv.EachBroker(t, func(t *testing.T, k *testenv.Kafka) {
+		t.Parallel()
+		ctx := context.Background()
+		h := testkit.New(t, k, 1)
+		if _, err := h.Pool.Exec(ctx, `CREATE TABLE orders (id text PRIMARY KEY, amount bigint NOT NULL, "offset" bigint NOT NULL)`); err != nil {
+			t.Fatal(err)
+		}
+		reg, err := schemaregistry.New(schemaregistry.Config{URLs: []string{testenv.SchemaRegistry(t)}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(reg.Close)
+		ss, err := reg.Client().CreateSchema(ctx, h.Topic+"-value", sr.Schema{Schema: avroOrder})
+		if err != nil {
+			t.Fatal(err)
+		}
+		dec, err := schemaregistry.Avro[avroOrderT](reg, avroOrder)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := h.Config(processor.HandlerFunc(func(ctx context.Context, tx pgx.Tx, rec *processor.Record) error {
+			o, err := processor.DecodedAs[avroOrderT](rec)
+			if err != nil {
+				return processor.Permanent(err)
+			}
+			if o.ID == "o-0" && rec.Attempt == 1 {
+				return fmt.Errorf("o-0 fails its first delivery")
+			}
+			if o.ID == "o-2" && rec.Attempt == 1 && !failedOnce(rec) {
+				return fmt.Errorf("o-2 fails once, held: its batch's transaction does not commit")
+			}
+			_, err = tx.Exec(ctx, `INSERT INTO orders (id, amount, "offset") VALUES ($1, $2, $3)`, o.ID, o.Amount, rec.Offset)
+			return err
+		}))
+		cfg.LocalAttempts = 2
+		cfg.RetryTiers = []time.Duration{200 * time.Millisecond}
+		cfg.TopicPolicies = map[string]processor.TopicPolicy{h.Topic: {Values: dec}}
+		h.Start(cfg)
+		var recs []*kgo.Record
+		for i := range 4 {
+			b, err := avro.Marshal(avro.MustParse(avroOrder), avroOrderT{fmt.Sprintf("o-%d", i), int64(i)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var hd sr.ConfluentHeader
+			v, _ := hd.AppendEncode(nil, ss.ID, nil)
+			recs = append(recs, &kgo.Record{Topic: h.Topic, Key: []byte("same key"), Value: append(v, b...)})
+		}
+		k.Produce(t, recs...)
+		testenv.Eventually(t, 30*time.Second, func() error {
+			var applied, dead int
+			if err := h.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM orders), (SELECT count(*) FROM kafkapg.dead_letters)`).Scan(&applied, &dead); err != nil {
+				return err
+			}
+			if dead > 0 {
+				var msg string
+				_ = h.Pool.QueryRow(ctx, `SELECT error_message FROM kafkapg.dead_letters LIMIT 1`).Scan(&msg)
+				t.Fatalf("%d dead-lettered: %s", dead, msg)
+			}
+			if applied != 4 {
+				return fmt.Errorf("%d of 4 applied", applied)
+			}
+			return nil
+		})
+		rows, _ := h.Pool.Query(ctx, `SELECT id FROM orders ORDER BY "offset"`)
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil || !slices.Equal(ids, []string{"o-0", "o-1", "o-2", "o-3"}) {
+			t.Errorf("applied %v (%v)", ids, err)
+		}
+	})
+}
+
+// failedOnce reports, the first time it is asked about a record, that it has not failed yet.
+var failedOnceSeen sync.Map
+
+func failedOnce(rec *processor.Record) bool {
+	_, seen := failedOnceSeen.LoadOrStore(fmt.Sprint(rec.Topic, rec.Partition, rec.Offset), true)
+	return seen
 }

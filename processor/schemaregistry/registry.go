@@ -47,6 +47,7 @@ type Config struct {
 // Registry fetches and keeps the schemas records carry, by id. Safe for concurrent use.
 type Registry struct {
 	cl      *sr.Client
+	tr      *http.Transport
 	timeout time.Duration
 
 	fetches singleflight.Group // by id: one request however many records wait
@@ -85,8 +86,12 @@ func New(cfg Config) (*Registry, error) {
 	if err != nil {
 		return nil, fmt.Errorf("schemaregistry: %w", err)
 	}
-	return &Registry{cl: cl, timeout: timeout, byID: map[int]*Schema{}}, nil
+	return &Registry{cl: cl, tr: tr, timeout: timeout, byID: map[int]*Schema{}}, nil
 }
+
+// Close closes the Registry's idle connections to the registry. What it fetched stays; a later
+// call connects again.
+func (r *Registry) Close() { r.tr.CloseIdleConnections() }
 
 // Client returns the franz-go client the Registry uses, to register schemas, say.
 func (r *Registry) Client() *sr.Client { return r.cl }
