@@ -106,7 +106,7 @@ BENCH ?= .
 
 .PHONY: bench
 bench: ## End-to-end throughput and memory: kafkapg vs hand-written loops on the same data (durable Postgres); BENCH=<regexp> picks
-	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test -run '^$$' -bench '$(BENCH)' -benchtime 1x -count 1 -timeout 60m ./internal/rig/bench/
+	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL scripts/schema-registry.sh with TEST_SCHEMA_REGISTRY_URL $(GO) test -run '^$$' -bench '$(BENCH)' -benchtime 1x -count 1 -timeout 60m ./internal/rig/bench/
 
 .PHONY: lint
 lint: ## gofmt check, go.mod tidy check and go vet (staticcheck too if installed)
