@@ -22,8 +22,8 @@ build: ## Build bin/processor, bin/devbroker, bin/demo and bin/kafkapg (the dev 
 	$(GO) build -o $(BIN)/ ./cmd/...
 
 .PHONY: demo
-demo: build ## Run the ledger demo: dev broker, throwaway Postgres, processor, report
-	scripts/with-postgres.sh DATABASE_URL $(BIN)/demo
+demo: build ## Run the ledger demo: dev broker, throwaway Postgres, a Schema Registry when java can run one (the events in Avro), processor, report
+	scripts/with-postgres.sh DATABASE_URL scripts/schema-registry.sh with-optional SCHEMA_REGISTRY_URL $(BIN)/demo
 
 .PHONY: test
 test: ## Unit and integration tests (real Postgres and Schema Registry; kfake, plus real Kafka if KAFKA_BROKERS is set)

@@ -17,6 +17,8 @@
 #   with     run CMD with VAR set to the URL of a registry of its own (a free port, a temp
 #            directory), stopped afterwards; if VAR is already set, CMD runs against that one.
 #            `make test` runs the tests so: scripts/schema-registry.sh with TEST_SCHEMA_REGISTRY_URL go test ...
+#   with-optional  the same, but a registry that cannot start (no java, Maven Central out of reach)
+#            is not an error: CMD runs without VAR, after a note on stderr. `make demo` runs so.
 #
 # Environment (all optional):
 #   KAFKAPG_CACHE          cache root                   (default $HOME/.cache/kafkapg)
@@ -140,6 +142,11 @@ stop() {
 
 # with VAR CMD...: see the usage above.
 with() {
+	local optional=false
+	if [[ "${1:-}" == --optional ]]; then
+		optional=true
+		shift
+	fi
 	local var="${1:-}"
 	shift || true
 	[[ -n "$var" && $# -gt 0 ]] || die "usage: $0 with VAR CMD [ARG...]"
@@ -167,7 +174,14 @@ with() {
 		if (start >/dev/null); then
 			break
 		fi
-		((try < 3)) || die "no registry after three ports"
+		if ((try == 3)); then
+			$optional || die "no registry after three ports"
+			echo "schema-registry.sh: no Schema Registry could start (the reason is above); running without $var" >&2
+			stop
+			rm -rf "$STATE_DIR"
+			trap - EXIT
+			exec "$@"
+		fi
 	done
 	export "$var=$URL"
 	local rc=0
@@ -184,5 +198,6 @@ fetch) fetch ;;
 url) echo "$URL" ;;
 log) tail -100 "$LOG_FILE" ;;
 with) shift; with "$@" ;;
-*) die "usage: $0 start|stop|status|restart|fetch|url|log, or $0 with VAR CMD [ARG...]" ;;
+with-optional) shift; with --optional "$@" ;;
+*) die "usage: $0 start|stop|status|restart|fetch|url|log, or $0 with|with-optional VAR CMD [ARG...]" ;;
 esac
