@@ -22,12 +22,12 @@ build: ## Build bin/processor, bin/devbroker, bin/demo and bin/kafkapg (the dev 
 	$(GO) build -o $(BIN)/ ./cmd/...
 
 .PHONY: demo
-demo: build ## Run the ledger demo: dev broker, throwaway Postgres, processor, report
-	scripts/with-postgres.sh DATABASE_URL $(BIN)/demo
+demo: build ## Run the ledger demo: dev broker, throwaway Postgres, a Schema Registry when java can run one (the events in Avro), processor, report
+	scripts/with-postgres.sh DATABASE_URL scripts/schema-registry.sh with-optional SCHEMA_REGISTRY_URL $(BIN)/demo
 
 .PHONY: test
-test: ## Unit and integration tests (real Postgres; kfake, plus real Kafka if KAFKA_BROKERS is set)
-	scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test $(TESTFLAGS) $(PKGS)
+test: ## Unit and integration tests (real Postgres and Schema Registry; kfake, plus real Kafka if KAFKA_BROKERS is set)
+	scripts/with-postgres.sh TEST_DATABASE_URL scripts/schema-registry.sh with TEST_SCHEMA_REGISTRY_URL $(GO) test $(TESTFLAGS) $(PKGS)
 
 # PROTOCOL_CHECKS histories of about PROTOCOL_STEPS steps each (make test runs 10,000 of 100).
 PROTOCOL_CHECKS ?= 300000
@@ -88,6 +88,11 @@ chaos-upgrade: build ## make chaos through a rolling upgrade from RELEASE_BEFORE
 	$(GO) build -o $(BIN)/ ./internal/rig/chaos
 	$(BIN)/chaos -upgrade-from $(BIN)/processor-$(RELEASE_BEFORE) -handler ledger-forward -postgres async-standby -duration 2m $(CHAOS_FLAGS)
 
+.PHONY: chaos-registry
+chaos-registry: build ## make chaos on Avro events in the Schema Registry's wire format: a real registry (started here), new schema versions during the run, the registry cut among the faults
+	$(GO) build -o $(BIN)/ ./internal/rig/chaos
+	scripts/with-postgres.sh DATABASE_URL scripts/schema-registry.sh with SCHEMA_REGISTRY_URL $(BIN)/chaos -schema-registry $(CHAOS_FLAGS)
+
 .PHONY: chaos-pgbouncer
 chaos-pgbouncer: build ## make chaos with the processors behind PgBouncer (Debian's) in transaction mode
 	$(GO) build -o $(BIN)/ ./internal/rig/chaos
@@ -101,7 +106,7 @@ BENCH ?= .
 
 .PHONY: bench
 bench: ## End-to-end throughput and memory: kafkapg vs hand-written loops on the same data (durable Postgres); BENCH=<regexp> picks
-	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL $(GO) test -run '^$$' -bench '$(BENCH)' -benchtime 1x -count 1 -timeout 60m ./internal/rig/bench/
+	PG_FSYNC=on scripts/with-postgres.sh TEST_DATABASE_URL scripts/schema-registry.sh with TEST_SCHEMA_REGISTRY_URL $(GO) test -run '^$$' -bench '$(BENCH)' -benchtime 1x -count 1 -timeout 60m ./internal/rig/bench/
 
 .PHONY: lint
 lint: ## gofmt check, go.mod tidy check and go vet (staticcheck too if installed)

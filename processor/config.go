@@ -80,6 +80,10 @@ type TopicPolicy struct {
 	IdempotencyKey IdempotencyKey
 	// Concurrency replaces Config.Concurrency.
 	Concurrency int
+	// Values, if not nil, decodes the topic's record values before its handler sees them
+	// (Record.Decoded), and Keys its keys (Record.DecodedKey): see Decoder, and package schemaregistry
+	// for the Schema Registry's formats.
+	Values, Keys Decoder
 }
 
 // Config configures a Processor. Zero fields take the defaults their comments give. The service
@@ -123,7 +127,8 @@ type Config struct {
 	// of different keys are prepared side by side, ahead of the partition's transactions, which
 	// still apply them in offset order; the records of one key are prepared one at a time, in
 	// offset order. 1 prepares each record just before its Handle, in its batch's transaction.
-	// More than 1 needs a Preparer. At most 10000. Defaults to 1.
+	// More than 1 needs a Preparer, or a Decoder (TopicPolicy.Values, Keys): decoding runs
+	// concurrently too. At most 10000. Defaults to 1.
 	Concurrency int
 	// MaxBufferedBytes bounds the memory that fetched records take while they wait to be applied
 	// or are being applied, across all partitions (source and retry tiers): fetching stops while
@@ -441,6 +446,9 @@ func (c *Config) policy(topic string) *policy {
 	p.batch, _ = p.handler.(BatchHandler)
 	p.classifier, _ = p.handler.(ErrorClassifier)
 	p.preparer, _ = p.handler.(Preparer)
+	if tp.Values != nil || tp.Keys != nil {
+		p.preparer = decodingPreparer{values: tp.Values, keys: tp.Keys, next: p.preparer}
+	}
 	return p
 }
 
@@ -533,7 +541,7 @@ func (c *Config) validate() error {
 			continue
 		}
 		if pol := c.policy(t); pol.concurrency > 1 && pol.preparer == nil {
-			e := &ConfigError{Field: "Concurrency", Err: fmt.Errorf("is %d for topic %q, whose handler (%T) does not implement Preparer: only a Preparer's step runs concurrently (Handle runs in the partition's transaction, in offset order)",
+			e := &ConfigError{Field: "Concurrency", Err: fmt.Errorf("is %d for topic %q, whose handler (%T) does not implement Preparer and which has no Decoder: only a Preparer's step and decoding run concurrently (Handle runs in the partition's transaction, in offset order)",
 				pol.concurrency, t, pol.handler)}
 			if c.TopicPolicies[t].Concurrency > 1 {
 				e.Topic = t

@@ -292,7 +292,7 @@ func TestConfigurationStatesTheCodesNumbers(t *testing.T) {
 			fmt.Sprintf("At most %d. See [Slow handlers]", maxConcurrency),
 			fmt.Sprintf("Must exceed the %s handoff of a revoked partition (`HandoffTimeout`).", durText(def.HandoffTimeout)),
 		},
-		"config.go": {fmt.Sprintf("// More than 1 needs a Preparer. At most %d. Defaults to 1.", maxConcurrency)},
+		"config.go": {fmt.Sprintf("// concurrently too. At most %d. Defaults to 1.", maxConcurrency)},
 	} {
 		b, err := os.ReadFile(file)
 		if err != nil {

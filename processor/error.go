@@ -158,6 +158,10 @@ func fixedClass(err error) (ErrorClass, bool) {
 	if errors.Is(err, sink.ErrConnLost) || errors.Is(err, sink.ErrCommitUnknown) || errors.As(err, &infra) {
 		return ClassInfrastructure, true
 	}
+	var de *DecodeError
+	if errors.As(err, &de) {
+		return de.class(), true
+	}
 	return 0, false
 }
 

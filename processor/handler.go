@@ -65,6 +65,10 @@ type Record struct {
 	// Prepared is what the handler's Prepare left for its Handle (see Preparer); nil when the
 	// handler is no Preparer.
 	Prepared any
+	// Decoded is the record's value decoded by its topic's Decoder (TopicPolicy.Values), and
+	// DecodedKey its key (TopicPolicy.Keys); nil without one, or for a null value or key. See
+	// DecodedAs.
+	Decoded, DecodedKey any
 }
 
 // Emit writes events into tx, the transaction the record is being handled in: they are published

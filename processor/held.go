@@ -539,7 +539,7 @@ func (d *heldApplier) heldRecord(r retrytopics.Rec) *Record {
 	if d.prepared != nil {
 		d.mu.Lock()
 		if c, ok := d.prepared[rec.origin()]; ok && c.attempt == rec.Attempt {
-			rec.prepared, rec.Prepared = true, c.v
+			rec.prepared, rec.Prepared, rec.Decoded, rec.DecodedKey = true, c.v, c.decoded, c.decodedKey
 		}
 		d.mu.Unlock()
 	}
@@ -561,7 +561,7 @@ func (d *heldApplier) keepPrepared(recs []*Record) {
 	}
 	for _, r := range recs {
 		if r.prepared {
-			d.prepared[r.origin()] = keptPrepare{attempt: r.Attempt, v: r.Prepared}
+			d.prepared[r.origin()] = keptPrepare{attempt: r.Attempt, v: r.Prepared, decoded: r.Decoded, decodedKey: r.DecodedKey}
 		}
 	}
 }
@@ -584,8 +584,9 @@ const maxKeptPrepared = 10000
 
 // keptPrepare is what a held record's Prepare left, at its delivery attempt.
 type keptPrepare struct {
-	attempt int
-	v       any
+	attempt             int
+	v                   any // Record.Prepared
+	decoded, decodedKey any // Record.Decoded and DecodedKey: decoding is part of the Prepare
 }
 
 func heldRecord(r retrytopics.Rec) *Record {

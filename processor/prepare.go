@@ -52,6 +52,11 @@ type Preparer interface {
 // ends, the key's lock is given back even if Prepare has not returned (see prepLocks.lock), and a
 // Prepare that returns after it is discarded (an error: nobody is left to handle its record).
 func (p *Processor) prepareOne(ctx context.Context, pol *policy, r *Record) error {
+	if d, ok := pol.preparer.(decodingPreparer); ok && d.next == nil {
+		// Decoding alone: no code of the handler's runs, so no key's lock, watch or span is
+		// needed (decoding is a pure function of the bytes, the registry's answers cached).
+		return p.call([]*Record{r}, func() error { return d.Prepare(ctx, r) })
+	}
 	if r.ordered {
 		unlock, err := p.prepLocks.lock(ctx, prepKey{r.Topic, r.Partition, string(r.Key)})
 		if err != nil {

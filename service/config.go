@@ -20,6 +20,7 @@ import (
 	"github.com/kafkapg/kafkapg/internal/console"
 	"github.com/kafkapg/kafkapg/internal/tracing"
 	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/processor/schemaregistry"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
@@ -35,6 +36,7 @@ type dbEnv struct {
 type env struct {
 	dbEnv
 	kafkaSecurityEnv
+	schemaRegistryEnv
 	KafkaBrokers          []string      `envconfig:"KAFKA_BROKERS" field:"Brokers"` // required by run: see validate
 	KafkaGroupID          string        `envconfig:"KAFKA_GROUP_ID" field:"Group"`  // required: see validate
 	KafkaTopics           []string      `envconfig:"KAFKA_TOPICS" field:"Topics"`
@@ -86,11 +88,13 @@ type env struct {
 	LogLevel             string        `envconfig:"LOG_LEVEL" default:"info"`
 	LogFormat            string        `envconfig:"LOG_FORMAT" default:"json"`
 
-	tiers     []time.Duration        // RETRY_TIERS, parsed
-	kafkaOpts []kgo.Opt              // KAFKA_TLS_*, KAFKA_SASL_*, parsed
-	tracing   tracingSetup           // OTEL_*, parsed
-	topics    map[string]topicPolicy // TOPIC_<topic>_*, parsed, by topic
-	test      processor.TestConfig   // a test harness's hooks (package servicetest); zero in a service
+	tiers     []time.Duration                 // RETRY_TIERS, parsed
+	kafkaOpts []kgo.Opt                       // KAFKA_TLS_*, KAFKA_SASL_*, parsed
+	tracing   tracingSetup                    // OTEL_*, parsed
+	topics    map[string]topicPolicy          // TOPIC_<topic>_*, parsed, by topic
+	sr        *schemaregistry.Registry        // SCHEMA_REGISTRY_*, or nil
+	decoders  map[string][2]processor.Decoder // by topic: its values' and keys' (see buildDecoders)
+	test      processor.TestConfig            // a test harness's hooks (package servicetest); zero in a service
 }
 
 // batchWait is BATCH_MAX_WAIT: a duration, or none (processor.NoBatchWait).
@@ -112,8 +116,11 @@ type topicPolicy struct {
 	handler string
 	// idempotencyKeySet says TOPIC_<topic>_IDEMPOTENCY_KEY was set: it overrides the handler's.
 	idempotencyKeySet bool
-	policy            processor.TopicPolicy
-	vars              map[string]string // processor.TopicPolicy field -> the variable that set it
+	// values and keys are TOPIC_<topic>_VALUE_FORMAT and _KEY_FORMAT; nil for none (also when
+	// set to none, which overrides the handler's).
+	values, keys schemaregistry.Format
+	policy       processor.TopicPolicy
+	vars         map[string]string // processor.TopicPolicy field -> the variable that set it
 }
 
 // topicSettings are the per-topic variables, TOPIC_<topic>_<setting>, and the TopicPolicy field
@@ -126,6 +133,8 @@ var topicSettings = []struct{ name, field string }{
 	{"MAX_RECORD_BYTES", "MaxRecordBytes"},
 	{"IDEMPOTENCY_KEY", "IdempotencyKey"},
 	{"CONCURRENCY", "Concurrency"},
+	{"VALUE_FORMAT", "Values"},
+	{"KEY_FORMAT", "Keys"},
 }
 
 // topicPrefix starts every per-topic variable.
@@ -169,7 +178,7 @@ func loadDBEnv() (*dbEnv, error) {
 func loadEnv(hs *registry) (*env, error) {
 	var e env
 	// envconfig skips unexported embedded structs: they are read on their own.
-	if err := errors.Join(process(&e.dbEnv), process(&e.kafkaSecurityEnv), process(&e)); err != nil {
+	if err := errors.Join(process(&e.dbEnv), process(&e.kafkaSecurityEnv), process(&e.schemaRegistryEnv), process(&e)); err != nil {
 		return nil, &configError{err}
 	}
 	e.KafkaBrokers = cleanList(e.KafkaBrokers)
@@ -190,7 +199,7 @@ func loadEnv(hs *registry) (*env, error) {
 // Postgres (see operate). HANDLER is not needed: the commands apply nothing.
 func loadOpsEnv(hs *registry) (*env, error) {
 	var e env
-	if err := errors.Join(process(&e.dbEnv), process(&e.kafkaSecurityEnv), process(&e)); err != nil {
+	if err := errors.Join(process(&e.dbEnv), process(&e.kafkaSecurityEnv), process(&e.schemaRegistryEnv), process(&e)); err != nil {
 		return nil, &configError{err}
 	}
 	e.KafkaBrokers = cleanList(e.KafkaBrokers)
@@ -210,6 +219,9 @@ func loadOpsEnv(hs *registry) (*env, error) {
 	opts, err := e.kafkaSecurityEnv.options()
 	errs = append(errs, err, tracing.CheckViewerURL(e.TraceURL))
 	e.kafkaOpts = opts
+	sr, err := e.schemaRegistryEnv.registry() // values in the wire format are shown decoded
+	errs = append(errs, err)
+	e.sr = sr
 	if len(e.KafkaTopics) > 0 { // per-topic variables name topics of KAFKA_TOPICS
 		topics, err := topicEnv(e.KafkaTopics, hs)
 		errs = append(errs, err)
@@ -376,6 +388,10 @@ func (e *env) validate(hs *registry) error {
 	topics, err := topicEnv(e.KafkaTopics, hs)
 	errs = append(errs, err)
 	e.topics = topics
+	sr, err := e.schemaRegistryEnv.registry()
+	errs = append(errs, err)
+	e.sr = sr
+	errs = append(errs, e.buildDecoders(hs))
 	if e.Handler == "" && !e.RelayOnly {
 		var without []string
 		for _, t := range e.KafkaTopics {
@@ -510,6 +526,19 @@ func (tp *topicPolicy) set(setting, value string, hs *registry) error {
 		}
 	case "ON_DEAD_LETTER":
 		tp.policy.OnDeadLetter = processor.OnDeadLetter(value)
+	case "VALUE_FORMAT", "KEY_FORMAT":
+		var f schemaregistry.Format
+		if v := strings.TrimSpace(value); v != "none" {
+			var err error
+			if f, err = schemaregistry.FormatNamed(v); err != nil {
+				return fmt.Errorf("%w, or none", err)
+			}
+		}
+		if setting == "VALUE_FORMAT" {
+			tp.values = f
+		} else {
+			tp.keys = f
+		}
 	case "IDEMPOTENCY_KEY":
 		key, err := parseIdempotencyKey(value)
 		if err != nil {
@@ -686,6 +715,10 @@ func (e *env) topicPolicy(hs *registry, topic string) (tp processor.TopicPolicy,
 	fromGo("OnDeadLetter", h.OnDeadLetter != "", func() { tp.OnDeadLetter = h.OnDeadLetter })
 	fromGo("MaxRecordBytes", h.MaxRecordBytes != 0, func() { tp.MaxRecordBytes = h.MaxRecordBytes })
 	fromGo("Concurrency", h.Concurrency != 0, func() { tp.Concurrency = h.Concurrency })
+	if d := e.decoders[topic]; d[0] != nil || d[1] != nil {
+		tp.Values, tp.Keys = d[0], d[1]
+		set = true
+	}
 	return tp, set
 }
 
@@ -716,6 +749,10 @@ func (e *env) settingSource(hs *registry, topic, field string) string {
 		isSet = h.MaxRecordBytes != 0
 	case "Concurrency":
 		isSet = h.Concurrency != 0
+	case "Values":
+		isSet = h.Values != nil
+	case "Keys":
+		isSet = h.Keys != nil
 	}
 	if !isSet {
 		return ""

@@ -115,6 +115,8 @@ func TestLoadEnvDefaults(t *testing.T) {
 		LogFormat:             "json",
 		tracing:               tracingSetup{exporter: "none"},
 		topics:                map[string]topicPolicy{},
+		schemaRegistryEnv:     schemaRegistryEnv{Timeout: 5 * time.Second},
+		decoders:              map[string][2]processor.Decoder{"orders": {}},
 	}
 	if !reflect.DeepEqual(e, want) {
 		t.Fatalf("loadEnv(builtins()) =\n %+v\nwant\n %+v", e, want)

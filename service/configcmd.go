@@ -51,6 +51,8 @@ type topicSettingsShown struct {
 	MaxRecordBytes int               `json:"max_record_bytes"`
 	Concurrency    int               `json:"concurrency"`
 	IdempotencyKey string            `json:"idempotency_key"`
+	ValueFormat    string            `json:"value_format"` // how values are decoded: none, avro, avro into main.Order, ...
+	KeyFormat      string            `json:"key_format"`
 	From           map[string]string `json:"from"` // setting -> where its value came from
 }
 
@@ -109,6 +111,8 @@ func configCmd(args []string, hs *registry, stdout, stderr io.Writer) error {
 		row("max record bytes", fmt.Sprint(t.MaxRecordBytes), t.From["max_record_bytes"])
 		row("concurrency", fmt.Sprint(t.Concurrency), t.From["concurrency"])
 		row("idempotency key", t.IdempotencyKey, t.From["idempotency_key"])
+		row("value format", t.ValueFormat, t.From["value_format"])
+		row("key format", t.KeyFormat, t.From["key_format"])
 		tw.Flush()
 	}
 	return nil
@@ -182,7 +186,7 @@ func redact(name, value string) string {
 		return ""
 	}
 	switch name {
-	case "OPERATOR_TOKEN", "KAFKA_SASL_PASSWORD":
+	case "OPERATOR_TOKEN", "KAFKA_SASL_PASSWORD", "SCHEMA_REGISTRY_PASSWORD", "SCHEMA_REGISTRY_BEARER_TOKEN":
 		return redacted
 	case "CONSOLE_USERS", "CONSOLE_TOKENS", "OPERATOR_TOKENS":
 		parse := console.ParseUsers
@@ -448,6 +452,20 @@ func (e *env) topicShown(hs *registry, topic string) topicSettingsShown {
 	default: // the handler's Go field: named as it was built, a function of the user's never called
 		ts.IdempotencyKey = tp.IdempotencyKey.String()
 		ts.From["idempotency_key"] = src
+	}
+	values, keys := e.formats(hs, topic)
+	ts.ValueFormat, ts.KeyFormat = "none", "none"
+	if values != nil {
+		ts.ValueFormat = values.String() + " (the Schema Registry's wire format)"
+	}
+	if keys != nil {
+		ts.KeyFormat = keys.String() + " (the Schema Registry's wire format)"
+	}
+	if src := e.settingSource(hs, topic, "Values"); src != "" {
+		ts.From["value_format"] = src
+	}
+	if src := e.settingSource(hs, topic, "Keys"); src != "" {
+		ts.From["key_format"] = src
 	}
 	return ts
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/safetext"
+	"github.com/kafkapg/kafkapg/processor/schemaregistry"
 )
 
 const dlqUsage = `usage: %[1]s dlq COMMAND [flags]
@@ -229,8 +231,16 @@ func dlqShow(ctx context.Context, c *opsCmd, args []string) error {
 	if err != nil {
 		return err
 	}
+	decoded, notDecoded := c.decoded(ctx, d.Value, d.ValueTruncated)
 	if *asJSON {
-		return c.json(d)
+		out := struct {
+			ops.DeadLetter
+			// Decoded is the value decoded with its schema (the Schema Registry's wire format);
+			// NotDecoded says why a value in that format was not.
+			Decoded    *decodedValue `json:"decoded_value,omitempty"`
+			NotDecoded string        `json:"not_decoded,omitempty"`
+		}{d, decoded, notDecoded}
+		return c.json(out)
 	}
 	w := c.out
 	fmt.Fprintf(w, "dead letter %d: %s[%d]@%d, status %s since %s", d.ID, d.Topic, d.Partition, d.Offset, d.Status, d.StatusChangedAt.UTC().Format(time.RFC3339))
@@ -246,7 +256,18 @@ func dlqShow(ctx context.Context, c *opsCmd, args []string) error {
 		d.FirstFailedAt.UTC().Format(time.RFC3339), d.DeadLetteredAt.UTC().Format(time.RFC3339))
 	fmt.Fprintf(w, "  timestamp:  %s\n", d.Timestamp.Format(time.RFC3339Nano))
 	fmt.Fprintf(w, "  key:        %s\n", showBytes(d.Key))
-	fmt.Fprintf(w, "  value:      %s\n", showBytes(d.Value))
+	switch {
+	case decoded != nil:
+		fmt.Fprintf(w, "  value:      %s, decoded:\n", decoded.Schema)
+		for _, line := range strings.Split(decoded.rendered, "\n") {
+			fmt.Fprintf(w, "              %s\n", line)
+		}
+	case notDecoded != "":
+		fmt.Fprintf(w, "  value:      %s\n", showBytes(d.Value))
+		fmt.Fprintf(w, "              (%s)\n", notDecoded)
+	default:
+		fmt.Fprintf(w, "  value:      %s\n", showBytes(d.Value))
+	}
 	if d.ValueTruncated {
 		fmt.Fprintf(w, "              (its first %d bytes of %d were read; --value-bytes reads more)\n", len(d.Value), d.ValueSize)
 	}
@@ -615,3 +636,28 @@ func printable(b []byte) bool {
 }
 
 func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }
+
+// decodedValue is a value decoded with its schema, as dlq show gives it.
+type decodedValue struct {
+	Schema   string          `json:"schema"` // what it is: type, schema id, subjects
+	SchemaID int             `json:"schema_id"`
+	Value    json.RawMessage `json:"value"`
+	rendered string
+}
+
+// decoded decodes v with its schema when it is in the Schema Registry's wire format and
+// SCHEMA_REGISTRY_URL is set; notDecoded says why a value in that format was not (a truncated
+// one cannot be: --value-bytes reads more).
+func (c *opsCmd) decoded(ctx context.Context, v []byte, truncated bool) (*decodedValue, string) {
+	if c.env.sr == nil || !schemaregistry.LooksLikeWireFormat(v) {
+		return nil, ""
+	}
+	if truncated {
+		return nil, fmt.Sprintf("in the Schema Registry's wire format, not decoded: only its first %d bytes were read; --value-bytes reads more", len(v))
+	}
+	rd, err := c.env.sr.Render(ctx, v)
+	if err != nil {
+		return nil, "in the Schema Registry's wire format, not decoded: " + err.Error()
+	}
+	return &decodedValue{Schema: rd.Describe(), SchemaID: rd.SchemaID, Value: json.RawMessage(rd.JSON), rendered: rd.JSON}, ""
+}

@@ -61,6 +61,7 @@ import (
 	"github.com/kafkapg/kafkapg/internal/schema"
 	"github.com/kafkapg/kafkapg/internal/tracing"
 	"github.com/kafkapg/kafkapg/processor"
+	"github.com/kafkapg/kafkapg/processor/schemaregistry"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
@@ -90,6 +91,16 @@ type Handler struct {
 	// ON_DEAD_LETTER, MAX_RECORD_BYTES) for these topics, and TOPIC_<topic>_<setting> overrides
 	// it in turn. An empty, non-nil RetryTiers means no tiers: records are dead-lettered after
 	// their local attempts. `<binary> config` shows which one is in force, and where it came from.
+	// Values and Keys, if set, decode the values (keys) of every topic this handler handles with
+	// the Schema Registry at SCHEMA_REGISTRY_URL, into Record.Decoded (DecodedKey), before
+	// Prepare and Handle: schemaregistry.AvroFormat[Order](schema), ProtobufFormat[*pb.Order](),
+	// JSONSchemaFormat[Order](). TOPIC_<topic>_VALUE_FORMAT (_KEY_FORMAT) overrides it: avro,
+	// protobuf or json-schema decode without a Go type, none not at all.
+	Values, Keys schemaregistry.Format
+	// Encoders are the handler's Encoders of the events it emits in the wire format
+	// (schemaregistry.AvroEncoder(nil, subject, schema) and the like): the service binds them to
+	// the registry SCHEMA_REGISTRY_URL names when it starts.
+	Encoders       []*schemaregistry.Encoder
 	RetryTiers     []time.Duration
 	LocalAttempts  int
 	OnDeadLetter   processor.OnDeadLetter
@@ -655,7 +666,7 @@ func serveConsole(ctx context.Context, env *env, concurrency map[string]int, key
 	sctx, stopSampling := context.WithCancel(ctx)
 	go samples.Run(sctx)
 	con, err := console.New(console.Config{
-		Ops: o, Admin: kadm.NewClient(cl), Kafka: cl, Stuck: env.stuckScope(), HideValues: env.ConsoleHideValues, Samples: samples,
+		Ops: o, Admin: kadm.NewClient(cl), Kafka: cl, Stuck: env.stuckScope(), HideValues: env.ConsoleHideValues, Registry: env.sr, Samples: samples,
 		TraceURL: env.TraceURL, Concurrency: concurrency,
 		Users: users, Tokens: tokens, Log: log, Run: tasks.run,
 	})

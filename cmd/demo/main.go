@@ -54,7 +54,25 @@ func main() {
 	partitions := flag.Int("partitions", 8, "partitions of the ledger topic")
 	keep := flag.Bool("keep", false, "keep the demo schema (kafkapg_demo) and the logs afterwards")
 	stay := flag.String("stay", "auto", "after the report, keep the processor and its console running on a trickle of new events until Ctrl-C: yes, no, or auto (yes when run in a terminal)")
+	format := flag.String("format", "auto", "the events' format: json, avro (in the Schema Registry's wire format, against SCHEMA_REGISTRY_URL), or auto (avro when SCHEMA_REGISTRY_URL is set)")
 	flag.Parse()
+	registryURL := os.Getenv("SCHEMA_REGISTRY_URL")
+	switch *format {
+	case "auto":
+		*format = "json"
+		if registryURL != "" {
+			*format = "avro"
+		}
+	case "json":
+	case "avro":
+		if registryURL == "" {
+			fmt.Fprintln(os.Stderr, "-format=avro needs a Schema Registry at SCHEMA_REGISTRY_URL (`make demo` starts one when it can)")
+			os.Exit(2)
+		}
+	default:
+		fmt.Fprintf(os.Stderr, "-format=%q: want json, avro or auto\n", *format)
+		os.Exit(2)
+	}
 	stayOn := *stay == "yes"
 	switch *stay {
 	case "auto":
@@ -65,13 +83,18 @@ func main() {
 		fmt.Fprintf(os.Stderr, "-stay=%q: want yes, no or auto\n", *stay)
 		os.Exit(2)
 	}
-	if err := run(*events, int32(*partitions), *keep, stayOn); err != nil {
+	var avroURL string
+	if *format == "avro" {
+		avroURL = registryURL
+	}
+	if err := run(*events, int32(*partitions), *keep, stayOn, avroURL); err != nil {
 		fmt.Fprintf(os.Stderr, "\ndemo failed: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(events int, partitions int32, keep, stay bool) error {
+// run runs the demo; with registryURL, on events in Avro in the Schema Registry's wire format.
+func run(events int, partitions int32, keep, stay bool, registryURL string) error {
 	dbURL := os.Getenv("DATABASE_URL")
 	if dbURL == "" {
 		return errors.New("DATABASE_URL is not set: run `make demo`, which starts a throwaway Postgres, or point DATABASE_URL at a database")
@@ -154,6 +177,22 @@ func run(events int, partitions int32, keep, stay bool) error {
 		}
 		recs[i] = it.Record(topic)
 	}
+	handler, format := "ledger", "JSON (`make demo` runs them in Avro when it can start a Schema Registry: it needs java)"
+	var enc *avroEvents
+	if registryURL != "" {
+		if enc, err = newAvroEvents(ctx, registryURL, topic+"-value"); err != nil {
+			return err
+		}
+		for i, it := range items {
+			if recs[i].Value, err = enc.encode(it); err != nil {
+				return err
+			}
+		}
+		handler = "ledger-avro"
+		format = fmt.Sprintf("Avro in the Schema Registry's wire format: schema id %d under subject %s at %s (HANDLER=ledger-avro decodes them before the handler; the malformed ones are not in the wire format)",
+			enc.id, enc.subject, registryURL)
+	}
+	fmt.Printf("format     %s\n", format)
 	if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
 		return fmt.Errorf("produce: %w", err)
 	}
@@ -177,7 +216,7 @@ func run(events int, partitions int32, keep, stay bool) error {
 		"KAFKA_TOPICS="+topic,
 		"DATABASE_URL="+demoURL,
 		"DB_SCHEMA="+schema,
-		"HANDLER=ledger",
+		"HANDLER="+handler,
 		"HTTP_ADDR="+httpAddr,
 		"LOG_FORMAT=text",
 		"RETRY_BACKOFF_BASE=20ms",
@@ -293,7 +332,7 @@ func run(events int, partitions int32, keep, stay bool) error {
 		fmt.Printf("console    served at http://%s while the demo ran (run `make demo` in a terminal, or bin/demo -stay=yes, to keep it open at the end)\n", consoleAddr)
 	}
 	if stay {
-		if err := stayOpen(cl, consoleAddr, exited); err != nil {
+		if err := stayOpen(cl, enc, consoleAddr, exited); err != nil {
 			return err
 		}
 	}
@@ -335,7 +374,8 @@ func addr(preferred string) (string, error) {
 // stayOpen keeps the processor and its console running until Ctrl-C (or SIGTERM), producing a
 // trickle of new ledger events (some of them failing) so that the console's chart, rates and
 // retry path have something to show.
-func stayOpen(cl *kgo.Client, consoleAddr string, exited <-chan error) error {
+// With enc, the events are in Avro as the others were.
+func stayOpen(cl *kgo.Client, enc *avroEvents, consoleAddr string, exited <-chan error) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	fmt.Printf("\nThe processor keeps running, with its console at http://%s (user %s, password %s),\n", consoleAddr, consoleUser, consolePassword)
@@ -356,7 +396,14 @@ func stayOpen(cl *kgo.Client, consoleAddr string, exited <-chan error) error {
 			PoisonPerMille: 10, MalformedPerMille: 10, FlakyPerMille: 50, MaxFailAttempts: maxAttempt + 1,
 		})
 		for _, it := range items {
-			cl.Produce(ctx, it.Record(topic), nil)
+			r := it.Record(topic)
+			if enc != nil {
+				var err error
+				if r.Value, err = enc.encode(it); err != nil {
+					return err
+				}
+			}
+			cl.Produce(ctx, r, nil)
 		}
 	}
 }

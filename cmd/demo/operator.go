@@ -45,6 +45,9 @@ func operator(ctx context.Context, bin string, env []string, pool *pgxpool.Pool,
 	if err != nil {
 		return nil, fmt.Errorf("find a retryable dead letter: %w", err)
 	}
+	if _, err := run("dlq", "show", fmt.Sprint(id)); err != nil { // its value decoded, in Avro
+		return nil, err
+	}
 	if _, err := run("trace", "--topic", topic, "--partition", fmt.Sprint(partition), "--offset", fmt.Sprint(offset)); err != nil {
 		return nil, err
 	}

@@ -10,12 +10,15 @@
 //	HANDLER=ledger-forward   stage 1 of a chain: the ledger, emitting a posting per event to
 //	                         <topic>.postings through the outbox, deduplicated on event_id
 //	HANDLER=ledger-post      stage 2: the postings, deduplicated on their message id
+//	HANDLER=ledger-avro      the ledger of events in Avro, in the Schema Registry's wire format
+//	                         (SCHEMA_REGISTRY_URL): decoded before the handler, an outage waits
 package main
 
 import (
 	"time"
 
 	"github.com/kafkapg/kafkapg/examples/ledger"
+	"github.com/kafkapg/kafkapg/processor/schemaregistry"
 	"github.com/kafkapg/kafkapg/service"
 )
 
@@ -27,5 +30,7 @@ func main() {
 			Setup: service.SetupSQL(ledger.CarelessSchema + ledger.PreparedSchema)},
 		service.Handler{Name: "ledger-forward", Handler: ledger.Forward{}, Setup: service.SetupSQL(ledger.Schema), IdempotencyKey: ledger.StageOneKey},
 		service.Handler{Name: "ledger-post", Handler: ledger.Post{}, Setup: service.SetupSQL(ledger.ChainSchema), IdempotencyKey: ledger.StageTwoKey},
+		service.Handler{Name: "ledger-avro", Handler: ledger.Handler{}, Setup: service.SetupSQL(ledger.Schema),
+			Values: schemaregistry.AvroFormat[ledger.Event](ledger.EventAvroSchema)},
 	)
 }

@@ -34,18 +34,30 @@ import (
 
 // Event is the JSON value of a ledger record.
 type Event struct {
-	EventID      string `json:"event_id"`
-	Account      string `json:"account"`
-	Amount       int64  `json:"amount"`
-	Seq          int64  `json:"seq"`
-	FailAttempts int    `json:"fail_attempts,omitempty"`
-	Poison       bool   `json:"poison,omitempty"`
+	EventID      string `json:"event_id" avro:"event_id"`
+	Account      string `json:"account" avro:"account"`
+	Amount       int64  `json:"amount" avro:"amount"`
+	Seq          int64  `json:"seq" avro:"seq"`
+	FailAttempts int    `json:"fail_attempts,omitempty" avro:"fail_attempts"`
+	Poison       bool   `json:"poison,omitempty" avro:"poison"`
 	// Mistake says how Careless fails the event's attempts up to FailAttempts (Handler fails them
 	// all the same way): one of the Mistake constants, or empty for a plain error.
-	Mistake string `json:"mistake,omitempty"`
+	Mistake string `json:"mistake,omitempty" avro:"mistake"`
 	// Pad makes the record large (see GenConfig.OversizedPerMille); the handlers ignore it.
-	Pad string `json:"pad,omitempty"`
+	Pad string `json:"pad,omitempty" avro:"pad"`
 }
+
+// EventAvroSchema is Event's Avro schema, for the topics whose events are Avro in the Schema
+// Registry's wire format (HANDLER=ledger-avro): the handlers read Record.Decoded then.
+const EventAvroSchema = `{"type": "record", "name": "Event", "namespace": "kafkapg.ledger", "fields": [
+	{"name": "event_id", "type": "string"},
+	{"name": "account", "type": "string"},
+	{"name": "amount", "type": "long"},
+	{"name": "seq", "type": "long"},
+	{"name": "fail_attempts", "type": "int", "default": 0},
+	{"name": "poison", "type": "boolean", "default": false},
+	{"name": "mistake", "type": "string", "default": ""},
+	{"name": "pad", "type": "string", "default": ""}]}`
 
 // Schema creates the ledger tables (if missing) in the connection's current schema.
 const Schema = `
@@ -88,20 +100,31 @@ func Parse(value []byte) (Event, error) {
 	if err := json.Unmarshal(value, &ev); err != nil {
 		return ev, processor.Permanent(fmt.Errorf("invalid ledger event JSON: %w", err))
 	}
+	return ev, validate(ev)
+}
+
+// validate says what is wrong with ev, decoded from JSON or Avro: nothing, or a permanent error.
+func validate(ev Event) error {
 	switch {
 	case ev.EventID == "":
-		return ev, processor.Permanent(errors.New("ledger event has no event_id"))
+		return processor.Permanent(errors.New("ledger event has no event_id"))
 	case ev.Account == "":
-		return ev, processor.Permanent(fmt.Errorf("ledger event %s has no account", ev.EventID))
+		return processor.Permanent(fmt.Errorf("ledger event %s has no account", ev.EventID))
 	case ev.Poison:
-		return ev, processor.Permanent(fmt.Errorf("ledger event %s: %w", ev.EventID, ErrPoison))
+		return processor.Permanent(fmt.Errorf("ledger event %s: %w", ev.EventID, ErrPoison))
 	}
-	return ev, nil
+	return nil
 }
 
 // check returns the error the event's delivery attempt fails with, if any.
 func check(rec *processor.Record) (Event, error) {
-	ev, err := Parse(rec.Value)
+	ev, decoded := rec.Decoded.(Event) // a topic decoded by its Decoder (EventAvroSchema)
+	var err error
+	if decoded {
+		err = validate(ev)
+	} else {
+		ev, err = Parse(rec.Value)
+	}
 	if err != nil {
 		return ev, err
 	}

@@ -31,6 +31,7 @@ import (
 	"github.com/kafkapg/kafkapg/internal/loginlimit"
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/safetext"
+	"github.com/kafkapg/kafkapg/processor/schemaregistry"
 	"github.com/kafkapg/kafkapg/retrytopics"
 )
 
@@ -114,6 +115,9 @@ type Config struct {
 	Samples *Sampler
 	// HideValues hides record values and header values from viewers (operators see them).
 	HideValues bool
+	// Registry decodes values in the Schema Registry's wire format for the pages (as JSON, with
+	// their schema); nil: they are shown as bytes.
+	Registry *schemaregistry.Registry
 	// TraceURL is the page of a trace in the team's trace viewer, {trace_id} standing for the
 	// trace id (TRACE_URL); "" shows trace ids without a link.
 	TraceURL string
@@ -675,8 +679,10 @@ func pathID(w http.ResponseWriter, r *http.Request, what string) (int64, bool) {
 type deadLetterData struct {
 	DL       ops.DeadLetter
 	Value    string
-	Encoding string // json, text or hex
+	Encoding string // json, text or hex; or what the registry decoded it as
 	Hidden   bool   // the value and the headers' values are hidden from this viewer
+	// NotDecoded says why a value in the Schema Registry's wire format is shown as bytes.
+	NotDecoded string
 }
 
 func (c *Console) deadLetter(w http.ResponseWriter, r *http.Request) {
@@ -698,8 +704,8 @@ func (c *Console) deadLetter(w http.ResponseWriter, r *http.Request) {
 	}
 	d := deadLetterData{DL: dl, Hidden: hidden}
 	if !hidden {
-		d.Value, d.Encoding = decode(dl.Value)
-		if dl.ValueTruncated {
+		d.Value, d.Encoding, d.NotDecoded = c.decodeValue(r.Context(), dl.Value, dl.ValueTruncated)
+		if dl.ValueTruncated { // never decoded: see decodeValue
 			d.Value += fmt.Sprintf("\n… (%d bytes more)", dl.ValueSize-len(dl.Value))
 		}
 	}

@@ -2,6 +2,7 @@ package console
 
 import (
 	"bytes"
+	"context"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/kafkapg/kafkapg/internal/ops"
 	"github.com/kafkapg/kafkapg/internal/safetext"
+	"github.com/kafkapg/kafkapg/processor/schemaregistry"
 )
 
 // maxShown bounds the bytes of a value a page shows.
@@ -36,6 +38,28 @@ func decode(v []byte) (shown, encoding string) {
 		return string(v) + cut, "text"
 	}
 	return hex.Dump(v) + cut, "hex"
+}
+
+// decodeValue renders a record value for a person: decoded with its schema when it is in the
+// Schema Registry's wire format and the console has the registry (encoding says what it is),
+// else as decode does; notDecoded says why a value in the wire format was not decoded. A
+// truncated value (the page reads its first maxShown bytes) cannot be.
+func (c *Console) decodeValue(ctx context.Context, v []byte, truncated bool) (shown, encoding, notDecoded string) {
+	if c.cfg.Registry != nil && schemaregistry.LooksLikeWireFormat(v) {
+		if truncated {
+			notDecoded = fmt.Sprintf("not decoded with its schema: only its first %d bytes are read", len(v))
+		} else {
+			ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
+			rd, err := c.cfg.Registry.Render(ctx, v)
+			if err == nil {
+				return rd.JSON, "decoded: " + rd.Describe(), ""
+			}
+			notDecoded = "not decoded with its schema: " + err.Error()
+		}
+	}
+	shown, encoding = decode(v)
+	return shown, encoding, notDecoded
 }
 
 // printable reports whether text has no control characters but tabs and line breaks.

@@ -27,6 +27,7 @@ const (
 	heldPath
 	replayPath
 	latencyPath
+	avroPath
 )
 
 // paths describes each row: what is compared, and the target (higher is better unless lower).
@@ -43,6 +44,7 @@ var paths = map[path]struct {
 	heldPath:      {"held records drained after release / same from topic", 0.8, false},
 	replayPath:    {"dead-letter replay, applied / fast path", 0.5, false},
 	latencyPath:   {"p99 produce→committed at 5,000/s / hand-written loop", 1.5, true},
+	avroPath:      {"ledger on Avro (Schema Registry) / the same events as JSON", 0.9, false},
 }
 
 type summaryRow struct {

@@ -68,6 +68,8 @@ func main() {
 		" forward again and the window finalized, under the faults (upgrade.go; `make chaos-upgrade`)")
 	flag.BoolVar(&c.positions, "positions", false, "with -handler "+chainHandler+": an operator pauses, rewinds and skips stage 1's partitions among the faults (the producer sends no copies),"+
 		" and the check expects the skipped records never applied, the rewound ones exactly once still, nothing applied while paused")
+	flag.BoolVar(&c.schemaRegistry, "schema-registry", false, "with -handler ledger: the events are Avro in the Schema Registry's wire format (HANDLER=ledger-avro), against the registry at SCHEMA_REGISTRY_URL"+
+		" (make chaos-registry starts one), new versions of their schema registered during the run and the registry cut among the faults")
 	flag.BoolVar(&c.trace, "trace", false, "the processors export OpenTelemetry traces to a receiver of the suite's, and every record's trace must go on through every hop")
 	flag.Parse()
 	if c.handler != "ledger" && c.handler != "ledger-careless" && c.handler != chainHandler {
@@ -80,6 +82,10 @@ func main() {
 	}
 	if c.positions && (c.handler != chainHandler || c.trace || c.upgradeFrom != "" || c.kafkaCluster != "" || c.postgres == pgAsyncHA || c.postgres == pgRestore) {
 		fmt.Fprintf(os.Stderr, "chaos: -positions needs -handler %s, and neither -trace, -upgrade-from, -kafka-cluster nor a Postgres that loses commits (its check replays position_changes)\n", chainHandler)
+		os.Exit(2)
+	}
+	if c.schemaRegistry && (c.handler != "ledger" || c.upgradeFrom != "") {
+		fmt.Fprintf(os.Stderr, "chaos: -schema-registry runs -handler ledger's events in Avro (HANDLER=ledger-avro), and not with -upgrade-from\n")
 		os.Exit(2)
 	}
 	if c.protocol != "auto" && c.protocol != "classic" {
@@ -126,12 +132,17 @@ type config struct {
 	concurrency  int    // CONCURRENCY, with HANDLER=ledger-careless-slow; 0: off
 	upgradeFrom  string // the release before's binary: the upgrade mode (upgrade.go); "": off
 	positions    bool   // the positions faults (positions.go)
+	// schemaRegistry: Avro events, the registry's outages among the faults (registry.go)
+	schemaRegistry bool
 }
 
 // stageHandler is stage 1's HANDLER.
 func (c config) stageHandler() string {
 	if c.concurrency > 0 {
 		return slowHandler
+	}
+	if c.schemaRegistry {
+		return "ledger-avro"
 	}
 	return c.handler
 }
@@ -199,6 +210,11 @@ func run(ctx context.Context, c config) (err error) {
 	if err := s.setupKafka(ctx); err != nil {
 		return err
 	}
+	if c.schemaRegistry {
+		if err := s.setupRegistry(); err != nil {
+			return err
+		}
+	}
 	if c.trace {
 		if s.traces, err = newTraces(c.seed, s.topic); err != nil {
 			return err
@@ -226,6 +242,7 @@ func run(ctx context.Context, c config) (err error) {
 			return err
 		}
 	}
+
 	items := generate(c)
 	if c.chain() && !c.positions {
 		n := len(items)

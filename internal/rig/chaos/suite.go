@@ -64,6 +64,7 @@ type suite struct {
 	// -positions: the ops code the positions faults run (positions.go), and where each item was
 	// produced (offset -1 until it is) and its event id, under mu.
 	positions *positionsRig
+	registry  *schemaRegistry // -schema-registry, or nil
 	placed    []placement
 	eventIDs  []string
 	// unordered are the events a skip jumped over and a later rewind applied, after their
@@ -289,6 +290,9 @@ func (s *suite) procEnv(st *stage, addr string, idx int) []string {
 	if s.traces != nil {
 		env = append(env, s.traces.env()...)
 	}
+	if s.registry != nil {
+		env = append(env, "SCHEMA_REGISTRY_URL="+s.registry.procURL, "SCHEMA_REGISTRY_TIMEOUT=1s")
+	}
 	return env
 }
 
@@ -318,8 +322,23 @@ func (s *suite) produce(ctx context.Context, items []ledger.Item) error {
 	pause := (measureSpan + s.cfg.duration) * 8 / 10 / time.Duration(max(chunks, 1))
 	for i := 0; i < len(items); i += chunk {
 		recs := make([]*kgo.Record, 0, chunk)
+		if s.registry != nil && i > 0 && (i/chunk)%max(chunks/5, 1) == 0 {
+			// A new version of the events' schema every fifth of them: ids the processors
+			// have not fetched, all through the run.
+			if err := s.registry.newVersion(ctx); err != nil {
+				return err
+			}
+		}
 		for j, it := range items[i:min(i+chunk, len(items))] {
 			r := it.Record(s.topic)
+			if s.registry != nil {
+				v, err := s.registry.encode(it)
+				if err != nil {
+					return err
+				}
+				// The checks of the dead letters match them by value: the bytes produced.
+				r.Value, items[i+j].Value = v, v
+			}
 			if s.traces != nil {
 				r.Headers = append(r.Headers, s.traces.header(i+j))
 			}
@@ -387,6 +406,9 @@ func (s *suite) inject(ctx context.Context) error {
 	}
 	if s.positions != nil {
 		faults = append(faults, s.positionsFaults()...)
+	}
+	if s.registry != nil {
+		faults = append(faults, fault{"registry-cut", 2, s.registryCut})
 	}
 	total := 0
 	for _, f := range faults {
@@ -948,6 +970,9 @@ func (s *suite) topology(st stats) string {
 	if s.db.restores != nil {
 		out += describeRestores(st, s.cfg.chain())
 	}
+	if s.registry != nil {
+		out += " | " + s.registry.describe()
+	}
 	return out
 }
 
@@ -967,6 +992,9 @@ func (s *suite) close() {
 	}
 	if s.cluster != nil {
 		s.cluster.Close()
+	}
+	if s.registry != nil {
+		s.registry.proxy.Close()
 	}
 	if s.positions != nil {
 		s.positions.kc.Close()
