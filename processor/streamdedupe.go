@@ -61,7 +61,7 @@ func streamEvent(r *Record) (streams.Event, bool) {
 	}
 	return streams.Event{Header: streams.Header{
 		Stream: st.ID, Seq: st.Seq, Root: st.Root, Src: st.SourceOffset,
-		Parent: st.Parent, ForkSeq: st.ForkSeq, Since: st.Since,
+		Parent: st.Parent, ForkSeq: st.ForkSeq, Since: st.Since, Keyed: st.Keyed,
 	}, Offset: r.Offset}, true
 }
 

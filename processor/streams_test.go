@@ -758,3 +758,25 @@ func TestReplacedStreamsAreForgotten(t *testing.T) {
 		}
 	}
 }
+
+// TestAKeyedEventMeetsItsUnnumberedCopy (issue 39, the release before beside this one upstream):
+// a process of the upstream's release before emitted an event unnumbered (applied here by its
+// message id); the upstream's database lost that commit, and this release applied the source
+// record again while its upgrade window was open, numbering the event in a stream this consumer
+// never saw. The stream header says Keyed, and the event is decided by key as well: skipped.
+// Decided by its number alone (a new stream, number 1), it was applied twice.
+func TestAKeyedEventMeetsItsUnnumberedCopy(t *testing.T) {
+	t.Parallel()
+	k := testenv.NewKfake(t)
+	h, cfg := midHarness(t, k, 1, midRecorder{})
+	h.Start(cfg)
+	k.Produce(t, &kgo.Record{Topic: h.Topic, Partition: 0, Key: []byte("m1"), Value: []byte("ok"),
+		Headers: []kgo.RecordHeader{{Key: sink.HeaderMessageID, Value: []byte("m1")}}})
+	k.Produce(t, streamRec(h.Topic, streamA, 1, rootR, 10, " k", "m1", "ok"))
+	k.Produce(t, streamRec(h.Topic, streamA, 2, rootR, 11, " k", "m2", "ok"))
+	waitConsumed(t, h, 3)
+	time.Sleep(500 * time.Millisecond)
+	if got := appliedMids(t, h); fmt.Sprint(got) != "map[m1:1 m2:1]" {
+		t.Fatalf("applied %v, want m1 and m2 once each", got)
+	}
+}

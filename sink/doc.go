@@ -139,6 +139,13 @@
 //     while the upgrade window is open and for a retention after it is finalized (processes of
 //     the release before act beside this one's, by key, observing nothing: docs/upgrading.md),
 //     and every number below the first one observed of a stream.
+//   - The upstream's own release before emits its events unnumbered (decided by key). If its
+//     database loses such a commit, this release applies the source record again and numbers the
+//     event, in a stream that may be new to the consumer: by number alone, a copy. So an event
+//     numbered while the upstream schema's upgrade window is open, or while its group's window of
+//     keys runs (a retention after finalizing), is marked Keyed in its header, and every consumer
+//     decides it by key as well (Stream.Keyed). A database that loses a commit restores a state
+//     from before it, whose window the number then reads.
 //   - A dead letter discarded marks its number done. Numbers stay missing only for records in
 //     the retry path or dead-lettered and not yet replayed or discarded, and for events Kafka
 //     refused upstream that nobody published again: state grows with those, not with events.
@@ -156,7 +163,8 @@
 // that drives the consumer's decisions through random histories of an upstream database losing
 // commits (same identity and new, with and without restarts), relays publishing late, twice, in
 // any order or never, every path, dead letters replayed and discarded, and a release before it
-// (first alone, then beside this one while the upgrade window is open),
+// on both sides (first alone, then beside this one while the upgrade window is open; upstream, it
+// emits unnumbered),
 // and streams forgotten, and fails if an event is applied twice (in histories that forget: twice
 // within the retention), or not at all when everything is done, or a number published stays
 // missing, or a lineage keeps anything a retention after its last record. It found six of the
@@ -173,7 +181,12 @@
 // comes more than IDEMPOTENCY_RETENTION after its twin's key was recorded, or a copy of an event
 // of a stream forgotten, is applied again (as any copy decided by key); a database that loses commits without a new identity (synchronous_commit
 // off and a crash of a backend only); clocks more than five minutes apart between the emitting
-// database and the relays' Kafka timestamps. Events an upstream emitted with an id of its own
+// database and the relays' Kafka timestamps; an event the upstream's release before emitted
+// unnumbered and this release numbered without the Keyed mark: across a restore of the upstream's
+// database between a state finalized more than a retention ago and one where the release before
+// acted less than a retention ago (a backup from before finalizing, restored more than a
+// retention after it: the way back docs/upgrading.md gives), or to a backup of a history an
+// earlier restore abandoned. Events an upstream emitted with an id of its own
 // (Event.ID set), or through Outbox.Emit, or from a database that cannot tell its identity
 // (CheckStreams), are unnumbered: consumers keep their ids, for IDEMPOTENCY_RETENTION.
 //

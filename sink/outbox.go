@@ -135,7 +135,7 @@ func NewOutbox(cfg OutboxConfig) (*Outbox, error) {
 		insertSQL: `INSERT INTO ` + pgx.Identifier{cfg.Schema, "outbox"}.Sanitize() +
 			` (consumer_group, topic, partition, lane, key, value, header_keys, header_values, created_at)
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, clock_timestamp())`,
-		streamSQL:  streamSQL(pgx.Identifier{cfg.Schema, "outbox_streams"}.Sanitize()),
+		streamSQL:  streamSQL(cfg.Schema),
 		partitions: cfg.Partitions,
 	}, nil
 }

@@ -22,6 +22,8 @@ import (
 //	<stream> <seq> <root> <source offset> <dest>                                a stream created afresh
 //	<stream> <seq> <root> <source offset> <dest> <parent> <fork seq> <since>    a fork
 //
+// either followed by " k" when the event is Keyed (see Stream.Keyed).
+//
 // stream is the stream's id (a UUID); seq the event's number in it (1, 2, 3, ... in the order the
 // emitting transactions committed); root the id its lineage shares (derived from the group, the
 // source partition and the destination partition: the first stream and every stream forked
@@ -57,6 +59,12 @@ type Stream struct {
 	// database identity among the streams the database kept: the lost commits came after the
 	// copy or standby the database was restored from, and a relay publishes after a commit.
 	Since time.Time
+	// Keyed: the emitting schema's upgrade window was open when the event was numbered, or its
+	// group's window of keys was (a retention after finalizing, or after the group first ran this
+	// release). A process of the release before may then have applied its source record and
+	// emitted the event unnumbered, a commit its database lost since: that copy is in no stream, so
+	// a consumer decides a Keyed event by its key as well as by its number.
+	Keyed bool
 }
 
 // Fits reports whether s's stream goes to partition of topic: a header copied onto a record of
@@ -83,6 +91,9 @@ func ParseStream(headers []kgo.RecordHeader) (s Stream, ok bool) {
 		}
 	}
 	f := strings.Fields(string(v))
+	if n := len(f); (n == 6 || n == 9) && f[n-1] == "k" {
+		s.Keyed, f = true, f[:n-1]
+	}
 	if len(f) != 5 && len(f) != 8 {
 		return Stream{}, false
 	}
@@ -181,7 +192,14 @@ func CheckStreams(ctx context.Context, db interface {
 // forks the streams whose row was written under another database identity. A fork's fork_at is
 // its Since: the latest updated_at among the rows written under the forking row's identity (the
 // database kept them all from before it lost anything).
-func streamSQL(table string) string {
+//
+// It also says whether the events are Keyed: the schema's upgrade window open
+// (schema_migrations_pending has a row), or the group's window of keys (idempotency_groups, which
+// finalizing extends by a retention) not past.
+func streamSQL(schema string) string {
+	table := pgx.Identifier{schema, "outbox_streams"}.Sanitize()
+	keyed := `(EXISTS (SELECT 1 FROM ` + pgx.Identifier{schema, "schema_migrations_pending"}.Sanitize() + `)
+		OR EXISTS (SELECT 1 FROM ` + pgx.Identifier{schema, "idempotency_groups"}.Sanitize() + ` WHERE consumer_group = $1 AND keys_all_until > now()))`
 	same := `s.database IS NOT DISTINCT FROM EXCLUDED.database`
 	return `INSERT INTO ` + table + ` AS s (consumer_group, topic, partition, dest_topic, dest_partition, stream, seq, database, parent, fork_seq, fork_at, updated_at)
 		SELECT $1, t, p, dt, dp, gen_random_uuid(), n, ` + DatabaseIdentitySQL + `, r, 0, NULL, now()
@@ -196,7 +214,7 @@ func streamSQL(table string) string {
 			seq = CASE WHEN ` + same + ` THEN s.seq + EXCLUDED.seq ELSE EXCLUDED.seq END,
 			database = EXCLUDED.database,
 			updated_at = EXCLUDED.updated_at
-		RETURNING topic, partition, dest_topic, dest_partition, stream, seq, parent, fork_seq, fork_at`
+		RETURNING topic, partition, dest_topic, dest_partition, stream, seq, parent, fork_seq, fork_at, ` + keyed
 }
 
 // numbered is a stream's share of a transaction's events.
@@ -227,7 +245,7 @@ func (o *Outbox) number(ctx context.Context, tx pgx.Tx, events []Event, streams 
 		var k streamKey
 		var st Stream
 		var forkAt *time.Time
-		if err := rows.Scan(&k.topic, &k.partition, &k.dest, &k.destPartition, &st.ID, &st.Seq, &st.Parent, &st.ForkSeq, &forkAt); err != nil {
+		if err := rows.Scan(&k.topic, &k.partition, &k.dest, &k.destPartition, &st.ID, &st.Seq, &st.Parent, &st.ForkSeq, &forkAt, &st.Keyed); err != nil {
 			rows.Close()
 			return nil, err
 		}
@@ -272,6 +290,9 @@ func (s Stream) header() kgo.RecordHeader {
 	v := fmt.Sprintf("%s %d %s %d %d@%x", formatUUID(s.ID), s.Seq, formatUUID(s.Root), s.SourceOffset, s.DestPartition, s.DestTopic)
 	if !s.IsRoot() {
 		v += fmt.Sprintf(" %s %d %d", formatUUID(s.Parent), s.ForkSeq, max(s.Since.UnixMilli(), 1))
+	}
+	if s.Keyed {
+		v += " k"
 	}
 	return kgo.RecordHeader{Key: HeaderStream, Value: []byte(v)}
 }

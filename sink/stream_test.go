@@ -14,7 +14,9 @@ func TestStreamHeaderRoundTrip(t *testing.T) {
 	root := Stream{ID: [16]byte{1, 2}, Seq: 7, Root: [16]byte{3}, SourceOffset: 1234, DestPartition: 5, DestTopic: topicHash("orders")}
 	fork := Stream{ID: [16]byte{4}, Seq: 1, Root: [16]byte{3}, SourceOffset: 99, DestPartition: 0, DestTopic: topicHash("x"),
 		Parent: [16]byte{1, 2}, ForkSeq: 6, Since: time.UnixMilli(1764800000123)}
-	for _, want := range []Stream{root, fork} {
+	keyedRoot, keyedFork := root, fork
+	keyedRoot.Keyed, keyedFork.Keyed = true, true
+	for _, want := range []Stream{root, fork, keyedRoot, keyedFork} {
 		h := want.header()
 		got, ok := ParseStream([]kgo.RecordHeader{{Key: "x", Value: []byte("y")}, h})
 		if !ok || got != want {
@@ -54,6 +56,8 @@ func TestParseStreamRejects(t *testing.T) {
 		u + " 1 " + v + " 5" + d + " " + u + " 0 17",            // a fork at 0
 		u + " 1 " + v + " 5" + d + " " + u + " 3 0",             // a fork with no time
 		u + " 1 " + v + " 5" + d + " " + u + " 3 17 x",          // too many fields
+		u + " 1 " + v + " 5" + d + " K",                         // not the Keyed mark
+		u + " 1 " + v + " 5" + d + " k k",                       // marked twice
 		"\xff\x00 1 " + v + " 5" + d,                            // binary
 	} {
 		if s, ok := ParseStream([]kgo.RecordHeader{{Key: HeaderStream, Value: []byte(value)}}); ok {

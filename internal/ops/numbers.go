@@ -46,7 +46,7 @@ func (o *Ops) numbersDone(ctx context.Context, tx pgx.Tx, ids []int64) error {
 			continue
 		}
 		evs = append(evs, streams.Event{Header: streams.Header{Stream: st.ID, Seq: st.Seq, Root: st.Root, Src: st.SourceOffset,
-			Parent: st.Parent, ForkSeq: st.ForkSeq, Since: st.Since}, Offset: offset})
+			Parent: st.Parent, ForkSeq: st.ForkSeq, Since: st.Since, Keyed: st.Keyed}, Offset: offset})
 		roots = append(roots, st.Root)
 	}
 	rows.Close()

@@ -315,9 +315,14 @@ func Finalize(ctx context.Context, db Beginner, schemaName string) ([]int, error
 		slices.Sort(moved)
 		if len(moved) > 0 {
 			// Events the release before applied were keyed, not numbered: every group decides
-			// numbered events by key as well for a retention more.
+			// numbered events by key as well for a retention more; and every group that numbers
+			// the events it emits numbers them Keyed for as long (sink.Stream.Keyed), as the
+			// release before may have emitted them unnumbered in a commit its database loses.
 			if _, err := tx.Exec(ctx, `DO $$ BEGIN
 				IF to_regclass('idempotency_groups') IS NOT NULL THEN
+					INSERT INTO idempotency_groups (consumer_group, keys_all_until)
+						SELECT DISTINCT consumer_group, now() FROM outbox_streams
+						ON CONFLICT (consumer_group) DO NOTHING;
 					UPDATE idempotency_groups SET keys_all_until = greatest(keys_all_until,
 						now() + coalesce((SELECT max(retention) FROM idempotency_retention), interval '7 days'));
 				END IF;

@@ -85,10 +85,23 @@ type upDB struct {
 	deferred []srcRef
 	rows     [2]*upRow
 	outbox   []outRow
+	// The upstream's own release, in its database: before (the release before only: it emits
+	// events unnumbered, decided by key), window (upgraded, the window open: either release may
+	// apply a record; this one numbers its events Keyed), and after finalizing, keyedUntil (this
+	// release numbers its events Keyed for a retention more).
+	before, window bool
+	keyedUntil     time.Time
+	// Its history: the branches it descends from (a restore starts one), the writes done
+	// (tick), and the tick of the copy each branch started from.
+	path     []int
+	tick     int
+	forkTick []int
 }
 
 func (db *upDB) clone() *upDB {
-	c := &upDB{ident: db.ident, pos: db.pos, deferred: slices.Clone(db.deferred), outbox: slices.Clone(db.outbox)}
+	c := &upDB{ident: db.ident, pos: db.pos, deferred: slices.Clone(db.deferred), outbox: slices.Clone(db.outbox),
+		before: db.before, window: db.window, keyedUntil: db.keyedUntil,
+		path: slices.Clone(db.path), tick: db.tick, forkTick: slices.Clone(db.forkTick)}
 	for i, r := range db.rows {
 		if r != nil {
 			cp := *r
@@ -182,14 +195,29 @@ type world struct {
 	keep       time.Duration  // Forget's retention: 0 in histories that never forget (no double excused for it)
 	discarded  map[msgID]bool
 	history    []string
+	// crossedLate: the upstream's database was restored across its upgrade more than a
+	// retention after finalizing; from then on, an event applied once unnumbered (by key) and
+	// once by number is excused (see upRestore).
+	crossedLate bool
+	branches    int             // the upstream's histories started by restores
+	unnumbered  map[msgID]bool  // applied from an unnumbered copy
+	byNumber    map[msgID]bool  // applied from a numbered copy decided by number
+	pubs        map[msgID][]pub // when its copies were published, numbered or not
+}
+
+type pub struct {
+	at       time.Time
+	numbered bool
 }
 
 func newWorld(t *rapid.T) *world {
-	w := &world{t: t, now: time.UnixMilli(1_700_000_000_000), oldApplied: map[msgID]bool{}, excused: map[msgID]bool{}, discarded: map[msgID]bool{}}
+	w := &world{t: t, now: time.UnixMilli(1_700_000_000_000), oldApplied: map[msgID]bool{}, excused: map[msgID]bool{}, discarded: map[msgID]bool{},
+		unnumbered: map[msgID]bool{}, byNumber: map[msgID]bool{}, pubs: map[msgID][]pub{}}
 	w.up = &upDB{ident: w.newIdent()}
 	w.down = &downDB{lineages: map[ID]*Lineage{}, keys: map[msgID]bool{}, applied: map[msgID]int{},
 		decided: map[ID]map[int64]bool{}, firstIn: map[msgID]ID{}, firstAt: map[msgID]time.Time{}, lastAt: map[msgID]time.Time{}}
 	w.down.oldRelease = rapid.IntRange(0, 4).Draw(t, "old release first") == 0
+	w.up.before = rapid.IntRange(0, 2).Draw(t, "upstream's release before first") == 0
 	if rapid.Bool().Draw(t, "forget") {
 		w.keep = model_keep
 	}
@@ -234,6 +262,8 @@ func (w *world) actions() map[string]func(*rapid.T) {
 		"downRestore":   w.downRestore,
 		"upgrade":       w.upgrade,
 		"finalize":      w.finalize,
+		"upUpgrade":     w.upUpgrade,
+		"upFinalize":    w.upFinalize,
 		"foreignHeader": w.foreignHeader,
 	}
 }
@@ -274,13 +304,45 @@ func (w *world) number(db *upDB, part, n int) (Header, int64) {
 }
 
 func (w *world) apply(db *upDB, r srcRef) {
+	db.tick++
 	n := events(r)
+	if db.before || db.window && rapid.IntRange(0, 2).Draw(w.t, "by the upstream's release before") == 0 {
+		for i := range n { // unnumbered: no stream header
+			db.outbox = append(db.outbox, outRow{msg: msgID{r.part, r.off, i}})
+		}
+		w.note("up: applied %d/%d by the release before: %d events unnumbered", r.part, r.off, n)
+		return
+	}
 	h, first := w.number(db, r.part, n)
+	h.Keyed = db.window || w.now.Before(db.keyedUntil)
 	for i := range n {
 		h.Seq, h.Src = first+int64(i), int64(r.off)
 		db.outbox = append(db.outbox, outRow{h: h, msg: msgID{r.part, r.off, i}})
 	}
-	w.note("up: applied %d/%d: %x %d..%d", r.part, r.off, h.Stream[1], first, first+int64(n)-1)
+	w.note("up: applied %d/%d: %x %d..%d (keyed %v)", r.part, r.off, h.Stream[1], first, first+int64(n)-1, h.Keyed)
+}
+
+// upUpgrade: the upstream's first process of this release migrates its database; the window
+// opens.
+func (w *world) upUpgrade(t *rapid.T) {
+	if !w.up.before {
+		t.Skip("upstream upgraded")
+	}
+	w.up.before, w.up.window = false, true
+	w.up.tick++
+	w.note("up: upgraded; its window is open")
+}
+
+// upFinalize: the upstream's window is finalized; its events are numbered Keyed for a retention
+// more.
+func (w *world) upFinalize(t *rapid.T) {
+	if !w.up.window {
+		t.Skip("no upstream window")
+	}
+	w.up.window = false
+	w.up.tick++
+	w.up.keyedUntil = w.now.Add(keyAllSpan)
+	w.note("up: its window finalized; keyed until %s", w.up.keyedUntil.Format(time.TimeOnly))
 }
 
 func (w *world) upApply(t *rapid.T) {
@@ -311,6 +373,30 @@ func (w *world) upDeferred(t *rapid.T) {
 
 func (w *world) publish(row outRow, skew time.Duration) {
 	w.log = append(w.log, logRec{h: row.h, msg: row.msg, ts: w.now.Add(skew)})
+	w.pubs[row.msg] = append(w.pubs[row.msg], pub{at: w.now.Add(skew), numbered: row.h != (Header{})})
+}
+
+// excuseTwin excuses applying r again when one of its copies was an unnumbered one the
+// upstream's release before published and the other was applied by number: the upstream numbers
+// an event Keyed while that release may have published it (its window open, or finalized less
+// than a retention ago), so only copies published a retention or more apart, or a restore across
+// the finalize past that (crossedLate), may be applied twice, as keys promise.
+func (w *world) excuseTwin(r logRec, byNumber bool) {
+	numbered := r.h != (Header{})
+	if w.down.applied[r.msg] == 0 || (numbered && (!byNumber || !w.unnumbered[r.msg])) || (!numbered && !w.byNumber[r.msg]) {
+		return
+	}
+	far := w.crossedLate
+	for _, p := range w.pubs[r.msg] {
+		if p.numbered != numbered {
+			if d := r.ts.Sub(p.at); d >= keyAllSpan || d <= -keyAllSpan {
+				far = true
+			}
+		}
+	}
+	if far {
+		w.excused[r.msg] = true
+	}
 }
 
 func (w *world) relay(t *rapid.T) {
@@ -383,7 +469,35 @@ func (w *world) upRestore(t *rapid.T) {
 	}
 	s := w.upSnaps[rapid.IntRange(0, len(w.upSnaps)-1).Draw(t, "copy")]
 	w.note("up: database restored from a copy (ident %d)", w.idents+1)
-	w.loseTo(t, s.clone())
+	keyed := func(db *upDB) bool { return db.before || db.window || w.now.Before(db.keyedUntil) }
+	if keyed(s) != keyed(w.up) || !s.ancestorOf(w.up) {
+		// Between a copy where the release before acts, or did less than a retention ago, and a
+		// database finalized more than a retention ago, either way (a backup from before the
+		// upgrade's finalize: the way back, per docs/upgrading.md); or to a copy that is no
+		// earlier state of this database (a backup taken before an earlier restore, of a history
+		// abandoned since). Events one release emitted numbered and the other unnumbered are
+		// decided by key only while the upgraded side numbers them Keyed, which it knows from its
+		// own history: across such a restore, the promise ends (the docs say so).
+		w.crossedLate = true
+		w.note("up: the restore crosses the upgrade's finalize and a retention, or another history")
+	}
+	next := s.clone()
+	w.branches++
+	next.path, next.forkTick = append(slices.Clone(s.path), w.branches), append(slices.Clone(s.forkTick), s.tick)
+	w.loseTo(t, next)
+}
+
+// ancestorOf reports whether db is an earlier state of cur's history: cur descends from it
+// through writes and restores of copies taken no later than each branch point.
+func (db *upDB) ancestorOf(cur *upDB) bool {
+	n := len(db.path)
+	if n > len(cur.path) || !slices.Equal(db.path, cur.path[:n]) {
+		return false
+	}
+	if n == len(cur.path) {
+		return db.tick <= cur.tick
+	}
+	return db.tick <= cur.forkTick[n]
 }
 
 func (w *world) upRestart(t *rapid.T) {
@@ -450,6 +564,12 @@ func (w *world) applied(m msgID, how string) {
 	if d.applied[m] > 1 && w.keep > 0 && w.now.Sub(d.lastAt[m]) >= w.keep {
 		w.excused[m] = true // its stream forgotten: the promise of keys, kept for the retention
 	}
+	if strings.HasPrefix(how, "unnumbered") {
+		w.unnumbered[m] = true
+	} else if strings.HasSuffix(how, "by number") {
+		w.byNumber[m] = true
+	}
+
 	d.lastAt[m] = w.now
 	w.note("down: applied %v (%s)", m, how)
 	if d.applied[m] > 1 && !w.excused[m] {
@@ -490,6 +610,7 @@ func joinLines(h []string) string {
 func (w *world) decide(off int, keyAll, main bool) bool {
 	r := w.log[off]
 	if r.h == (Header{}) { // another producer's record, or a header that does not fit where it is
+		w.excuseTwin(r, false)
 		if !w.byKey(r.msg) {
 			w.applied(r.msg, "unnumbered, by key")
 		}
@@ -521,6 +642,7 @@ func (w *world) decide(off int, keyAll, main bool) bool {
 	case Wait:
 		return false
 	case Apply:
+		w.excuseTwin(r, true)
 		if w.down.applied[r.msg] == 0 {
 			w.down.firstIn[r.msg], w.down.firstAt[r.msg] = e.Stream, w.now
 		}

@@ -246,3 +246,18 @@ func TestRegressionRecordBeforeTheFirstCountsAsSeen(t *testing.T) {
 	}
 	mustDecide(t, l, again, false, ByKey)
 }
+
+// TestRegressionKeyedWhileTheReleaseBeforeMayHaveEmitted: the upstream's release before applied
+// a source record in its upgrade window and emitted its event unnumbered (decided by key here);
+// the upstream's database lost that commit, and this release applied the record again, numbering
+// the event in a stream new to the consumer. Numbered while the window was open, it says Keyed,
+// and is decided by key: a copy. Decided by number (the rule removed), it was applied twice.
+func TestRegressionKeyedWhileTheReleaseBeforeMayHaveEmitted(t *testing.T) {
+	l := &Lineage{Root: ID{0xee}}
+	e := ev(1, 1, 0, 1, 0, 0) // offset 0 held the unnumbered copy, decided by key
+	e.Keyed = true
+	observe(t, l, e, 0)
+	mustDecide(t, l, e, false, ByKey)
+	e.Keyed = false
+	mustDecide(t, l, e, false, Apply) // what the rule prevents
+}

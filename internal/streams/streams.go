@@ -75,6 +75,11 @@ type Header struct {
 	// lost was published (by the database's clock): the latest time a number was taken under the
 	// parent's database identity, among the rows the database kept.
 	Since time.Time
+	// Keyed says the event was numbered while a process of the upstream's release before may
+	// have emitted it unnumbered (the upstream schema's upgrade window open, or finalized less
+	// than a retention ago): that copy, lost with a commit of the upstream's database and emitted
+	// again by this release, is one no stream knows. Such an event is decided by key as well.
+	Keyed bool
 }
 
 // IsFork reports whether h's stream replaces another.
@@ -409,7 +414,8 @@ func (v Verdict) String() string {
 // of a release before, replayed) is decided by key. keyAll decides by key every event whose
 // number was not applied: a replay of a dead letter (a copy of it may have been applied by a
 // release that kept keys only), and every event while the group's first retention under this
-// protocol runs (copies applied by the release before were keyed, not numbered).
+// protocol runs (copies applied by the release before were keyed, not numbered). An event the
+// upstream numbered as Keyed is decided by key too.
 func (l *Lineage) Decide(e Event, keyAll bool) Verdict {
 	i := l.index(e.Stream)
 	switch {
@@ -420,7 +426,7 @@ func (l *Lineage) Decide(e Event, keyAll bool) Verdict {
 	case i < 0:
 		return ByKey
 	}
-	if keyAll || e.Offset < l.Streams[i].First || l.tainted(i, e) {
+	if keyAll || e.Keyed || e.Offset < l.Streams[i].First || l.tainted(i, e) {
 		return ByKey // before its first record observed (a stream forgotten and registered again): no read back covers it
 	}
 	return Apply
