@@ -44,11 +44,16 @@ type BouncerOptions struct {
 	// Settings are further [pgbouncer] settings; they override the rig's, which include
 	// server_login_retry = 1 (PgBouncer's default, 15 s, would stall a failover test).
 	Settings map[string]string
+	// Password, if set, is user postgres's password on the backend: PgBouncer logs in to it
+	// with it, and asks every client for it too (scram-sha-256; else, with a backend that asks
+	// for none, trust). URL carries it.
+	Password string
 }
 
 // Bouncer is a PgBouncer in front of one Postgres server, run in the foreground as a child
 // process of this one (as the postgres user when this process is root), with trust
-// authentication for user postgres and an admin console (database "pgbouncer") for it.
+// authentication for user postgres (or its Password) and an admin console (database
+// "pgbouncer") for it.
 // Its methods may be called from any goroutine.
 type Bouncer struct {
 	acct    *account
@@ -140,8 +145,13 @@ func StartBouncer(ctx context.Context, o BouncerOptions) (*Bouncer, error) {
 	}
 	ctx, cancel := withDefaultTimeout(ctx)
 	defer cancel()
-	// PgBouncer's trust still wants the user in auth_file; the password is not checked.
-	if err := acct.writeFile(filepath.Join(dir, "userlist.txt"), []byte(`"postgres" ""`+"\n"), 0o600); err != nil {
+	// PgBouncer's trust still wants the user in auth_file; the password is not checked of
+	// clients then, only given to the backend.
+	if strings.ContainsAny(o.Password, `"\`+"\n") {
+		b.Close()
+		return nil, b.errorf("configure", errors.New("the password has a quote, a backslash or a newline, which auth_file cannot hold as written"))
+	}
+	if err := acct.writeFile(filepath.Join(dir, "userlist.txt"), []byte(`"postgres" "`+o.Password+`"`+"\n"), 0o600); err != nil {
 		b.Close()
 		return nil, b.errorf("configure", err)
 	}
@@ -232,6 +242,9 @@ func (b *Bouncer) writeIni() error {
 		"max_client_conn":    strconv.Itoa(b.opts.MaxClientConn),
 		"server_login_retry": "1",
 	}
+	if b.opts.Password != "" {
+		set["auth_type"] = "scram-sha-256"
+	}
 	if len(b.opts.IgnoreStartupParameters) > 0 {
 		set["ignore_startup_parameters"] = strings.Join(b.opts.IgnoreStartupParameters, ",")
 	}
@@ -257,7 +270,11 @@ func (b *Bouncer) LogPath() string { return b.logPath }
 // URL is a connection URL for database db through the bouncer, as user postgres:
 // postgres://postgres@127.0.0.1:PORT/db?sslmode=disable.
 func (b *Bouncer) URL(db string) string {
-	u := url.URL{Scheme: "postgres", User: url.User("postgres"), Host: b.Addr(), Path: "/" + db, RawQuery: "sslmode=disable"}
+	user := url.User("postgres")
+	if b.opts.Password != "" {
+		user = url.UserPassword("postgres", b.opts.Password)
+	}
+	u := url.URL{Scheme: "postgres", User: user, Host: b.Addr(), Path: "/" + db, RawQuery: "sslmode=disable"}
 	return u.String()
 }
 

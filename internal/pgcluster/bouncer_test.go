@@ -377,3 +377,29 @@ func TestBouncerAdminConsole(t *testing.T) {
 		t.Logf("note: the facts in doc.go were checked with PgBouncer 1.18.0; this is %s", version)
 	}
 }
+
+// TestBouncerWithAPassword: in front of a server that asks for a password, the bouncer logs in
+// to it with Password and asks every client for it too: no local user gets through it without
+// it (a trust bouncer would hand the backend's superuser to anyone). Its URL carries it, and its
+// admin console takes it.
+func TestBouncerWithAPassword(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pg := start(t, Options{Password: "s3cret-bouncer"})
+	b := startBouncer(t, BouncerOptions{Backend: pg.Addr(), Password: "s3cret-bouncer"})
+	var one int
+	if err := connect(t, b.URL("postgres")).QueryRow(ctx, "SELECT 1").Scan(&one); err != nil {
+		t.Fatalf("through the bouncer with its URL: %v", err)
+	}
+	without := fmt.Sprintf("postgres://postgres@%s/postgres?sslmode=disable&connect_timeout=5", b.Addr())
+	if conn, err := pgx.Connect(ctx, without); err == nil {
+		conn.Close(ctx)
+		t.Fatal("a client without the password got through the bouncer")
+	} else if !strings.Contains(err.Error(), "SASL auth") && !strings.Contains(err.Error(), "password") {
+		t.Errorf("a client without the password was refused, but not for the want of one: %v", err)
+	}
+	var version string
+	if err := connect(t, b.URL("pgbouncer")+"&default_query_exec_mode=simple_protocol").QueryRow(ctx, "SHOW VERSION").Scan(&version); err != nil {
+		t.Fatalf("the admin console with the password: %v", err)
+	}
+}

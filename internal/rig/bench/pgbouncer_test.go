@@ -46,8 +46,9 @@ func BenchmarkPgBouncer(b *testing.B) {
 			b.Fatal(err)
 		}
 		if bouncer == nil {
+			pw, _ := u.User.Password() // make bench's throwaway Postgres asks for one
 			if bouncer, err = pgcluster.StartBouncer(context.Background(), pgcluster.BouncerOptions{
-				Backend: u.Host, PoolMode: "transaction", DefaultPoolSize: poolConns + 2,
+				Backend: u.Host, PoolMode: "transaction", DefaultPoolSize: poolConns + 2, Password: pw,
 			}); err != nil {
 				b.Fatal(err)
 			}

@@ -130,9 +130,10 @@ func (s *suite) setupPostgres(ctx context.Context, dbURL string) error {
 		}
 		target := pgAddr
 		if d.mode == pgBouncer {
+			pw, _ := u.User.Password() // make chaos's throwaway Postgres asks for one
 			if d.bouncer, err = pgcluster.StartBouncer(ctx, pgcluster.BouncerOptions{
 				Dir: filepath.Join(s.work, "pgbouncer"), Backend: pgAddr, PoolMode: "transaction",
-				DefaultPoolSize: bouncerPool, MaxClientConn: 500,
+				DefaultPoolSize: bouncerPool, MaxClientConn: 500, Password: pw,
 			}); err != nil {
 				return err
 			}
