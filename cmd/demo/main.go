@@ -187,6 +187,7 @@ func run(events int, partitions int32, keep, stay bool, registryURL string) erro
 			if recs[i].Value, err = enc.encode(it); err != nil {
 				return err
 			}
+			items[i].Value = recs[i].Value // what the dead letters' checks match the DLQ against
 		}
 		handler = "ledger-avro"
 		format = fmt.Sprintf("Avro in the Schema Registry's wire format: schema id %d under subject %s at %s (HANDLER=ledger-avro decodes them before the handler; the malformed ones are not in the wire format)",

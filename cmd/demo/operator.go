@@ -93,7 +93,7 @@ func operator(ctx context.Context, bin string, env []string, pool *pgxpool.Pool,
 		return nil, err
 	}
 	recovered := map[string]bool{}
-	rows, err := pool.Query(ctx, `SELECT convert_from(value, 'UTF8') FROM dead_letters WHERE status = 'replayed'`)
+	rows, err := pool.Query(ctx, `SELECT value FROM dead_letters WHERE status = 'replayed'`) // bytes: Avro, or JSON
 	if err != nil {
 		return nil, err
 	}
@@ -102,15 +102,15 @@ func operator(ctx context.Context, bin string, env []string, pool *pgxpool.Pool,
 		byValue[string(it.Value)] = it
 	}
 	for rows.Next() {
-		var v string
+		var v []byte
 		if err := rows.Scan(&v); err != nil {
 			rows.Close()
 			return nil, err
 		}
-		it, ok := byValue[v]
+		it, ok := byValue[string(v)]
 		if !ok || it.Kind != ledger.KindFlaky {
 			rows.Close()
-			return nil, fmt.Errorf("a replay applied a record that must never apply: %.80s", v)
+			return nil, fmt.Errorf("a replay applied a record that must never apply: %.80q", v)
 		}
 		recovered[it.Event.EventID] = true
 	}
