@@ -119,6 +119,13 @@ func lostConnection(err error) bool {
 		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNREFUSED)
 }
 
+// IsOutage reports whether err, from a transaction of kafkapg's own statements (a migration, a
+// setup, a batch), is Postgres failing rather than an answer of its: an infrastructure error, or
+// the connection lost mid-statement (io.ErrUnexpectedEOF, a reset), which Classify calls
+// retryable because the statement was sent. Such a transaction was rolled back; trying it again
+// when Postgres answers is safe.
+func IsOutage(err error) bool { return ownOutage(err) }
+
 // ownOutage reports whether err, a failure of a transaction retried in place, is the
 // infrastructure's (counted as an outage, not as an internal error that fires the alert): an
 // infrastructure error, the connection failing under kafkapg's own statement, or the transaction

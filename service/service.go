@@ -603,7 +603,9 @@ func prepareDatabase(ctx context.Context, pool *pgxpool.Pool, adapt func(context
 		if ctx.Err() != nil {
 			return nil
 		}
-		if processor.Classify(err) != processor.ClassInfrastructure {
+		// Postgres failing, also under a statement sent (a cut mid-migration: its transaction
+		// rolled back), is waited out; an answer of Postgres's is not.
+		if !processor.IsOutage(err) {
 			return err
 		}
 		d := policy.Delay(failures)

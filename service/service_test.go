@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -284,6 +285,20 @@ func TestPrepareDatabaseWaitsThroughACutSetup(t *testing.T) {
 	}
 	if calls.Load() != 2 || !strings.Contains(logs.String(), "waiting for postgres") {
 		t.Errorf("Setup ran %d times, logs %q; want twice, waiting for postgres between", calls.Load(), logs.String())
+	}
+	// The connection lost under a statement sent (io.ErrUnexpectedEOF: CI's chain chaos run saw a
+	// restarted processor exit 1 with "migrate schema kafkapg_chaos: unexpected EOF" when a cut
+	// met its migration): Classify calls it retryable, as the statement was sent, but it is
+	// Postgres failing, and the transaction rolled back: waited out too.
+	var lost atomic.Int32
+	cutOnce := func(context.Context, *slog.Logger) error {
+		if lost.Add(1) == 1 {
+			return fmt.Errorf("migrate schema kafkapg: %w", io.ErrUnexpectedEOF)
+		}
+		return nil
+	}
+	if err := prepareDatabase(ctx, pool, cutOnce, "kafkapg", hs, []string{"cut"}, policy, log); err != nil {
+		t.Fatalf("a connection lost mid-statement: %v, want it tried again", err)
 	}
 	if err := prepareDatabase(ctx, pool, noPooler, "kafkapg", hs, []string{"wrong"}, policy, log); err == nil || !strings.Contains(err.Error(), "set up the tables of handler wrong") {
 		t.Errorf("a wrong statement in a Setup: %v, want the error", err)
