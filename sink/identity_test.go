@@ -2,6 +2,7 @@ package sink_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -50,30 +51,7 @@ func TestStreamsForkAtEveryStart(t *testing.T) {
 	emit := func() sink.Stream {
 		t.Helper()
 		offset++
-		var st sink.Stream
-		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			if err := out.Emit(ctx, tx, sink.Event{Topic: "events", Key: []byte("k"), ID: "e" + string(rune('a'+offset)),
-				Source: &sink.Source{Topic: "orders", Partition: 0, Offset: offset}}); err != nil {
-				return err
-			}
-			var keys, values [][]byte
-			if err := tx.QueryRow(ctx, `SELECT header_keys, header_values FROM kafkapg.outbox ORDER BY id DESC LIMIT 1`).Scan(&keys, &values); err != nil {
-				return err
-			}
-			var hs []kgo.RecordHeader
-			for i := range keys {
-				hs = append(hs, kgo.RecordHeader{Key: string(keys[i]), Value: values[i]})
-			}
-			var ok bool
-			if st, ok = sink.ParseStream(hs); !ok {
-				t.Fatalf("the event has no stream header: %v", hs)
-			}
-			return nil
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return st
+		return emitNumbered(t, ctx, pool, out, "e"+string(rune('a'+offset)), offset)
 	}
 	reconnect := func() {
 		t.Helper()
@@ -125,4 +103,34 @@ func TestStreamsForkAtEveryStart(t *testing.T) {
 	if after.Since.Before(three.Since) {
 		t.Errorf("the fork's Since %v is before its parent's own fork's (%v): what the copy lost was published after the copy", after.Since, three.Since)
 	}
+}
+
+// emitNumbered emits one event (id, from source offset orders[0]@offset) in a transaction of its
+// own, as any path does, and returns the stream header the outbox gave it.
+func emitNumbered(t *testing.T, ctx context.Context, pool *pgxpool.Pool, out *sink.Outbox, id string, offset int64) sink.Stream {
+	t.Helper()
+	var st sink.Stream
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if err := out.Emit(ctx, tx, sink.Event{Topic: "events", Key: []byte("k"), ID: id,
+			Source: &sink.Source{Topic: "orders", Partition: 0, Offset: offset}}); err != nil {
+			return err
+		}
+		var keys, values [][]byte
+		if err := tx.QueryRow(ctx, `SELECT header_keys, header_values FROM kafkapg.outbox ORDER BY id DESC LIMIT 1`).Scan(&keys, &values); err != nil {
+			return err
+		}
+		var hs []kgo.RecordHeader
+		for i := range keys {
+			hs = append(hs, kgo.RecordHeader{Key: string(keys[i]), Value: values[i]})
+		}
+		var ok bool
+		if st, ok = sink.ParseStream(hs); !ok {
+			return fmt.Errorf("the event has no stream header: %v", hs)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
 }

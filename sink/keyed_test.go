@@ -5,9 +5,6 @@ import (
 	"fmt"
 	"testing"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/twmb/franz-go/pkg/kgo"
-
 	"github.com/kafkapg/kafkapg/internal/rig/testenv"
 	"github.com/kafkapg/kafkapg/internal/schema"
 	"github.com/kafkapg/kafkapg/sink"
@@ -31,30 +28,7 @@ func TestEventsAreKeyedWhileTheReleaseBeforeMayHaveEmitted(t *testing.T) {
 	keyed := func() bool {
 		t.Helper()
 		offset++
-		var st sink.Stream
-		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			if err := out.Emit(ctx, tx, sink.Event{Topic: "events", Key: []byte("k"), ID: fmt.Sprint("e", offset),
-				Source: &sink.Source{Topic: "orders", Partition: 0, Offset: offset}}); err != nil {
-				return err
-			}
-			var keys, values [][]byte
-			if err := tx.QueryRow(ctx, `SELECT header_keys, header_values FROM kafkapg.outbox ORDER BY id DESC LIMIT 1`).Scan(&keys, &values); err != nil {
-				return err
-			}
-			var hs []kgo.RecordHeader
-			for i := range keys {
-				hs = append(hs, kgo.RecordHeader{Key: string(keys[i]), Value: values[i]})
-			}
-			var ok bool
-			if st, ok = sink.ParseStream(hs); !ok {
-				return fmt.Errorf("the event has no stream header: %v", hs)
-			}
-			return nil
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return st.Keyed
+		return emitNumbered(t, ctx, pool, out, fmt.Sprint("e", offset), offset).Keyed
 	}
 	exec := func(sql string) {
 		t.Helper()
