@@ -71,11 +71,20 @@ func (d *avroDecoder[T]) Decode(ctx context.Context, data []byte) (any, error) {
 		return nil, err
 	}
 	var v T
-	if err := avro.Unmarshal(schema.(avro.Schema), payload, &v); err != nil {
+	if err := avroAPI.Unmarshal(schema.(avro.Schema), payload, &v); err != nil {
 		return nil, &processor.DecodeError{SchemaID: id, Err: fmt.Errorf("the bytes do not decode with their Avro schema (id %d): %w", id, err)}
 	}
 	return v, nil
 }
+
+// MaxAvroArrayElements bounds the elements of one array a record's value decodes into: an
+// array's block header states its count, and the slice is made that long before a byte of it is
+// read, so a few bytes claiming 2^40 elements would take the process's memory (a poison record
+// killing the processor at each try). An honest value of a million elements is a megabyte at
+// least; past the bound the record is permanent, dead-lettered, saying so.
+const MaxAvroArrayElements = 1 << 20
+
+var avroAPI = avro.Config{MaxSliceAllocSize: MaxAvroArrayElements}.Freeze()
 
 // avroWriterKey is the key under which a Schema keeps its parsed Avro schema.
 type avroWriterKey struct{}

@@ -2,6 +2,7 @@ package schemaregistry_test
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -194,6 +195,32 @@ func TestTheRecordsFaultsArePermanent(t *testing.T) {
 		if got := processor.Classify(err); got != processor.ClassPermanent {
 			t.Errorf("%s: Classify = %v", tc.name, got)
 		}
+	}
+}
+
+// TestAHugeArrayCountIsPermanent: an Avro value whose array block header claims 2^40 elements
+// (a few bytes: a corrupt or hostile record) is a permanent decode error, not a slice of 2^40
+// longs made before the first element is read (the process's memory, at every try).
+func TestAHugeArrayCountIsPermanent(t *testing.T) {
+	ctx := context.Background()
+	r := newRegistry(t, testenv.SchemaRegistry(t))
+	const many = `{"type": "record", "name": "Many", "fields": [{"name": "items", "type": {"type": "array", "items": "long"}}]}`
+	id := register(t, r, "many", sr.Schema{Schema: many})
+	type manyT struct {
+		Items []int64 `avro:"items"`
+	}
+	dec, err := schemaregistry.Avro[manyT](r, many)
+	if err != nil {
+		t.Fatal(err)
+	}
+	count := binary.AppendUvarint(nil, uint64(1)<<41) // zigzag of 2^40
+	_, err = dec.Decode(ctx, wire(t, id, nil, append(count, 2, 0)))
+	if err == nil || processor.Classify(err) != processor.ClassPermanent || !strings.Contains(err.Error(), "MaxSliceAllocSize") {
+		t.Fatalf("an array claiming 2^40 elements: %v, want a permanent decode error", err)
+	}
+	ok := append(binary.AppendUvarint(nil, 4), 2, 4, 0) // two elements, 1 and 2, then the end
+	if got, err := dec.Decode(ctx, wire(t, id, nil, ok)); err != nil || len(got.(manyT).Items) != 2 {
+		t.Fatalf("two elements: %v, %v", got, err)
 	}
 }
 
