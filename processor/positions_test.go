@@ -259,7 +259,8 @@ func TestPausedPartitionIsNotStalled(t *testing.T) {
 		pause(h, 0)
 		time.Sleep(1500 * time.Millisecond) // the control loop reads it
 		close(release)
-		waitApplied(h, 0, 1, 30*time.Second)
+		// Offset 0's batch was in flight when the pause came: its advance may find the pause
+		// (then it waits, applied after the resume) or commit first. Nothing past it is applied.
 		deadline := time.Now().Add(8 * time.Second) // past StallTimeout and a stats round or more
 		for time.Now().Before(deadline) {
 			if n := r.Gauge("kafkapg_stalled_partitions"); n != 0 {
@@ -273,8 +274,8 @@ func TestPausedPartitionIsNotStalled(t *testing.T) {
 		if s := r.Gauge("kafkapg_partition_paused_seconds"); s < 5 {
 			t.Errorf("kafkapg_partition_paused_seconds = %v, want the pause's age (> 5)", s)
 		}
-		if got := applied(h, 0); !slices.Equal(got, []int64{0}) {
-			t.Fatalf("applied %v while paused, want [0]", got)
+		if got := applied(h, 0); len(got) > 1 || len(got) == 1 && got[0] != 0 {
+			t.Fatalf("applied %v while paused, want at most the record in flight, [0]", got)
 		}
 		resume(h, 0)
 		waitApplied(h, 0, 5, 30*time.Second)
